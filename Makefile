@@ -1,0 +1,31 @@
+# tfdist: set-up, demo, tests, benchmarks. Every target does the whole set-up from a fresh clone.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+# The main job: train the demo GPT on the default corpus (this Python's standard library), then sample.
+demo: $(STAMP)
+	$(BIN)/tfdist train --config=configs/gpt_demo.py --workdir=runs/demo --overwrite
+	$(BIN)/tfdist sample --model=runs/demo/model.keras --prompt='def ' --max_new_tokens=300
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m 'not slow'
+
+bench: $(STAMP)
+	$(BIN)/python tools/bench.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,22 @@
+"""`tfdist <command> [flags]`: train, sample."""
+import importlib
+import sys
+
+COMMANDS = {"train": "tfdist.train", "sample": "tfdist.sample"}
+USAGE = "usage: tfdist {train,sample} [--flags]   (tfdist <command> --help for its flags)"
+
+
+def main(argv=None):
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0 if len(argv) >= 2 else 2)
+    if argv[1] not in COMMANDS:
+        print(f"tfdist: error: unknown command '{argv[1]}'; {USAGE}", file=sys.stderr)
+        sys.exit(2)
+    module = importlib.import_module(COMMANDS[argv[1]])
+    module.run([f"tfdist {argv[1]}"] + argv[2:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Callbacks: step-exact BackupAndRestore, and the per-step training log (progress, TensorBoard,
+metrics.json, loss curve).
+
+Example:
+
+    import tfdist.callbacks as cb
+    backup = cb.BackupAndRestore("/tmp/run/backup", every_steps=50, total_steps=1000)
+    start = backup.restore(model)          # model and optimizer built; 0 if there is no backup
+    strategy.fit(model, data, epochs=10, steps_per_epoch=100, initial_step=start,
+                 callbacks=[backup, cb.TrainingLog("/tmp/run", tokens_per_step=32 * 256,
+                                                   initial_step=start)])
+"""
+import json
+import os
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import UsageError
+
+
+def write_json_atomic(path, obj):
+    """Writes JSON through a temporary file and a rename, so a kill never leaves half a file."""
+    tmp = path + ".tmp"
+    with tf.io.gfile.GFile(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def read_json(path):
+    with tf.io.gfile.GFile(path) as f:
+        return json.load(f)
+
+
+def model_signature(model):
+    """Shapes of the model's weights, in order: what a checkpoint must match to be restored."""
+    return [list(map(int, w.shape)) for w in model.weights]
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Step-exact backup of a training run, built on `tf.train.CheckpointManager`.
+
+    Keras 3's own `keras.callbacks.BackupAndRestore` restores only the epoch (the steps of the
+    interrupted epoch run again), not the data position, and lets workers race on a shared
+    directory. This one saves the model (including dropout RNG state), the optimizer, the global
+    step and the epoch every `every_steps` steps and at each epoch end. The data position is the
+    global step: tfdist's pipeline (`tfdist.data.Windows`) makes batch contents a function of the
+    step, so a resumed run reads exactly the batches that were not yet trained on.
+
+    * `restore(model)` (call before `fit`, once model and optimizer are built) returns the step to
+      resume at and refuses, with a `UsageError`, a backup written for a different model or data.
+    * A kill during a save leaves the previous checkpoint usable: TF writes the new files first and
+      then atomically replaces the `checkpoint` index that names the latest one.
+    * After the run reaches `total_steps` the backup is removed (unless `delete_on_success=False`).
+    * Multi-worker: every worker calls `save` (synchronous strategies need all of them to take
+      part); only the chief writes into `backup_dir`, the others write into a private temporary
+      directory that is removed right after.
+    """
+
+    def __init__(self, backup_dir, *, every_steps=0, total_steps=None, keep=2,
+                 delete_on_success=True, signature=None, is_chief=True, worker_index=0):
+        super().__init__()
+        self.backup_dir, self.every_steps, self.total_steps = backup_dir, every_steps, total_steps
+        self.keep, self.delete_on_success = keep, delete_on_success
+        self.signature = signature or {}  # extra facts that must match (model config, data ...)
+        self.is_chief, self.worker_index = is_chief, worker_index
+        self.step = None  # tf.Variable, created with the checkpoint
+        self._ckpt = self._manager = None
+        self._last_saved = -1
+
+    @property
+    def _write_dir(self):
+        if self.is_chief:
+            return self.backup_dir
+        return os.path.join(self.backup_dir, f".tmp-worker-{self.worker_index}")
+
+    @property
+    def _meta_path(self):
+        return os.path.join(self.backup_dir, "backup.json")
+
+    def _metadata(self, model):
+        return {"format": 1, "weights": model_signature(model), **self.signature}
+
+    def _make_checkpoint(self, model):
+        with tf.init_scope():
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_step")
+            self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_epoch")
+        # Dropout's RNG state lives in Keras SeedGenerators, which tf.train.Checkpoint does not
+        # track through the model; list every model variable explicitly so they are saved too.
+        self._ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=self.step,
+                                         epoch=self.epoch, rng=[v.value for v in model.variables
+                                                                if "seed_generator" in v.path])
+
+    def restore(self, model):
+        """Restores the latest backup into `model` (built, compiled). Returns the step to resume at."""
+        if self._ckpt is None:
+            self._make_checkpoint(model)
+        latest = tf.train.latest_checkpoint(self.backup_dir)
+        if latest is None:
+            return 0
+        if tf.io.gfile.exists(self._meta_path):
+            saved, now = read_json(self._meta_path), self._metadata(model)
+            for key in sorted(set(saved) | set(now)):
+                if saved.get(key) != now.get(key):
+                    raise UsageError(
+                        f"backup in {self.backup_dir} was written for a different {key} "
+                        f"({_diff(saved.get(key), now.get(key))}); use another --workdir or "
+                        f"backup dir, or remove that backup to start over")
+        try:
+            self._ckpt.restore(latest).assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as e:
+            raise UsageError(f"backup {latest} does not match this model "
+                             f"({str(e).splitlines()[0][:150]}); use another backup dir") from None
+        self._last_saved = int(self.step.numpy())
+        return self._last_saved
+
+    def save(self):
+        """Saves now (every worker must call this under a synchronous multi-worker strategy)."""
+        step = int(self.step.numpy())
+        if step == self._last_saved:
+            return
+        if self._manager is None:
+            self._manager = tf.train.CheckpointManager(self._ckpt, self._write_dir,
+                                                       max_to_keep=self.keep)
+        if self.is_chief and not tf.io.gfile.exists(self._meta_path):
+            tf.io.gfile.makedirs(self.backup_dir)
+            write_json_atomic(self._meta_path, self._metadata(self.model))
+        self._manager.save(checkpoint_number=step)
+        if not self.is_chief:
+            tf.io.gfile.rmtree(self._write_dir)
+            self._manager = None
+        self._last_saved = step
+
+    def set_model(self, model):
+        super().set_model(model)
+        if self._ckpt is None:
+            self._make_checkpoint(model)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step.assign_add(1)
+        if self.every_steps and int(self.step.numpy()) % self.every_steps == 0:
+            self.save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch.assign(epoch + 1)
+        self.save()
+
+    def on_train_end(self, logs=None):
+        done = self.total_steps is not None and int(self.step.numpy()) >= self.total_steps
+        if done and self.delete_on_success and self.is_chief and tf.io.gfile.exists(self.backup_dir):
+            tf.io.gfile.rmtree(self.backup_dir)
+
+
+def _diff(saved, now):
+    if isinstance(saved, dict) and isinstance(now, dict):
+        keys = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        return "; ".join(f"{k}: backup {saved.get(k)!r}, now {now.get(k)!r}" for k in keys[:3])
+    if isinstance(saved, list) and isinstance(now, list):
+        return f"{len(saved)} weights in the backup, {len(now)} now, or other shapes"
+    return f"backup {saved!r}, now {now!r}"
+
+
+class TrainingLog(keras.callbacks.Callback):
+    """Per-step loss, learning rate and tokens/s: on the progress bar, in TensorBoard and in
+    `metrics.json`; a loss-curve PNG at the end. Files are written by the chief only.
+
+    Keras reports a running mean of the loss over the epoch; this callback resets the metrics
+    before each step so that every logged value (and the progress bar) is that step's own loss.
+    Keras's TensorBoard callback numbers its steps from 0 at every `fit` call, which is wrong after
+    a resume, so summaries are written here against the global step.
+    """
+
+    def __init__(self, workdir, *, tokens_per_step, initial_step=0, total_steps=None,
+                 is_chief=True, log_every_steps=1, tensorboard=True, plot=True):
+        super().__init__()
+        self.workdir, self.tokens_per_step = workdir, tokens_per_step
+        self.step, self.total_steps, self.is_chief = initial_step, total_steps, is_chief
+        self.log_every_steps, self.plot = log_every_steps, plot
+        self.metrics_path = os.path.join(workdir, "metrics.json")
+        self.history = {"steps": [], "evals": []}
+        if is_chief and initial_step and tf.io.gfile.exists(self.metrics_path):
+            old = read_json(self.metrics_path)  # keep what was logged up to the restored step
+            self.history["steps"] = [r for r in old.get("steps", []) if r["step"] <= initial_step]
+            self.history["evals"] = [r for r in old.get("evals", []) if r["step"] <= initial_step]
+        self._writer = (tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
+                        if is_chief and tensorboard else None)
+        self._t0 = None
+
+    @property
+    def losses(self):
+        return [r["loss"] for r in self.history["steps"]]
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model.reset_metrics()
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        dt = time.perf_counter() - self._t0
+        self.step += 1
+        logs = logs if logs is not None else {}
+        lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        record = {"step": self.step, "loss": float(logs.get("loss", np.nan)), "lr": lr,
+                  "step_time": dt, "tokens_per_sec": self.tokens_per_step / dt}
+        logs["tok/s"] = round(record["tokens_per_sec"])  # shown by Keras's progress bar
+        self.history["steps"].append(record)
+        if self._writer and self.step % self.log_every_steps == 0:
+            with self._writer.as_default(step=self.step):
+                for k in ("loss", "lr", "tokens_per_sec"):
+                    tf.summary.scalar("train/" + k, record[k])
+
+    def on_epoch_end(self, epoch, logs=None):
+        evals = {k[4:]: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
+        if evals:
+            self.history["evals"].append({"step": self.step, "epoch": epoch + 1, **evals})
+            if self._writer:
+                with self._writer.as_default(step=self.step):
+                    for k, v in evals.items():
+                        tf.summary.scalar("val/" + k, v)
+        self._flush()
+
+    def on_train_end(self, logs=None):
+        self._flush()
+        if self.plot and self.is_chief and (self.total_steps is None or self.step >= self.total_steps):
+            plot_losses(self.history, os.path.join(self.workdir, "loss.png"))
+
+    def steady_tokens_per_sec(self, warmup=3):
+        """Median tokens/s over the steps after the first `warmup` ones."""
+        rates = [r["tokens_per_sec"] for r in self.history["steps"][warmup:]]
+        return float(np.median(rates)) if rates else float("nan")
+
+    def _flush(self):
+        if self.is_chief:
+            tf.io.gfile.makedirs(self.workdir)
+            write_json_atomic(self.metrics_path, self.history)
+        if self._writer:
+            self._writer.flush()
+
+
+def plot_losses(history, path):
+    """Train loss per step and validation loss per evaluation, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    steps = history["steps"]
+    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, label="train loss")
+    evals = [e for e in history["evals"] if "loss" in e]
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with tf.io.gfile.GFile(path, "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)

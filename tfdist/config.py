@@ -1,0 +1,162 @@
+"""The one config object of a tfdist run, and its validation.
+
+Every config file in `configs/` starts from `default_config()` and changes what it needs. Every bad
+value, from a file or from a command-line override (`--config.model.n_layer=4`), is rejected by
+`validate()` with one line naming the key and what to do.
+
+Example:
+
+    from tfdist import config
+    c = config.default_config()
+    c.model.n_layer = 4
+    config.validate(c)
+"""
+import ml_collections
+
+from tfdist.errors import UsageError
+
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+CROSS_DEVICE_OPS = ("auto", "ring", "reduce_to_one", "hierarchical")
+
+
+def default_config():
+    c = ml_collections.ConfigDict()
+    c.seed = 1337
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 256  # byte-level tokenizer; larger values leave unused rows
+    c.model.block_size = 64  # context length
+    c.model.n_layer = 2
+    c.model.n_head = 2
+    c.model.n_embd = 64
+    c.model.dropout = 0.0
+    c.model.bias = True
+
+    c.data = ml_collections.ConfigDict()
+    # "stdlib" (this Python's standard-library source), a comma-separated list of text files or
+    # directories, or "tfds:<name>[/<config>]" for a TFDS dataset already prepared in data_dir.
+    c.data.source = "stdlib"
+    c.data.data_dir = ""  # TFDS data_dir; "" means ~/tensorflow_datasets
+    c.data.text_key = "text"  # feature holding the text in a TFDS dataset
+    c.data.val_fraction = 0.05  # tail of the corpus kept for validation (if no validation split)
+
+    c.train = ml_collections.ConfigDict()
+    c.train.batch_size = 32  # global batch, split across replicas
+    c.train.steps = 200  # total optimizer steps (batches)
+    c.train.steps_per_epoch = 100  # validation and a backup at each epoch end
+    c.train.learning_rate = 1e-3
+    c.train.min_learning_rate = 1e-4
+    c.train.warmup_steps = 20
+    c.train.weight_decay = 0.1
+    c.train.beta1 = 0.9
+    c.train.beta2 = 0.95
+    c.train.grad_clip = 1.0  # global norm; 0 disables
+    c.train.grad_accum_steps = 1
+    c.train.precision = "float32"
+    c.train.jit_compile = False
+    c.train.eval_steps = 10  # validation batches per evaluation
+    c.train.deterministic = False  # tf.config.experimental.enable_op_determinism()
+    c.train.log_every_steps = 1
+
+    c.strategy = ml_collections.ConfigDict()
+    c.strategy.name = "single"
+    c.strategy.devices = 0  # mirrored on CPU: split the CPU into N logical devices (0 = as found)
+    c.strategy.cross_device_ops = "auto"
+
+    c.backup = ml_collections.ConfigDict()
+    c.backup.enabled = True
+    c.backup.dir = ""  # "" means <workdir>/backup
+    c.backup.every_steps = 50
+    c.backup.keep = 2
+    c.backup.delete_on_success = True
+
+    c.sample = ml_collections.ConfigDict()
+    c.sample.prompt = "def "
+    c.sample.max_new_tokens = 200
+    c.sample.temperature = 0.8
+    c.sample.top_k = 40
+    return c
+
+
+def _positive_int(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+# key -> (check, what a valid value is)
+_RULES = {
+    "seed": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "model.vocab_size": (lambda v: _positive_int(v) and v >= 256, "an integer >= 256 (byte tokenizer)"),
+    "model.block_size": (_positive_int, "an integer > 0"),
+    "model.n_layer": (_positive_int, "an integer > 0"),
+    "model.n_head": (_positive_int, "an integer > 0"),
+    "model.n_embd": (_positive_int, "an integer > 0"),
+    "model.dropout": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    "data.source": (lambda v: bool(v.strip()), "'stdlib', paths, or 'tfds:<name>'"),
+    "data.val_fraction": (lambda v: 0.0 < v < 0.5, "a number in (0, 0.5)"),
+    "train.batch_size": (_positive_int, "an integer > 0"),
+    "train.steps": (_positive_int, "an integer > 0"),
+    "train.steps_per_epoch": (_positive_int, "an integer > 0"),
+    "train.learning_rate": (lambda v: v > 0, "a number > 0"),
+    "train.min_learning_rate": (lambda v: v >= 0, "a number >= 0"),
+    "train.warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "train.weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "train.beta1": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "train.beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "train.grad_clip": (lambda v: v >= 0, "a number >= 0 (0 disables clipping)"),
+    "train.grad_accum_steps": (_positive_int, "an integer > 0"),
+    "train.precision": (lambda v: v in PRECISIONS, "one of " + ", ".join(PRECISIONS)),
+    "train.eval_steps": (_positive_int, "an integer > 0"),
+    "train.log_every_steps": (_positive_int, "an integer > 0"),
+    "strategy.name": (lambda v: bool(v), "a strategy name"),
+    "strategy.devices": (lambda v: isinstance(v, int) and 0 <= v <= 64, "an integer in [0, 64]"),
+    "strategy.cross_device_ops": (lambda v: v in CROSS_DEVICE_OPS, "one of " + ", ".join(CROSS_DEVICE_OPS)),
+    "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
+    "backup.keep": (_positive_int, "an integer > 0"),
+    "sample.max_new_tokens": (_positive_int, "an integer > 0"),
+    "sample.temperature": (lambda v: v > 0, "a number > 0"),
+    "sample.top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: no top-k)"),
+}
+
+
+def _walk(reference, given, prefix=""):
+    """Reject keys the default config does not have and values of the wrong type."""
+    for key in given.keys():
+        path = prefix + key
+        if key not in reference:
+            known = ", ".join(sorted(reference.keys()))
+            raise UsageError(f"unknown config key '{path}' (known keys here: {known})")
+        ref, val = reference[key], given[key]
+        if isinstance(ref, ml_collections.ConfigDict):
+            if not isinstance(val, (ml_collections.ConfigDict, dict)):
+                raise UsageError(f"config key '{path}' must be a section, got {val!r}")
+            _walk(ref, ml_collections.ConfigDict(val) if isinstance(val, dict) else val, path + ".")
+            continue
+        ok_types = (int, float) if isinstance(ref, float) else (type(ref),)
+        if isinstance(val, bool) != isinstance(ref, bool) or not isinstance(val, ok_types):
+            raise UsageError(
+                f"config key '{path}' must be {type(ref).__name__}, got {val!r} ({type(val).__name__})")
+
+
+def validate(c):
+    """Checks `c` against the schema of `default_config()`; raises UsageError on the first problem."""
+    _walk(default_config(), c)
+    for path, (check, what) in _RULES.items():
+        section, _, key = path.rpartition(".")
+        value = c[section][key] if section else c[key]
+        try:
+            ok = check(value)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise UsageError(f"config key '{path}' must be {what}, got {value!r}")
+    m, t = c.model, c.train
+    if m.n_embd % m.n_head:
+        raise UsageError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    if t.min_learning_rate > t.learning_rate:
+        raise UsageError("train.min_learning_rate must not exceed train.learning_rate")
+    if t.warmup_steps >= t.steps:
+        raise UsageError(f"train.warmup_steps ({t.warmup_steps}) must be less than train.steps ({t.steps})")
+    if t.steps % t.steps_per_epoch:
+        raise UsageError(f"train.steps ({t.steps}) must be a multiple of train.steps_per_epoch "
+                         f"({t.steps_per_epoch})")
+    return c

@@ -1,0 +1,83 @@
+"""tf.data pipeline of fixed-length windows: deterministic, sharded per replica, resumable.
+
+Batch contents are a pure function of (seed, step): the start offsets of global step `s` are
+`stateless_uniform([global_batch], seed=(seed, s))`. So
+
+* the same seed gives the same batches on any number of replicas (single vs mirrored compare
+  step for step);
+* resuming at step `s` starts the range at `s`: no earlier batch is read or replayed;
+* each replica takes its own rows of the global batch, chosen through `tf.distribute.InputContext`
+  (global replica id = input pipeline id * replicas per pipeline + local index), so one global
+  step's examples across all replicas are exactly the global batch, without duplicates.
+
+Example:
+
+    import numpy as np
+    from tfdist.data.pipeline import Windows
+    w = Windows(np.frombuffer(b"hello world " * 100, np.uint8), block_size=8, global_batch=4, seed=0)
+    x, y = next(iter(w.dataset_fn(start_step=0, num_steps=10)(None)))   # (4, 8) each; y is x shifted
+"""
+import numpy as np
+import tensorflow as tf
+
+
+class Windows:
+    """Random windows of `block_size + 1` bytes from one token stream."""
+
+    def __init__(self, tokens, block_size, global_batch, seed):
+        tokens = np.asarray(tokens, dtype=np.uint8)
+        if len(tokens) < block_size + 2:
+            raise ValueError(f"corpus of {len(tokens)} tokens is shorter than one window of "
+                             f"{block_size + 1}; use more text or a smaller model.block_size")
+        self.tokens, self.block_size = tokens, block_size
+        self.global_batch, self.seed = global_batch, seed
+
+    def offsets(self, step):
+        """Start offsets (int64, global_batch) of the windows of global step `step`."""
+        return tf.random.stateless_uniform(
+            [self.global_batch], seed=tf.stack([tf.cast(self.seed, tf.int64),
+                                                tf.cast(step, tf.int64)]),
+            minval=0, maxval=len(self.tokens) - self.block_size - 1, dtype=tf.int64)
+
+    def dataset_fn(self, start_step, num_steps, repeat=False):
+        """Returns `fn(input_context) -> tf.data.Dataset` of per-replica (x, y) batches.
+
+        Steps `start_step .. start_step + num_steps - 1`. With `input_context=None` the dataset yields
+        whole global batches (one replica). With `repeat=True` the same steps cycle forever (fixed
+        validation batches).
+        """
+        T = self.block_size
+        span = tf.range(T + 1, dtype=tf.int64)
+
+        def fn(input_context=None):
+            if input_context is None:
+                replicas, pipelines, pipeline_id = 1, 1, 0
+            else:
+                replicas = input_context.num_replicas_in_sync
+                pipelines = input_context.num_input_pipelines
+                pipeline_id = input_context.input_pipeline_id
+            if self.global_batch % replicas:
+                raise ValueError(f"global batch {self.global_batch} is not divisible by "
+                                 f"{replicas} replicas")
+            local = replicas // pipelines  # replicas fed by this input pipeline
+            b = self.global_batch // replicas
+            data = tf.constant(self.tokens)
+
+            def element(k):  # k-th element of this pipeline: (step, local replica)
+                step = start_step + k // local
+                replica = pipeline_id * local + k % local
+                rows = self.offsets(step)[replica * b:(replica + 1) * b]
+                w = tf.cast(tf.gather(data, rows[:, None] + span[None, :]), tf.int32)
+                return w[:, :-1], w[:, 1:]
+
+            ds = tf.data.Dataset.range(num_steps * local)
+            if repeat:
+                ds = ds.repeat()
+            opts = tf.data.Options()
+            opts.deterministic = True
+            # Sharding is done above, per replica; TF must not shard again.
+            opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+            return (ds.map(element, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                    .prefetch(tf.data.AUTOTUNE).with_options(opts))
+
+        return fn

@@ -1,0 +1,179 @@
+"""A decoder-only transformer (GPT-2 shape) in Keras 3. No strategy-specific code lives here.
+
+Token + position embeddings, pre-LayerNorm blocks of causal self-attention and MLP, a final
+LayerNorm and an output head tied to the token embedding. Initialisation follows GPT-2 / nanoGPT.
+
+Example:
+
+    import numpy as np
+    from tfdist.models.gpt import GPT
+    model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    logits = model(np.zeros((1, 8), "int32"))            # (1, 8, 256)
+    tokens = model.generate(np.array([[104, 105]]), max_new_tokens=5, top_k=10, seed=0)
+"""
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+
+def _dense(units, std, bias, name):
+    return keras.layers.Dense(units, use_bias=bias, name=name,
+                              kernel_initializer=keras.initializers.RandomNormal(stddev=std))
+
+
+@keras.saving.register_keras_serializable("tfdist")
+class CausalSelfAttention(keras.layers.Layer):
+    """Multi-head self-attention where position t sees only positions <= t."""
+
+    def __init__(self, n_embd, n_head, n_layer, dropout=0.0, bias=True, **kwargs):
+        super().__init__(**kwargs)
+        self.n_embd, self.n_head, self.n_layer = n_embd, n_head, n_layer
+        self.dropout, self.bias = dropout, bias
+        self.c_attn = _dense(3 * n_embd, 0.02, bias, "c_attn")
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer).
+        self.c_proj = _dense(n_embd, 0.02 / math.sqrt(2 * n_layer), bias, "c_proj")
+        self.attn_dropout = keras.layers.Dropout(dropout)
+        self.resid_dropout = keras.layers.Dropout(dropout)
+
+    def call(self, x, training=False):
+        B, T = ops.shape(x)[0], ops.shape(x)[1]
+        hd = self.n_embd // self.n_head
+        qkv = self.c_attn(x)
+        q, k, v = ops.split(qkv, 3, axis=-1)
+        # (B, T, C) -> (B, H, T, hd)
+        q, k, v = (ops.transpose(ops.reshape(t, (B, T, self.n_head, hd)), (0, 2, 1, 3))
+                   for t in (q, k, v))
+        att = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) * (1.0 / math.sqrt(hd))
+        causal = ops.tril(ops.ones((T, T), dtype="bool"))
+        att = ops.cast(att, "float32")  # softmax in float32 also under mixed precision
+        att = ops.where(causal, att, ops.full_like(att, -1e9))
+        att = ops.cast(ops.softmax(att, axis=-1), v.dtype)
+        att = self.attn_dropout(att, training=training)
+        y = ops.matmul(att, v)
+        y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, self.n_embd))
+        return self.resid_dropout(self.c_proj(y), training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "n_embd": self.n_embd, "n_head": self.n_head,
+                "n_layer": self.n_layer, "dropout": self.dropout, "bias": self.bias}
+
+
+@keras.saving.register_keras_serializable("tfdist")
+class Block(keras.layers.Layer):
+    """x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, n_embd, n_head, n_layer, dropout=0.0, bias=True, **kwargs):
+        super().__init__(**kwargs)
+        self.n_embd, self.n_head, self.n_layer = n_embd, n_head, n_layer
+        self.dropout, self.bias = dropout, bias
+        self.ln_1 = keras.layers.LayerNormalization(epsilon=1e-5, center=bias, name="ln_1")
+        self.attn = CausalSelfAttention(n_embd, n_head, n_layer, dropout, bias, name="attn")
+        self.ln_2 = keras.layers.LayerNormalization(epsilon=1e-5, center=bias, name="ln_2")
+        self.c_fc = _dense(4 * n_embd, 0.02, bias, "c_fc")
+        self.c_proj = _dense(n_embd, 0.02 / math.sqrt(2 * n_layer), bias, "mlp_c_proj")
+        self.mlp_dropout = keras.layers.Dropout(dropout)
+
+    def call(self, x, training=False):
+        x = x + self.attn(self.ln_1(x), training=training)
+        h = keras.activations.gelu(self.c_fc(self.ln_2(x)), approximate=True)
+        return x + self.mlp_dropout(self.c_proj(h), training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "n_embd": self.n_embd, "n_head": self.n_head,
+                "n_layer": self.n_layer, "dropout": self.dropout, "bias": self.bias}
+
+
+@keras.saving.register_keras_serializable("tfdist")
+class GPT(keras.Model):
+    """GPT language model: int token ids (B, T) -> logits (B, T, vocab_size)."""
+
+    def __init__(self, vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64,
+                 dropout=0.0, bias=True, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
+        self.dropout, self.bias = dropout, bias
+        init = keras.initializers.RandomNormal(stddev=0.02)
+        self.wte = keras.layers.Embedding(vocab_size, n_embd, embeddings_initializer=init, name="wte")
+        self.wpe = keras.layers.Embedding(block_size, n_embd, embeddings_initializer=init, name="wpe")
+        self.drop = keras.layers.Dropout(dropout)
+        self.blocks = [Block(n_embd, n_head, n_layer, dropout, bias, name=f"h_{i}")
+                       for i in range(n_layer)]
+        self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, center=bias, name="ln_f")
+
+    @classmethod
+    def from_model_config(cls, model_config, **kwargs):
+        """Builds from the `model` section of a tfdist config."""
+        return cls(**{k: model_config[k] for k in
+                      ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")},
+                   **kwargs)
+
+    def build(self, input_shape=None):
+        # Build every weight now (with a block_size-long dummy) so that checkpoints can be restored
+        # before the first step and parameters can be counted without data.
+        if self.built:
+            return
+        self.built = True  # set first: the call below must not come back here
+        self(ops.zeros((1, self.block_size), dtype="int32"))
+
+    def call(self, idx, training=False):
+        T = ops.shape(idx)[1]
+        pos = ops.arange(T, dtype="int32")
+        x = self.drop(self.wte(idx) + self.wpe(pos)[None], training=training)
+        for block in self.blocks:
+            x = block(x, training=training)
+        x = self.ln_f(x)
+        # Tied head: logits = x @ wte^T, in float32 also under mixed precision.
+        return ops.matmul(ops.cast(x, "float32"),
+                          ops.transpose(ops.cast(self.wte.embeddings, "float32")))
+
+    def get_config(self):
+        return {**super().get_config(), "vocab_size": self.vocab_size,
+                "block_size": self.block_size, "n_layer": self.n_layer, "n_head": self.n_head,
+                "n_embd": self.n_embd, "dropout": self.dropout, "bias": self.bias}
+
+    def num_params(self, non_embedding=False):
+        """Parameter count; the tied head is counted once. non_embedding drops position embeddings."""
+        n = sum(int(np.prod(w.shape)) for w in self.trainable_weights)
+        return n - self.block_size * self.n_embd if non_embedding else n
+
+    def flops_per_token(self, seq_len=None):
+        """Training FLOPs per token (forward + backward), nanoGPT / PaLM: 6N + 12 L H Q T."""
+        T = seq_len or self.block_size
+        return 6 * self.num_params(non_embedding=True) + 12 * self.n_layer * self.n_embd * T
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None):
+        """Samples `max_new_tokens` after the prompt `idx` (int array (B, T) or (T,)).
+
+        temperature scales the logits; top_k keeps only the k most likely tokens (None/0: all).
+        Returns a numpy int32 array (B, T + max_new_tokens).
+        """
+        idx = np.asarray(idx, dtype="int32")
+        if idx.ndim == 1:
+            idx = idx[None]
+        if idx.shape[1] == 0:
+            raise ValueError("generate() needs a prompt of at least one token")
+        rng = tf.random.Generator.from_seed(0 if seed is None else seed)
+
+        @tf.function(reduce_retracing=True)
+        def next_logits(ctx):
+            return self(ctx, training=False)[:, -1, :]
+
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.block_size:]
+            logits = next_logits(tf.constant(ctx)) / temperature
+            if top_k:
+                kth = tf.math.top_k(logits, k=min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = tf.where(logits < kth, tf.fill(tf.shape(logits), -np.inf), logits)
+            nxt = tf.random.stateless_categorical(logits, 1, seed=rng.make_seeds(1)[:, 0],
+                                                  dtype=tf.int32)
+            idx = np.concatenate([idx, nxt.numpy()], axis=1)
+        return idx
+
+
+def loss_fn():
+    """Next-token cross entropy (nats per token) on logits."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -1,0 +1,127 @@
+"""The protocol every strategy plugin implements. Small on purpose.
+
+A plugin wraps one `tf.distribute.Strategy` and answers five things:
+
+* `scope()`: create the model, its variables and the optimizer under it;
+* `num_replicas`, `is_chief`, `worker_index`, `num_workers`: batch sizing, logging and who writes
+  checkpoints;
+* `distribute(dataset_fn)`: per-replica input through `tf.distribute.InputContext`;
+* `wrap_optimizer(optimizer)` and `callbacks()`: what the strategy adds to training (identity and
+  nothing here; e.g. Horovod wraps the optimizer and broadcasts initial state);
+* `fit(model, data, ...)`: Keras `model.fit`, in segments so that training can resume at any step.
+  A plugin overrides it only when its strategy cannot use Keras `fit` (parameter server).
+
+Example (any registered strategy; see `tfdist.strategies.names()`):
+
+    import keras, tensorflow as tf, tfdist.strategies
+    strategy = tfdist.strategies.get("single")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    ds = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat()
+    strategy.fit(model, ds, epochs=2, steps_per_epoch=5, verbose=0)
+"""
+import tensorflow as tf
+
+from tfdist.errors import UsageError
+
+
+def configure_logical_cpus(n):
+    """Splits the host CPU into `n` logical devices (before TensorFlow initialises its runtime)."""
+    cpus = tf.config.list_physical_devices("CPU")
+    current = tf.config.get_logical_device_configuration(cpus[0])
+    if current is not None and len(current) == n:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+    except RuntimeError:
+        raise UsageError(f"cannot split the CPU into {n} logical devices: TensorFlow is already "
+                         f"initialised in this process; create the strategy before any TF op") from None
+
+
+class Strategy:
+    """Base plugin: one replica on the default device. Subclasses set `self.tf_strategy`."""
+
+    name = "base"
+    #: Keras `jit_compile=True` works under this strategy (it does not under Mirrored on TF 2.21).
+    supports_jit_compile = True
+
+    def __init__(self, tf_strategy=None, **unused_options):
+        self.tf_strategy = tf_strategy or tf.distribute.get_strategy()
+
+    # -- who am I ------------------------------------------------------------------------------
+    @property
+    def num_replicas(self):
+        return self.tf_strategy.num_replicas_in_sync
+
+    @property
+    def is_chief(self):
+        return True
+
+    @property
+    def worker_index(self):
+        return 0
+
+    @property
+    def num_workers(self):
+        return 1
+
+    def describe(self):
+        devices = getattr(self.tf_strategy.extended, "worker_devices", ())
+        return f"{self.name}: {self.num_replicas} replica(s) on {', '.join(devices) or 'default device'}"
+
+    # -- what it adds --------------------------------------------------------------------------
+    def scope(self):
+        return self.tf_strategy.scope()
+
+    def distribute(self, dataset_fn):
+        """Per-replica datasets from `dataset_fn(input_context)`."""
+        return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
+
+    def wrap_optimizer(self, optimizer):
+        return optimizer
+
+    def callbacks(self):
+        return []
+
+    # -- training ------------------------------------------------------------------------------
+    def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
+            validation_data=None, validation_steps=None, verbose="auto"):
+        """Trains `model` from global step `initial_step` to `epochs * steps_per_epoch`.
+
+        `data` is either what Keras `fit` accepts (a `tf.data.Dataset`; then `initial_step` must
+        fall on an epoch boundary, since tfdist cannot position a foreign dataset), or a callable
+        `data(start_step) -> dataset_fn(input_context)` such as `Windows.dataset_fn` bound with
+        `functools.partial`: then training resumes at any step without replaying a batch.
+        `validation_data` is a dataset or a `dataset_fn(input_context)`.
+
+        A resume in the middle of an epoch runs as two Keras `fit` calls: the rest of the
+        interrupted epoch, then the remaining whole epochs.
+        """
+        callbacks = list(callbacks or []) + self.callbacks()
+        if callable(validation_data) and not isinstance(validation_data, tf.data.Dataset):
+            validation_data = self.distribute(validation_data)
+        first_epoch, done_in_epoch = divmod(initial_step, steps_per_epoch or 1)
+        positionable = callable(data) and not isinstance(data, tf.data.Dataset)
+        if not positionable and done_in_epoch:
+            raise UsageError(f"cannot resume at step {initial_step} (mid-epoch) with a plain dataset; "
+                             f"pass a data(start_step) callable or resume at an epoch boundary")
+
+        def train_data(start):
+            return self.distribute(data(start)) if positionable else data
+
+        history = None
+        if done_in_epoch and first_epoch < epochs:  # finish the interrupted epoch
+            history = model.fit(train_data(initial_step), epochs=first_epoch + 1,
+                                initial_epoch=first_epoch,
+                                steps_per_epoch=steps_per_epoch - done_in_epoch,
+                                callbacks=callbacks, validation_data=validation_data,
+                                validation_steps=validation_steps, verbose=verbose, shuffle=False)
+            first_epoch += 1
+        if first_epoch < epochs and not model.stop_training:
+            history = model.fit(train_data(first_epoch * (steps_per_epoch or 0)), epochs=epochs,
+                                initial_epoch=first_epoch, steps_per_epoch=steps_per_epoch,
+                                callbacks=callbacks, validation_data=validation_data,
+                                validation_steps=validation_steps, verbose=verbose, shuffle=False)
+        return history

@@ -1,0 +1,35 @@
+"""`mirrored`: synchronous data parallelism over the devices of one machine (MirroredStrategy).
+
+On a machine without GPUs, `devices=N` splits the CPU into N logical devices, one replica each
+(useful for tests and for checking a multi-replica set-up before it goes to GPUs). With GPUs,
+`devices=N` uses the first N (0: all).
+"""
+import tensorflow as tf
+
+from tfdist.errors import UsageError
+from tfdist.strategies.base import Strategy, configure_logical_cpus
+
+_CROSS_DEVICE_OPS = {
+    "auto": lambda: None,  # TF's choice: NCCL on GPUs, collective ring on CPU devices
+    "reduce_to_one": tf.distribute.ReductionToOneDevice,
+    "hierarchical": tf.distribute.HierarchicalCopyAllReduce,
+}
+
+
+class Mirrored(Strategy):
+    name = "mirrored"
+    supports_jit_compile = False  # TF 2.21: XLA cannot access resources across replicas' devices
+
+    def __init__(self, devices=0, cross_device_ops="auto", **unused_options):
+        if cross_device_ops not in _CROSS_DEVICE_OPS:
+            raise UsageError(f"strategy.cross_device_ops={cross_device_ops!r} is not available with "
+                             f"mirrored; use one of {', '.join(_CROSS_DEVICE_OPS)}")
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            names = [f"/gpu:{i}" for i in range(len(gpus))][:devices or None]
+        else:
+            if devices > 1:
+                configure_logical_cpus(devices)
+            names = [d.name for d in tf.config.list_logical_devices("CPU")]
+        super().__init__(tf.distribute.MirroredStrategy(
+            devices=names, cross_device_ops=_CROSS_DEVICE_OPS[cross_device_ops]()))

@@ -1,0 +1,179 @@
+"""`tfdist train`: config -> strategy -> data -> model -> fit.
+
+    tfdist train --config=configs/gpt_nano.py --workdir=runs/nano
+    tfdist train --config=configs/gpt_mini.py --strategy=mirrored --devices=2 \
+                 --config.train.steps=400 --config.model.dropout=0.1
+
+A run writes into --workdir: `backup/` while it trains (removed at the end), `tensorboard/`,
+`metrics.json` (per-step loss, lr, tokens/s; validation loss per epoch), `loss.png` and
+`model.keras`. Run the same command again after a crash and it resumes at the exact step.
+"""
+import functools
+import os
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from tfdist import cli
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(_REPO, "configs", "gpt_nano.py"),
+    "Config file (configs/*.py); override any key with --config.<section>.<key>=value.",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
+_STRATEGY = flags.DEFINE_string("strategy", None, "Strategy name; overrides config.strategy.name.")
+_DEVICES = flags.DEFINE_integer("devices", None, "Mirrored on CPU: logical CPU devices "
+                                "(overrides config.strategy.devices).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a finished run in --workdir.")
+
+_OUTPUTS = ("model.keras", "metrics.json", "loss.png", "tensorboard", "backup")
+
+
+def resolve_config():
+    """The config from flags, with --strategy / --devices applied, validated."""
+    from tfdist import config as config_lib
+
+    c = _CONFIG.value
+    with c.unlocked():
+        if _STRATEGY.value is not None:
+            c.strategy.name = _STRATEGY.value
+        if _DEVICES.value is not None:
+            c.strategy.devices = _DEVICES.value
+    return config_lib.validate(c)
+
+
+def prepare_workdir(workdir, backup_dir, overwrite):
+    """Refuses to clobber a finished run unless --overwrite; a run with a backup is resumed."""
+    import tensorflow as tf
+    from tfdist.errors import UsageError
+
+    finished = tf.io.gfile.exists(os.path.join(workdir, "model.keras"))
+    has_backup = tf.io.gfile.exists(backup_dir) and tf.train.latest_checkpoint(backup_dir)
+    if overwrite:
+        for name in _OUTPUTS:
+            p = os.path.join(workdir, name)
+            if tf.io.gfile.isdir(p):
+                tf.io.gfile.rmtree(p)
+            elif tf.io.gfile.exists(p):
+                tf.io.gfile.remove(p)
+        if tf.io.gfile.exists(backup_dir):
+            tf.io.gfile.rmtree(backup_dir)
+    elif finished and not has_backup:
+        raise UsageError(f"{workdir} already holds a finished run (model.keras); pass --overwrite "
+                         f"to replace it or choose another --workdir")
+
+
+def make_optimizer(t, total_steps):
+    """AdamW, linear warmup then cosine decay to min_learning_rate, global-norm clipping."""
+    import keras
+
+    updates = total_steps // t.grad_accum_steps
+    warmup = t.warmup_steps // t.grad_accum_steps
+    schedule = keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=0.0 if warmup else t.learning_rate,
+        warmup_target=t.learning_rate if warmup else None, warmup_steps=warmup,
+        decay_steps=max(1, updates - warmup), alpha=t.min_learning_rate / t.learning_rate)
+    opt = keras.optimizers.AdamW(
+        learning_rate=schedule, weight_decay=t.weight_decay, beta_1=t.beta1, beta_2=t.beta2,
+        global_clipnorm=t.grad_clip or None,
+        gradient_accumulation_steps=t.grad_accum_steps if t.grad_accum_steps > 1 else None)
+    opt.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])  # as GPT-2 / nanoGPT
+    return opt
+
+
+def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
+    """Runs training for config `c` into `workdir`. Returns a dict of results.
+
+    `extra_callbacks` run after tfdist's own (after the backup of a step has been written).
+    """
+    from tfdist import strategies
+
+    strategy = strategies.from_config(c)  # first: it may split the CPU before TF initialises
+
+    import keras
+    import tensorflow as tf
+    from tfdist import callbacks as cb
+    from tfdist.data import Windows, load_corpus
+    from tfdist.errors import UsageError
+    from tfdist.models.gpt import GPT, loss_fn
+
+    t = c.train
+    if t.jit_compile and not strategy.supports_jit_compile:
+        raise UsageError(f"train.jit_compile=True does not work with strategy {strategy.name} on "
+                         f"TF 2.21 (cross-device resource access); set it to False")
+    if t.batch_size % strategy.num_replicas:
+        raise UsageError(f"train.batch_size ({t.batch_size}) must be divisible by the "
+                         f"{strategy.num_replicas} replicas of strategy {strategy.name}")
+    backup_dir = c.backup.dir or os.path.join(workdir, "backup")
+    prepare_workdir(workdir, backup_dir, overwrite)
+    if t.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    keras.utils.set_random_seed(c.seed)
+    keras.mixed_precision.set_dtype_policy(t.precision)
+
+    corpus = load_corpus(c.data)
+    train_windows = Windows(corpus.train, c.model.block_size, t.batch_size, seed=c.seed)
+    val_windows = Windows(corpus.val, c.model.block_size, t.batch_size, seed=c.seed + 1)
+
+    with strategy.scope():
+        model = GPT.from_model_config(c.model)
+        model.build()
+        optimizer = strategy.wrap_optimizer(make_optimizer(t, t.steps))
+        model.compile(optimizer=optimizer, loss=loss_fn(), jit_compile=t.jit_compile)
+        optimizer.build(model.trainable_variables)
+
+    backup = cb.BackupAndRestore(
+        backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps, keep=c.backup.keep,
+        delete_on_success=c.backup.delete_on_success, is_chief=strategy.is_chief,
+        worker_index=strategy.worker_index,
+        signature={"model": c.model.to_dict(), "data": {
+            "corpus": corpus.name, "fingerprint": corpus.fingerprint, "seed": c.seed,
+            "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps}})
+    start = backup.restore(model) if c.backup.enabled else 0
+    if start >= t.steps:
+        raise UsageError(f"the backup in {backup_dir} is already at step {start} of {t.steps}; "
+                         f"raise train.steps or remove the backup")
+    log = cb.TrainingLog(workdir, tokens_per_step=t.batch_size * c.model.block_size,
+                         initial_step=start, total_steps=t.steps, is_chief=strategy.is_chief,
+                         log_every_steps=t.log_every_steps)
+    say = print if strategy.is_chief else (lambda *a, **k: None)
+    say(f"tfdist: {strategy.describe()}")
+    say(f"tfdist: model {model.num_params():,} parameters; corpus {corpus.name}: "
+        f"{len(corpus.train):,} train / {len(corpus.val):,} validation tokens")
+    if start:
+        say(f"tfdist: resuming from {backup_dir} at step {start} of {t.steps}")
+
+    callbacks = [log] + ([backup] if c.backup.enabled else []) + list(extra_callbacks)
+    strategy.fit(model, lambda s: train_windows.dataset_fn(s, t.steps - s),
+                 epochs=t.steps // t.steps_per_epoch, steps_per_epoch=t.steps_per_epoch,
+                 initial_step=start, callbacks=callbacks,
+                 validation_data=val_windows.dataset_fn(0, t.eval_steps, repeat=True),
+                 validation_steps=t.eval_steps, verbose=verbose)
+
+    result = {"steps_run": log.step - start, "final_step": log.step,
+              "val_loss": (log.history["evals"] or [{}])[-1].get("loss"),
+              "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": workdir}
+    if strategy.is_chief:
+        model.save(os.path.join(workdir, "model.keras"))
+        say(f"tfdist: done: {result['steps_run']} steps run (step {log.step} of {t.steps}), "
+            f"validation loss {result['val_loss']:.4f} nats/token, "
+            f"{result['tokens_per_sec']:,.0f} tokens/s; model saved to {workdir}/model.keras")
+    return result
+
+
+def main(argv):
+    del argv
+    c = resolve_config()
+    workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(
+        os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0])
+    train(c, workdir, overwrite=_OVERWRITE.value)
+
+
+def run(argv=None):
+    cli.run(main, argv or sys.argv)
+
+
+if __name__ == "__main__":
+    run()
