@@ -40,6 +40,47 @@ def configure_logical_cpus(n):
                          f"initialised in this process; create the strategy before any TF op") from None
 
 
+def _sum_duplicates(grad):
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    unique, position = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(unique)[0])
+    return tf.IndexedSlices(values, unique, grad.dense_shape)
+
+
+def fix_distributed_apply(optimizer):
+    """Corrects what a Keras 3 optimizer (TF backend) does with gradients under a strategy.
+
+    Two upstream defects make multi-replica training differ from one device:
+
+    1. Sparse gradients with repeated indices. The all-reduce of an `IndexedSlices` gradient
+       (an embedding) concatenates the replicas' slices, and Keras 3's Adam/AdamW then squares the
+       slices one by one (`ops.square` on IndexedSlices), so its second moment gets g1^2 + g2^2
+       instead of (g1 + g2)^2. tf.keras summed duplicates first (`_deduplicate_indexed_slices`),
+       Keras 3 does not. Here duplicates are summed after the all-reduce.
+    2. `global_clipnorm` is applied in `BaseOptimizer.apply`, before `_backend_update_step`
+       all-reduces the gradients, so every replica clips its own partial gradient by its own
+       norm: the pre-aggregation clipping tf.keras refused to do (tensorflow/tensorflow#33929).
+       Here clipping runs on the summed gradient instead.
+    """
+    if getattr(optimizer, "_tfdist_fixed", False):
+        return optimizer
+    clipnorm = optimizer.global_clipnorm
+    optimizer.global_clipnorm = None
+    all_reduce = optimizer._all_reduce_sum_gradients
+
+    def all_reduce_then_fix(grads_and_vars):
+        reduced = all_reduce(grads_and_vars)
+        grads = [_sum_duplicates(g) for g, _ in reduced]
+        if clipnorm:
+            grads, _ = tf.clip_by_global_norm(grads, clipnorm)
+        return list(zip(grads, [v for _, v in reduced]))
+
+    optimizer._all_reduce_sum_gradients = all_reduce_then_fix
+    optimizer._tfdist_fixed = True
+    return optimizer
+
+
 class Strategy:
     """Base plugin: one replica on the default device. Subclasses set `self.tf_strategy`."""
 
@@ -80,7 +121,8 @@ class Strategy:
         return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
 
     def wrap_optimizer(self, optimizer):
-        return optimizer
+        """Adapts a Keras optimizer to the strategy (base: `fix_distributed_apply`)."""
+        return fix_distributed_apply(optimizer)
 
     def callbacks(self):
         return []
