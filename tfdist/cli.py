@@ -19,14 +19,32 @@ def fail(message):
     sys.exit(2)
 
 
+def _clean(e):
+    text = str(e).strip().strip("'\"").replace("\\n", " ").replace("\\'", "'")
+    return " ".join(text.split()) or type(e).__name__
+
+
+def define_config_flag(name, default, help_text):
+    """`config_flags.DEFINE_config_file`, whose --config.* overrides are parsed at definition time
+    (from sys.argv): an unknown or ill-typed key fails here, reported as one line."""
+    from ml_collections import config_flags
+    try:
+        return config_flags.DEFINE_config_file(name, default, help_text, lock_config=True)
+    except (KeyError, AttributeError, ValueError, TypeError) as e:
+        fail(f"bad --{name} override: {_clean(e)}")
+
+
 def _parse_flags(argv):
+    for arg in argv[1:]:  # ml_collections' own message for this names no file; say which one
+        if arg.startswith("--config=") and not os.path.isfile(arg[len("--config="):]):
+            fail(f"config file '{arg[len('--config='):]}' not found; pass --config=configs/<name>.py")
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
         fail(str(e).splitlines()[0])
     except (KeyError, AttributeError, ValueError, TypeError, OSError) as e:
         # ml_collections reports bad config files and overrides with these.
-        fail(f"bad --config: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+        fail(f"bad --config: {_clean(e)}")
 
 
 def run(main, argv):

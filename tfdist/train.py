@@ -18,10 +18,9 @@ from ml_collections import config_flags
 from tfdist import cli
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.define_config_flag(
     "config", os.path.join(_REPO, "configs", "gpt_nano.py"),
-    "Config file (configs/*.py); override any key with --config.<section>.<key>=value.",
-    lock_config=True)
+    "Config file (configs/*.py); override any key with --config.<section>.<key>=value.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
 _STRATEGY = flags.DEFINE_string("strategy", None, "Strategy name; overrides config.strategy.name.")
 _DEVICES = flags.DEFINE_integer("devices", None, "Mirrored on CPU: logical CPU devices "
@@ -106,8 +105,6 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     if t.batch_size % strategy.num_replicas:
         raise UsageError(f"train.batch_size ({t.batch_size}) must be divisible by the "
                          f"{strategy.num_replicas} replicas of strategy {strategy.name}")
-    backup_dir = c.backup.dir or os.path.join(workdir, "backup")
-    prepare_workdir(workdir, backup_dir, overwrite)
     if t.deterministic:
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(c.seed)
@@ -124,6 +121,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
         model.compile(optimizer=optimizer, loss=loss_fn(), jit_compile=t.jit_compile)
         optimizer.build(model.trainable_variables)
 
+    backup_dir = c.backup.dir or os.path.join(workdir, "backup")
+    prepare_workdir(workdir, backup_dir, overwrite)  # after every input has been checked
     backup = cb.BackupAndRestore(
         backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps, keep=c.backup.keep,
         delete_on_success=c.backup.delete_on_success, is_chief=strategy.is_chief,
