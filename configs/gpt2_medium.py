@@ -1,16 +1,10 @@
 """gpt2_medium: GPT-2 350M (24 layers, 16 heads, width 1024, context 1024, vocab 50257) for real hardware.
 
 The vocabulary is GPT-2's size so that parameter counts match the paper; with tfdist's byte
-tokenizer only the first 256 rows are used. Mixed bfloat16 as on current accelerators.
+tokenizer only the first 256 rows are used. Mixed bfloat16, as on current accelerators.
 """
-from tfdist.config import default_config
+from tfdist.config import gpt2_config
 
 
 def get_config():
-    c = default_config()
-    c.model.update(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50257, dropout=0.0)
-    c.train.update(batch_size=512, steps=600000, steps_per_epoch=2000, learning_rate=6e-4,
-                   min_learning_rate=6e-5, warmup_steps=2000, eval_steps=200,
-                   precision="mixed_bfloat16")
-    c.backup.every_steps = 1000
-    return c
+    return gpt2_config(n_layer=24, n_head=16, n_embd=1024)

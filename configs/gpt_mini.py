@@ -1,4 +1,4 @@
-"""gpt_mini: the benchmark model (6 layers, 6 heads, width 384, context 256; ~10.7 M parameters)."""
+"""gpt_mini: the benchmark model (6 layers, 6 heads, width 384, context 256; ~10.8 M parameters)."""
 from tfdist.config import default_config
 
 

@@ -160,3 +160,15 @@ def validate(c):
         raise UsageError(f"train.steps ({t.steps}) must be a multiple of train.steps_per_epoch "
                          f"({t.steps_per_epoch})")
     return c
+
+
+def gpt2_config(n_layer, n_head, n_embd):
+    """A GPT-2 family config (context 1024, vocab 50257, bf16) for real hardware."""
+    c = default_config()
+    c.model.update(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=1024,
+                   vocab_size=50257, dropout=0.0)
+    c.train.update(batch_size=512, steps=600000, steps_per_epoch=2000, learning_rate=6e-4,
+                   min_learning_rate=6e-5, warmup_steps=2000, eval_steps=200,
+                   precision="mixed_bfloat16")
+    c.backup.every_steps = 1000
+    return c

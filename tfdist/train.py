@@ -64,24 +64,6 @@ def prepare_workdir(workdir, backup_dir, overwrite):
                          f"to replace it or choose another --workdir")
 
 
-def make_optimizer(t, total_steps):
-    """AdamW, linear warmup then cosine decay to min_learning_rate, global-norm clipping."""
-    import keras
-
-    updates = total_steps // t.grad_accum_steps
-    warmup = t.warmup_steps // t.grad_accum_steps
-    schedule = keras.optimizers.schedules.CosineDecay(
-        initial_learning_rate=0.0 if warmup else t.learning_rate,
-        warmup_target=t.learning_rate if warmup else None, warmup_steps=warmup,
-        decay_steps=max(1, updates - warmup), alpha=t.min_learning_rate / t.learning_rate)
-    opt = keras.optimizers.AdamW(
-        learning_rate=schedule, weight_decay=t.weight_decay, beta_1=t.beta1, beta_2=t.beta2,
-        global_clipnorm=t.grad_clip or None,
-        gradient_accumulation_steps=t.grad_accum_steps if t.grad_accum_steps > 1 else None)
-    opt.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])  # as GPT-2 / nanoGPT
-    return opt
-
-
 def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     """Runs training for config `c` into `workdir`. Returns a dict of results.
 
@@ -97,6 +79,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     from tfdist.data import Windows, load_corpus
     from tfdist.errors import UsageError
     from tfdist.models.gpt import GPT, loss_fn
+    from tfdist.optimizers import make_optimizer
 
     t = c.train
     if t.jit_compile and not strategy.supports_jit_compile:
