@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--config", default="gpt_nano")
     ap.add_argument("--kill-at-step", type=int, default=0)
     ap.add_argument("--kill-in-save", type=int, default=0)
+    ap.add_argument("--skip-keras-fix", type=int, default=0,
+                    help="1: keep Keras's _maybe_symbolic_build; 2: keep its reduce_per_replica")
     args = ap.parse_args()
 
     import importlib
@@ -33,6 +35,20 @@ def main():
     import tensorflow as tf
     from tfdist import config as config_lib
     from tfdist.train import train
+
+    if args.skip_keras_fix:  # show that each multi-worker correction is needed
+        from keras.src.backend.tensorflow import trainer as tf_trainer
+        from tfdist.strategies import keras_fixes
+        originals = (tf_trainer.TensorFlowTrainer._maybe_symbolic_build, tf_trainer.reduce_per_replica)
+        upstream_apply = keras_fixes.apply
+
+        def partial_apply():
+            upstream_apply()
+            if args.skip_keras_fix == 1:
+                tf_trainer.TensorFlowTrainer._maybe_symbolic_build = originals[0]
+            else:
+                tf_trainer.reduce_per_replica = originals[1]
+        keras_fixes.apply = partial_apply
 
     c = importlib.import_module(args.config).get_config()
     for key, value in json.loads(args.overrides).items():

@@ -17,6 +17,7 @@ from tfdist.strategies.base import Strategy  # noqa: F401
 _PLUGINS = {
     "single": "tfdist.strategies.single:SingleDevice",
     "mirrored": "tfdist.strategies.mirrored:Mirrored",
+    "multi_worker_mirrored": "tfdist.strategies.multi_worker:MultiWorkerMirrored",
 }
 
 

@@ -1,0 +1,136 @@
+"""Who am I: the cluster this process belongs to, from TF_CONFIG or Slurm, validated.
+
+This is the one module (with `train.py`'s flags) that reads the environment. Everything else gets
+a `ClusterSpec`.
+
+Example:
+
+    from tfdist import cluster
+    spec = cluster.from_tf_config('{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},'
+                                  ' "task": {"type": "worker", "index": 1}}')
+    spec.is_chief, spec.num_workers          # (False, 2)
+    resolver = spec.resolver()               # for tf.distribute strategies
+"""
+import dataclasses
+import json
+import os
+
+from tfdist.errors import UsageError
+
+ROLES = ("chief", "worker", "ps", "evaluator")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """`cluster`: role -> list of "host:port"; this process is `task_type`/`task_index`."""
+    cluster: dict
+    task_type: str
+    task_index: int
+    source: str = "TF_CONFIG"
+
+    @property
+    def is_chief(self):
+        if "chief" in self.cluster:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_index == 0
+
+    @property
+    def num_workers(self):
+        return len(self.cluster.get("chief", [])) + len(self.cluster.get("worker", []))
+
+    @property
+    def worker_index(self):
+        """Index among chief + workers (chief first), as tf.distribute numbers them."""
+        return self.task_index + (len(self.cluster.get("chief", [])) if self.task_type == "worker" else 0)
+
+    def resolver(self):
+        import tensorflow as tf
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(self.cluster), task_type=self.task_type,
+            task_id=self.task_index, rpc_layer="grpc")
+
+    def tf_config(self):
+        return json.dumps({"cluster": self.cluster,
+                           "task": {"type": self.task_type, "index": self.task_index}})
+
+
+def _check_address(role, addr):
+    host, sep, port = str(addr).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"TF_CONFIG: address {addr!r} of role '{role}' is not host:port")
+
+
+def from_tf_config(text, allowed_roles=ROLES):
+    """Parses and validates a TF_CONFIG JSON string; UsageError (one line) on any problem."""
+    try:
+        conf = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"TF_CONFIG is not valid JSON ({e.msg} at char {e.pos}); "
+                         f'expected {{"cluster": {{...}}, "task": {{"type": ..., "index": ...}}}}') from None
+    if not isinstance(conf, dict) or not isinstance(conf.get("cluster"), dict) or not conf["cluster"]:
+        raise UsageError('TF_CONFIG has no "cluster" mapping roles to address lists')
+    task = conf.get("task")
+    if not isinstance(task, dict) or "type" not in task:
+        raise UsageError('TF_CONFIG has no "task" with a "type" and an "index"')
+    cluster, seen = {}, {}
+    for role, addrs in conf["cluster"].items():
+        if role not in allowed_roles:
+            raise UsageError(f"TF_CONFIG role '{role}' is not used by this strategy "
+                             f"(allowed: {', '.join(allowed_roles)})")
+        if not isinstance(addrs, list) or not addrs:
+            raise UsageError(f"TF_CONFIG role '{role}' must list at least one host:port")
+        for a in addrs:
+            _check_address(role, a)
+            if a in seen:
+                raise UsageError(f"TF_CONFIG address {a} is given twice ({seen[a]} and {role})")
+            seen[a] = role
+        cluster[role] = list(addrs)
+    ttype, index = task["type"], task.get("index", 0)
+    if ttype not in cluster:
+        raise UsageError(f"TF_CONFIG task type '{ttype}' is not a role of the cluster "
+                         f"({', '.join(cluster)})")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[ttype]):
+        raise UsageError(f"TF_CONFIG task index {index!r} is out of range for '{ttype}' "
+                         f"({len(cluster[ttype])} task(s))")
+    if "chief" in cluster and len(cluster["chief"]) != 1:
+        raise UsageError("TF_CONFIG must have exactly one chief")
+    return ClusterSpec(cluster, ttype, index)
+
+
+def from_slurm(port_base=8888, env=None):
+    """The cluster of a Slurm job step (one task per worker), through TF's SlurmClusterResolver."""
+    import tensorflow as tf
+    env = os.environ if env is None else env
+    old = {k: os.environ.get(k) for k in env if k.startswith("SLURM_")}
+    os.environ.update({k: v for k, v in env.items() if k.startswith("SLURM_")})
+    try:
+        from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm
+        per_node = max(slurm.expand_tasks_per_node(
+            env.get("SLURM_STEP_TASKS_PER_NODE") or env["SLURM_TASKS_PER_NODE"]))
+        # TF's resolver zips each node's task ports with a range over its GPUs, so on CPU-only
+        # nodes (gpus_per_node=0) it lists no tasks at all. Give it one "GPU" slot per task and
+        # auto_set_gpu=False (it then touches no CUDA_VISIBLE_DEVICES).
+        r = tf.distribute.cluster_resolver.SlurmClusterResolver(
+            jobs={"worker": int(env["SLURM_NTASKS"])}, port_base=port_base,
+            gpus_per_node=per_node, gpus_per_task=1, auto_set_gpu=False)
+        spec = r.cluster_spec().as_dict()
+        return ClusterSpec({k: list(v) for k, v in spec.items()}, r.task_type, r.task_id, "slurm")
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise UsageError(f"cannot build the cluster from Slurm's environment ({e}); run inside "
+                         f"an sbatch/srun job step or set TF_CONFIG") from None
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def from_environment(allowed_roles=ROLES, env=None):
+    """TF_CONFIG if set (Kubernetes TFJob and tfdist's launcher set it), else Slurm, else None."""
+    env = os.environ if env is None else env
+    if env.get("TF_CONFIG"):
+        return from_tf_config(env["TF_CONFIG"], allowed_roles)
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_NTASKS"):
+        return from_slurm(env=env)
+    return None
