@@ -132,7 +132,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
                  epochs=t.steps // t.steps_per_epoch, steps_per_epoch=t.steps_per_epoch,
                  initial_step=start, callbacks=callbacks,
                  validation_data=val_windows.dataset_fn(0, t.eval_steps, repeat=True),
-                 validation_steps=t.eval_steps, verbose=verbose)
+                 validation_steps=t.eval_steps,
+                 verbose=verbose if strategy.is_chief else 0)  # one progress bar per cluster
 
     result = {"steps_run": log.step - start, "final_step": log.step,
               "val_loss": (log.history["evals"] or [{}])[-1].get("loss"),
