@@ -6,8 +6,9 @@ A plugin wraps one `tf.distribute.Strategy` and answers five things:
 * `num_replicas`, `is_chief`, `worker_index`, `num_workers`: batch sizing, logging and who writes
   checkpoints;
 * `distribute(dataset_fn)`: per-replica input through `tf.distribute.InputContext`;
-* `wrap_optimizer(optimizer)` and `callbacks()`: what the strategy adds to training (identity and
-  nothing here; e.g. Horovod wraps the optimizer and broadcasts initial state);
+* `wrap_optimizer(optimizer)` and `callbacks()`: what the strategy adds to training (here: the
+  Keras 3 gradient corrections of `fix_distributed_apply`, no callbacks; Horovod will wrap the
+  optimizer in its all-reduce and add an initial broadcast);
 * `fit(model, data, ...)`: Keras `model.fit`, in segments so that training can resume at any step.
   A plugin overrides it only when its strategy cannot use Keras `fit` (parameter server).
 
