@@ -13,7 +13,6 @@ What it measures, all in one process so that the noisy machine affects every var
 * MFU = tokens/s * (6 N + 12 L C T) / peak (nanoGPT's formula; N without position embeddings).
 It prints a table and writes JSON (--out).
 """
-import functools
 import json
 import os
 import sys
@@ -80,11 +79,11 @@ def main(argv):
         def on_train_batch_end(self, batch, logs=None):
             self.times.append(time.perf_counter() - self._t)
 
-    def build(jit):
+    def build():
         keras.utils.set_random_seed(c.seed)
         model = GPT.from_model_config(m)
         model.build()
-        return model, jit
+        return model
 
     variants = {}
 
@@ -93,22 +92,20 @@ def main(argv):
 
     def tfdist_variant(jit):
         with strategy.scope():
-            model, _ = build(jit)
+            model = build()
             opt = strategy.wrap_optimizer(make_optimizer(t, total))
             model.compile(optimizer=opt, loss=loss_fn(), jit_compile=jit)
-        timer, state = Timer(), {"step": 0}
+        timer = Timer()
         log = TrainingLog("/tmp/tfdist-bench", tokens_per_step=tokens_per_step, is_chief=False)
 
         def run(steps):
-            strategy.fit(model, functools.partial(lambda s, n: windows.dataset_fn(s, n), n=steps),
-                         epochs=1, steps_per_epoch=steps, initial_step=0,
-                         callbacks=[log, timer], verbose=0)
-            state["step"] += steps
+            strategy.fit(model, lambda start: windows.dataset_fn(start, steps),
+                         epochs=1, steps_per_epoch=steps, callbacks=[log, timer], verbose=0)
         return run, timer, model
 
     # plain Keras 3: same model class, same optimizer settings, no tfdist machinery
     def keras_variant():
-        model, _ = build(False)
+        model = build()
         model.compile(optimizer=make_optimizer(t, total), loss=loss_fn())
         xs, ys = zip(*[(x.numpy(), y.numpy()) for x, y in windows.dataset_fn(0, total)(None)])
         timer = Timer()
