@@ -7,7 +7,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(ROOT, "tests", "driver.py")
+DRIVER = os.path.join(ROOT, "tools", "faulty_train.py")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -39,7 +39,7 @@ def tfdist(*args, timeout=300, check=True):
 
 
 def driver(workdir, overrides, *extra, timeout=300, check=True):
-    """Runs tests/driver.py; returns (CompletedProcess, result dict or None)."""
+    """Runs tools/faulty_train.py; returns (CompletedProcess, result dict or None)."""
     p = run([sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra],
             timeout=timeout, check=check)
     line = [x for x in p.stdout.splitlines() if x.startswith("DRIVER_RESULT ")]

@@ -1,47 +1,40 @@
-"""MultiWorkerMirrored: Keras 3 `fit` across 2 local worker processes equals single-process training."""
+"""MultiWorkerMirrored through `tfdist launch`: 2 local workers equal one process, the launcher
+restarts a group after a SIGKILL and the run resumes step-exactly, workers listen on 127.0.0.1
+only, and one global step's examples across workers are exactly the global batch."""
 import json
 import os
-import socket
+import random
+import re
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 
-from tests.conftest import DRIVER, ROOT, driver
+from tests.conftest import DRIVER, ROOT, driver, executed_steps
+from tests.test_backup import final_weights
 
 STEPS = 20
+CHAOS_STEPS = 30
 
 
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def launch_cmd(workdir, overrides, *extra, workers=2, max_restarts=0, bind="loopback"):
+    return [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}",
+            f"--max_restarts={max_restarts}", "--backoff=0.5", f"--bind={bind}", "--",
+            sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra]
 
 
-def run_workers(workdir, overrides, n=2, extra=(), timeout=300):
-    """Starts n workers on 127.0.0.1 with their TF_CONFIG; kills (by PID) any still running."""
-    addrs = [f"127.0.0.1:{p}" for p in free_ports(n)]
-    procs = []
-    for i in range(n):
-        tf_config = json.dumps({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}})
-        procs.append(subprocess.Popen(
-            [sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra], cwd=ROOT,
-            env={**os.environ, "TF_CONFIG": tf_config}, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [p.returncode for p in procs], outs
+def results(stdout):
+    """{worker index: DRIVER_RESULT dict} from the launcher's prefixed output."""
+    found = re.findall(r"^\[w(\d+)\] DRIVER_RESULT (.*)$", stdout, re.M)
+    return {int(i): json.loads(r) for i, r in found}
+
+
+def launch(workdir, overrides, *extra, timeout=400, **kw):
+    p = subprocess.run(launch_cmd(workdir, overrides, *extra, **kw), capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT)
+    return p, results(p.stdout)
 
 
 def common(data_dir):
@@ -53,33 +46,188 @@ def losses(workdir):
     return [r["loss"] for r in json.load(open(os.path.join(workdir, "metrics.json")))["steps"]]
 
 
+def steps_by_worker(workdir):
+    counts = {}
+    for worker, _, _ in executed_steps(workdir):
+        counts[int(worker)] = counts.get(int(worker), 0) + 1
+    return counts
+
+
+# -- sockets --------------------------------------------------------------------------------------
+def _children(pid):
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def _addr(hex_addr):
+    ip, port = hex_addr.split(":")
+    raw = bytes.fromhex(ip)
+    if len(raw) == 4:
+        return ".".join(str(b) for b in raw[::-1]), int(port, 16)
+    words = [raw[i:i + 4][::-1] for i in range(0, 16, 4)]  # /proc prints 4 little-endian words
+    b = b"".join(words)
+    if b[:12] == b"\0" * 10 + b"\xff\xff":
+        return "::ffff:" + ".".join(str(x) for x in b[12:]), int(port, 16)
+    return ":".join(b[i:i + 2].hex() for i in range(0, 16, 2)), int(port, 16)
+
+
+def listening_sockets(pids):
+    """(address, port) of every listening TCP socket the processes `pids` hold, from /proc."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            pass
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    found.append(_addr(cols[1]))
+    return found
+
+
+def run_and_sample_sockets(workdir, overrides, *extra, bind="loopback", timeout=400):
+    """Runs the launcher; once the chief has trained a step, reads its workers' listening sockets."""
+    p = subprocess.Popen(launch_cmd(workdir, overrides, *extra, bind=bind), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sockets, deadline = [], time.monotonic() + timeout
+    try:
+        while p.poll() is None and time.monotonic() < deadline:
+            if steps_by_worker(workdir).get(0):
+                sockets = listening_sockets(_children(p.pid))
+                break
+            time.sleep(0.2)
+        out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if p.poll() is None:  # ours, by PID; the launcher stops its own workers on SIGTERM
+            p.terminate()
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return p.returncode, out, err, sockets
+
+
+# -- tests ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir):
     driver(tmp_path / "single", {**common(data_dir), "strategy.name": "single"})
-    codes, outs = run_workers(tmp_path / "mw", {**common(data_dir),
-                                                "strategy.name": "multi_worker_mirrored"})
-    assert codes == [0, 0], [o[1][-2000:] for o in outs]
-    assert "worker 0 of 2, 2 replica(s) in sync" in outs[0][0]
+    p, res = launch(tmp_path / "mw", {**common(data_dir), "strategy.name": "multi_worker_mirrored"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "[w0] tfdist: multi_worker_mirrored: worker 0 of 2, 2 replica(s) in sync" in p.stdout
     a, b = losses(tmp_path / "single"), losses(tmp_path / "mw")
     assert len(a) == len(b) == STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
-    results = [json.loads(o[0].split("DRIVER_RESULT ")[1]) for o in outs]
-    assert results[0]["val_loss"] == pytest.approx(results[1]["val_loss"], abs=1e-6)
+    assert set(res) == {0, 1}
+    assert res[0]["val_loss"] == pytest.approx(res[1]["val_loss"], abs=1e-6)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fix,needle", [(1, "PerReplica"), (2, "")])
 def test_each_keras_correction_is_needed(tmp_path, data_dir, fix, needle):
     """Without correction 1 fit fails; without 2 it fails or reports only worker 0's loss."""
-    driver(tmp_path / "single", {**common(data_dir), "strategy.name": "single",
-                                 "train.steps": 10})
-    codes, outs = run_workers(tmp_path / "mw", {**common(data_dir), "train.steps": 10,
-                                                "strategy.name": "multi_worker_mirrored"},
-                              extra=("--skip-keras-fix", str(fix)))
+    o = {**common(data_dir), "train.steps": 10}
+    driver(tmp_path / "single", {**o, "strategy.name": "single"})
+    p, _ = launch(tmp_path / "mw", {**o, "strategy.name": "multi_worker_mirrored"},
+                  "--skip-keras-fix", str(fix))
     if fix == 1:
-        assert codes != [0, 0]
-    if codes != [0, 0]:
-        assert needle in "".join(o[1] for o in outs)
+        assert p.returncode == 1 and "gave up after 0 restart(s)" in p.stderr
+    if p.returncode:
+        assert needle in p.stdout
         return
     a, b = losses(tmp_path / "single"), losses(tmp_path / "mw")
     assert max(abs(x - y) for x, y in zip(a, b)) > 1e-3  # the losses are wrong without it
+
+
+def chaos_overrides(data_dir):
+    """Backup after every step (so executed steps add up exactly), op determinism, dropout on."""
+    return {"data.data_dir": data_dir, "train.steps": CHAOS_STEPS, "train.steps_per_epoch": 10,
+            "train.batch_size": 16, "train.deterministic": True, "train.eval_steps": 2,
+            "model.dropout": 0.1, "backup.every_steps": 1,
+            "strategy.name": "multi_worker_mirrored"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_dir):
+    """A 2-worker run without faults. While it runs, its workers' listening sockets are read."""
+    d = tmp_path_factory.mktemp("mw-ref")
+    code, out, err, sockets = run_and_sample_sockets(d, chaos_overrides(data_dir),
+                                                     "--dump-inputs", "4")
+    assert code == 0, out[-3000:] + err[-2000:]
+    assert steps_by_worker(d) == {0: CHAOS_STEPS, 1: CHAOS_STEPS}
+    return {"dir": d, "weights": final_weights(d), "sockets": sockets}
+
+
+@pytest.mark.slow
+def test_workers_listen_on_loopback_only(uninterrupted):
+    sockets = uninterrupted["sockets"]
+    assert len(sockets) >= 2, sockets  # each worker's gRPC server at least
+    assert all(a in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for a, _ in sockets), sockets
+
+
+@pytest.mark.slow
+def test_without_the_shim_tf_listens_on_every_interface(tmp_path, data_dir):
+    """The check above can fail: TF alone binds the wildcard address (tensorflow/tensorflow#2925)."""
+    o = {**chaos_overrides(data_dir), "train.steps": 10, "backup.enabled": False}
+    code, out, err, sockets = run_and_sample_sockets(tmp_path, o, bind="all")
+    assert code == 0, out[-3000:] + err[-2000:]
+    assert any(a in ("0.0.0.0", "0000:0000:0000:0000:0000:0000:0000:0000") for a, _ in sockets), sockets
+
+
+@pytest.mark.slow
+def test_one_global_step_across_workers_is_the_global_batch(uninterrupted, data_dir):
+    """Each worker's pipeline (built with the InputContext MWMS gave it) holds its own rows; the
+    rows of both workers at a step are exactly that step's global batch, none twice."""
+    import importlib.util
+    from tfdist.data import Windows, load_corpus
+
+    spec = importlib.util.spec_from_file_location("gpt_nano", os.path.join(ROOT, "configs", "gpt_nano.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.data.data_dir = data_dir
+    windows = Windows(load_corpus(c.data).train, c.model.block_size, 16, seed=c.seed)
+    global_batches = [x.numpy() for x, _ in windows.dataset_fn(0, 4)(None)]
+    parts = [np.load(uninterrupted["dir"] / f"inputs-w{i}.npy") for i in (0, 1)]
+    assert parts[0].shape == parts[1].shape == (4, 8, c.model.block_size)
+    for step, batch in enumerate(global_batches):
+        rows = [r.tobytes() for p in parts for r in p[step]]
+        assert len(set(rows)) == len(rows) == 16  # no example twice in a global step
+        assert sorted(rows) == sorted(r.tobytes() for r in batch)  # and together: the global batch
+
+
+# Seeded random faults: (worker killed, step it dies after).
+CHAOS = [(random.Random(s).randint(0, 1), random.Random(s + 100).randint(2, CHAOS_STEPS - 2))
+         for s in (3, 5)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("worker,kill_at", CHAOS)
+def test_sigkilled_worker_group_restarts_and_resumes_step_exactly(tmp_path, data_dir, uninterrupted,
+                                                                  worker, kill_at):
+    p, res = launch(tmp_path, chaos_overrides(data_dir), "--kill-at-step", str(kill_at),
+                    "--kill-worker", str(worker), max_restarts=2)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert f"worker {worker} was killed by SIGKILL" in p.stdout
+    assert p.stdout.count("tfdist launch: started 2 worker(s)") == 2  # exactly one restart
+    assert f"resuming from {tmp_path}/backup at step {kill_at} of {CHAOS_STEPS}" in p.stdout
+    assert steps_by_worker(tmp_path) == {0: CHAOS_STEPS, 1: CHAOS_STEPS}  # no step lost or repeated
+    assert res[0]["final_step"] == CHAOS_STEPS
+    for a, b in zip(final_weights(tmp_path), uninterrupted["weights"]):
+        np.testing.assert_array_equal(a, b)  # bitwise, with op determinism (and dropout RNG)
+    assert not os.path.exists(tmp_path / "backup")

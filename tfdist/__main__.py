@@ -1,9 +1,9 @@
-"""`tfdist <command> [flags]`: train, sample."""
+"""`tfdist <command> [flags]`: train, sample, launch."""
 import importlib
 import sys
 
-COMMANDS = {"train": "tfdist.train", "sample": "tfdist.sample"}
-USAGE = "usage: tfdist {train,sample} [--flags]   (tfdist <command> --help for its flags)"
+COMMANDS = {"train": "tfdist.train", "sample": "tfdist.sample", "launch": "launchers.local"}
+USAGE = "usage: tfdist {train,sample,launch} [--flags]   (tfdist <command> --help for its flags)"
 
 
 def main(argv=None):

@@ -36,6 +36,8 @@ def define_config_flag(name, default, help_text):
 
 def _parse_flags(argv):
     for arg in argv[1:]:  # ml_collections' own message for this names no file; say which one
+        if arg == "--":
+            break
         if arg.startswith("--config=") and not os.path.isfile(arg[len("--config="):]):
             fail(f"config file '{arg[len('--config='):]}' not found; pass --config=configs/<name>.py")
     try:

@@ -57,6 +57,8 @@ def default_config():
     c.train.eval_steps = 10  # validation batches per evaluation
     c.train.deterministic = False  # tf.config.experimental.enable_op_determinism()
     c.train.log_every_steps = 1
+    c.train.intra_op_threads = 0  # TF's thread pools per process; 0 = TF's default (all cores)
+    c.train.inter_op_threads = 0
 
     c.strategy = ml_collections.ConfigDict()
     c.strategy.name = "single"
@@ -107,6 +109,8 @@ _RULES = {
     "train.precision": (lambda v: v in PRECISIONS, "one of " + ", ".join(PRECISIONS)),
     "train.eval_steps": (_positive_int, "an integer > 0"),
     "train.log_every_steps": (_positive_int, "an integer > 0"),
+    "train.intra_op_threads": (lambda v: 0 <= v <= 1024, "an integer >= 0 (0: TF's default)"),
+    "train.inter_op_threads": (lambda v: 0 <= v <= 1024, "an integer >= 0 (0: TF's default)"),
     "strategy.name": (lambda v: bool(v), "a strategy name"),
     "strategy.devices": (lambda v: isinstance(v, int) and 0 <= v <= 64, "an integer in [0, 64]"),
     "strategy.cross_device_ops": (lambda v: v in CROSS_DEVICE_OPS, "one of " + ", ".join(CROSS_DEVICE_OPS)),

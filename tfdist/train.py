@@ -26,6 +26,10 @@ _STRATEGY = flags.DEFINE_string("strategy", None, "Strategy name; overrides conf
 _DEVICES = flags.DEFINE_integer("devices", None, "Mirrored on CPU: logical CPU devices "
                                 "(overrides config.strategy.devices).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a finished run in --workdir.")
+_PREPARE_ONLY = flags.DEFINE_bool(
+    "prepare_only", False, "Check the config, prepare the dataset and the workdir (applying "
+    "--overwrite), then exit without training. `tfdist launch` runs this once before it starts "
+    "the workers.")
 
 _OUTPUTS = ("model.keras", "metrics.json", "loss.png", "tensorboard", "backup")
 
@@ -64,17 +68,32 @@ def prepare_workdir(workdir, backup_dir, overwrite):
                          f"to replace it or choose another --workdir")
 
 
+def prepare(c, workdir, overwrite=False):
+    """What must happen once per run, before any worker starts: the config and the strategy name
+    are checked, the dataset is prepared, and `--overwrite` clears the workdir."""
+    from tfdist import strategies
+    from tfdist.data import load_corpus
+
+    strategies.get_class(c.strategy.name)
+    load_corpus(c.data)
+    prepare_workdir(workdir, c.backup.dir or os.path.join(workdir, "backup"), overwrite)
+
+
 def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     """Runs training for config `c` into `workdir`. Returns a dict of results.
 
     `extra_callbacks` run after tfdist's own (after the backup of a step has been written).
     """
+    import tensorflow as tf
     from tfdist import strategies
 
-    strategy = strategies.from_config(c)  # first: it may split the CPU before TF initialises
+    # Before anything initialises TF's runtime: thread pools, then the strategy (which may split
+    # the CPU into logical devices).
+    tf.config.threading.set_intra_op_parallelism_threads(c.train.intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(c.train.inter_op_threads)
+    strategy = strategies.from_config(c)
 
     import keras
-    import tensorflow as tf
     from tfdist import callbacks as cb
     from tfdist.data import Windows, load_corpus
     from tfdist.errors import UsageError
@@ -105,7 +124,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
         optimizer.build(model.trainable_variables)
 
     backup_dir = c.backup.dir or os.path.join(workdir, "backup")
-    prepare_workdir(workdir, backup_dir, overwrite)  # after every input has been checked
+    if strategy.is_chief or not overwrite:  # after every input has been checked; only the
+        prepare_workdir(workdir, backup_dir, overwrite)  # chief deletes
     backup = cb.BackupAndRestore(
         backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps, keep=c.backup.keep,
         delete_on_success=c.backup.delete_on_success, is_chief=strategy.is_chief,
@@ -113,7 +133,10 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
         signature={"model": c.model.to_dict(), "data": {
             "corpus": corpus.name, "fingerprint": corpus.fingerprint, "seed": c.seed,
             "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps}})
-    start = backup.restore(model) if c.backup.enabled else 0
+    # With --overwrite the chief deletes the old backup; the other workers must not read it
+    # meanwhile. Every worker starts at step 0 then (the chief's deletion precedes its first step,
+    # which no worker can finish without it).
+    start = backup.restore(model) if c.backup.enabled and not overwrite else 0
     if start >= t.steps:
         raise UsageError(f"the backup in {backup_dir} is already at step {start} of {t.steps}; "
                          f"raise train.steps or remove the backup")
@@ -151,6 +174,10 @@ def main(argv):
     c = resolve_config()
     workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(
         os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0])
+    if _PREPARE_ONLY.value:
+        prepare(c, workdir, overwrite=_OVERWRITE.value)
+        print(f"tfdist: prepared {workdir} (dataset ready, config checked)")
+        return
     train(c, workdir, overwrite=_OVERWRITE.value)
 
 

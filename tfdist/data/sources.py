@@ -15,7 +15,9 @@ that on first use, offline, in a second or two) `tfds.load` reads it like any ot
 
 `load_corpus(config.data)` turns any source into a `Corpus`: the train and validation byte streams.
 """
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import os
 import sysconfig
@@ -132,6 +134,25 @@ def _data_dir(data_config):
     return data_config.data_dir or os.path.expanduser("~/tensorflow_datasets")
 
 
+@contextlib.contextmanager
+def _prepare_lock(data_dir):
+    """Serialises dataset preparation between processes sharing `data_dir` (several workers of one
+    host, or of a cluster on a shared filesystem): TFDS itself does not guard concurrent
+    `download_and_prepare` calls, and two writers can leave a half-written dataset. The first
+    process prepares; the others wait, then find it prepared. (Remote data_dirs such as gs://
+    are not locked: prepare those once, beforehand.)"""
+    if "://" in data_dir:
+        yield
+        return
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, ".tfdist-prepare.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _join(ds, key):
     """Concatenates the text feature `key` of every example, newline-separated, as uint8."""
     parts = [ex[key] for ex in tfds.as_numpy(ds)]
@@ -155,7 +176,8 @@ def load_corpus(data_config):
     else:
         paths = [p.strip() for p in source.split(",") if p.strip()]
         builder = TfdistText(config=local_text_config(paths), data_dir=data_dir)
-    builder.download_and_prepare()
+    with _prepare_lock(data_dir):
+        builder.download_and_prepare()
     data = _join(builder.as_dataset(split="train", shuffle_files=False), "text")
     train, val = _split(data, data_config.val_fraction)
     return Corpus(name=f"tfdist_text/{builder.builder_config.name}", train=train, val=val)

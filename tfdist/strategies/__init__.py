@@ -25,12 +25,17 @@ def names():
     return sorted(_PLUGINS)
 
 
-def get(name, **options):
-    """Builds the plugin `name` with its options (unknown name: UsageError listing the known ones)."""
+def get_class(name):
+    """The plugin class `name` (unknown name: UsageError listing the known ones)."""
     if name not in _PLUGINS:
         raise UsageError(f"unknown strategy '{name}'; choose one of: {', '.join(names())}")
     module, cls = _PLUGINS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    return getattr(importlib.import_module(module), cls)
+
+
+def get(name, **options):
+    """Builds the plugin `name` with its options."""
+    return get_class(name)(**options)
 
 
 def from_config(config):

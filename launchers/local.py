@@ -1,0 +1,352 @@
+"""`tfdist launch`: N worker processes on 127.0.0.1 with their TF_CONFIG, supervised.
+
+    tfdist launch --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/nano-2w
+    tfdist launch --workers 2 -- python my_keras_program.py --its --flags
+
+Arguments after `--` that start with `-` are `tfdist train` flags (the launcher adds
+`--strategy=<--strategy>`). Otherwise they are the command every worker runs; it finds its place
+in the cluster in TF_CONFIG, as under a Kubernetes TFJob.
+
+What it does:
+
+1. `tfdist train` form only: runs `tfdist train --prepare_only` once. That checks the flags, prepares
+   the dataset once (not N times at once) and applies `--overwrite`. `--overwrite` is not passed
+   on to the workers, because a restarted group must resume, not start over.
+2. Picks free 127.0.0.1 ports and starts the workers. Worker i gets TF_CONFIG
+   `{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}` and
+   TFDIST_RESTART_COUNT. Output is streamed with a `[w<i>]` prefix (and also written to
+   `--worker_logs/worker-<i>.log` if given).
+3. Supervises (abort and restart, TF's own design for synchronous training). When a worker exits
+   non-zero, the others are stopped (SIGTERM, then SIGKILL) and the group starts again on fresh
+   ports. The restart waits `--backoff` seconds, doubling each time up to 60 s, and there are at
+   most `--max_restarts` of them. `tfdist train` resumes from its backup at the exact step.
+
+Exit status: 0 when the run completed. 2 for bad usage: this launcher's flags, the prepare step's,
+or a worker that exited 2 (restarting cannot fix that). 1 when the restart budget ran out.
+128+N when the launcher was stopped by signal N (the workers are stopped too).
+
+Listening only on 127.0.0.1: TF's gRPC server binds every interface whatever TF_CONFIG says
+(tensorflow/tensorflow#2925). `--bind=loopback` (the default) therefore preloads
+`loopback_bind.c`, which the system C compiler builds once into ~/.cache/tfdist. It turns the
+workers' wildcard binds into 127.0.0.1 binds. `--bind=all` leaves TF's behaviour alone.
+"""
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import flags
+
+from tfdist import cli
+from tfdist.errors import UsageError
+
+STRATEGIES = ("multi_worker_mirrored",)
+MAX_BACKOFF = 60.0
+
+_WORKERS = flags.DEFINE_integer("workers", 2, "Number of worker processes.")
+_STRATEGY = flags.DEFINE_string("strategy", "multi_worker_mirrored",
+                                "Strategy of the workers: " + ", ".join(STRATEGIES) + ".")
+_MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3,
+                                     "Restarts of the whole group before giving up.")
+_BACKOFF = flags.DEFINE_float("backoff", 2.0,
+                              "Seconds before the first restart; doubles each time, up to 60.")
+_BIND = flags.DEFINE_enum("bind", "loopback", ["loopback", "all"],
+                          "loopback: workers listen on 127.0.0.1 only; all: TF's default "
+                          "(every interface).")
+_LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write worker i's output to "
+                               "<worker_logs>/worker-<i>.log.")
+
+
+def free_ports(n):
+    """n distinct ports free on 127.0.0.1 right now."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def loopback_shim():
+    """Path of the compiled loopback-bind shim, built on first use (cached by source hash)."""
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loopback_bind.c")
+    with open(src, "rb") as f:
+        digest = hashlib.sha1(f.read()).hexdigest()[:12]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tfdist")
+    so = os.path.join(cache, f"loopback_bind-{digest}.so")
+    if os.path.exists(so):
+        return so
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise UsageError("--bind=loopback needs a C compiler (cc) once, to build its bind shim; "
+                         "install gcc, or pass --bind=all (workers then listen on every interface)")
+    os.makedirs(cache, exist_ok=True)
+    tmp = f"{so}.{os.getpid()}.tmp"
+    p = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", tmp, src, "-ldl"],
+                       capture_output=True, text=True)
+    if p.returncode:
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"building {src} with {cc} failed ({last}); pass --bind=all to do without")
+    os.replace(tmp, so)
+    return so
+
+
+def describe_exit(code):
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class _Output:
+    """Writes the workers' output line by line with a prefix.
+
+    Keras's progress bar redraws one line with carriage returns. On a terminal the latest state is
+    shown in place. Elsewhere (a pipe, a log file) only the line's final state is written.
+    """
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.lock = threading.Lock()
+        self._open = False  # a progress line is being redrawn on the terminal
+
+    def line(self, text, log=None):
+        if _is_noise(text):
+            return
+        if not self.tty:
+            text = _ANSI.sub("", text)
+        with self.lock:
+            if self._open:
+                self.stream.write("\n")
+                self._open = False
+            self.stream.write(text + "\n")
+            self.stream.flush()
+            if log:
+                log.write(_ANSI.sub("", text) + "\n")
+                log.flush()
+
+    def progress(self, text):
+        if not self.tty or _is_noise(text):
+            return
+        with self.lock:
+            self.stream.write("\r" + text)
+            self.stream.flush()
+            self._open = True
+
+    def pump(self, fd, prefix, log=None):
+        """Copies a worker's output (file descriptor `fd`) until it closes."""
+        buf = b""
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for raw in lines:
+                self.line(prefix + _last_state(raw), log)
+            if b"\r" in buf:
+                self.progress(prefix + _last_state(buf))
+        if buf:
+            self.line(prefix + _last_state(buf), log)
+        os.close(fd)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# TF prints these two lines at every import, whatever TF_CPP_MIN_LOG_LEVEL says; N workers would
+# print them 2N times. They carry no information about the run.
+_NOISE = ("WARNING: All log messages before absl::InitializeLog() is called",
+          "port.cc:153] oneDNN custom operations are on")
+
+
+def _last_state(raw):
+    segments = [s for s in raw.decode(errors="replace").replace("\b", "").split("\r") if s.strip()]
+    return segments[-1].rstrip() if segments else ""
+
+
+def _is_noise(text):
+    return any(n in text for n in _NOISE)
+
+
+class Supervisor:
+    """Starts `argv_for(i)` for i < n with TF_CONFIG on fresh 127.0.0.1 ports; restarts on failure.
+
+    Example (any program that reads TF_CONFIG):
+
+        from launchers.local import Supervisor
+        code = Supervisor(lambda i: ["python", "-c", "import os; print(os.environ['TF_CONFIG'])"],
+                          n=2, max_restarts=0).run()
+    """
+
+    def __init__(self, argv_for, n, *, max_restarts=3, backoff=2.0, env=None, log_dir=None,
+                 output=None):
+        self.argv_for, self.n = argv_for, n
+        self.max_restarts, self.backoff = max_restarts, backoff
+        self.env = dict(os.environ if env is None else env)
+        self.log_dir = log_dir
+        self.out = output or _Output()
+        self.stop_signal = None
+        self._wake = threading.Event()
+
+    def say(self, message):
+        self.out.line(f"tfdist launch: {message}")
+
+    def _start(self, restart):
+        addrs = [f"127.0.0.1:{p}" for p in free_ports(self.n)]
+        procs, pumps = [], []
+        for i in range(self.n):
+            env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT": str(restart),
+                   "TF_CONFIG": json.dumps({"cluster": {"worker": addrs},
+                                            "task": {"type": "worker", "index": i}})}
+            read_fd, write_fd = os.pipe()
+            p = subprocess.Popen(self.argv_for(i), env=env, stdin=subprocess.DEVNULL,
+                                 stdout=write_fd, stderr=write_fd, start_new_session=True)
+            os.close(write_fd)
+            log = None
+            if self.log_dir:
+                os.makedirs(self.log_dir, exist_ok=True)
+                log = open(os.path.join(self.log_dir, f"worker-{i}.log"), "a")
+            t = threading.Thread(target=self.out.pump, args=(read_fd, f"[w{i}] ", log), daemon=True)
+            t.start()
+            procs.append(p)
+            pumps.append((t, log))
+        self.say(f"started {self.n} worker(s) on {', '.join(addrs)} "
+                 f"(pids {', '.join(str(p.pid) for p in procs)})")
+        return procs, pumps
+
+    def _stop(self, procs, grace=10.0):
+        """SIGTERM to every worker still running, SIGKILL after `grace` seconds. Ours only, by PID."""
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _wait(self, procs):
+        """Waits for the group. Returns None if it succeeded, else (worker, exit code) of the
+        first failure. Success: every worker exited 0, or the chief (worker 0) did: a synchronous
+        run cannot finish on the chief unless every worker took part in every step."""
+        while True:
+            if self.stop_signal:
+                return None
+            codes = [p.poll() for p in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed and codes[0] != 0:
+                return failed[0]
+            if all(c is not None for c in codes):
+                for i, c in failed:
+                    self.say(f"worker {i} {describe_exit(c)} after the chief had finished")
+                return None
+            self._wake.wait(0.1)
+
+    def _on_signal(self, signum, frame):
+        self.stop_signal = signum
+        self._wake.set()
+
+    def run(self):
+        """Runs the group to completion. Returns the exit status (see the module doc)."""
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+
+    def _run(self):
+        restart = 0
+        while True:
+            procs, pumps = self._start(restart)
+            failure = self._wait(procs)
+            if failure or self.stop_signal:
+                self._stop(procs)
+            for t, log in pumps:
+                t.join(timeout=5)
+                if log:
+                    log.close()
+            if self.stop_signal:
+                self.say(f"stopped by {signal.Signals(self.stop_signal).name}; workers stopped")
+                return 128 + self.stop_signal
+            if failure is None:
+                self.say(f"done: {self.n} worker(s) finished"
+                         + (f" after {restart} restart(s)" if restart else ""))
+                return 0
+            worker, code = failure
+            if code == 2:
+                self.say(f"worker {worker} exited with status 2 (bad usage); not restarting")
+                return 2
+            if restart >= self.max_restarts:
+                print(f"tfdist: error: worker {worker} {describe_exit(code)}; gave up after "
+                      f"{restart} restart(s) (--max_restarts={self.max_restarts})",
+                      file=sys.stderr, flush=True)
+                return 1
+            delay = min(self.backoff * 2 ** restart, MAX_BACKOFF)
+            restart += 1
+            self.say(f"worker {worker} {describe_exit(code)}; stopped the others; restart "
+                     f"{restart} of {self.max_restarts} in {delay:g} s")
+            self._wake.clear()
+            self._wake.wait(delay)
+            if self.stop_signal:
+                return 128 + self.stop_signal
+
+
+def _train_argv(args, strategy):
+    return [sys.executable, "-m", "tfdist", "train", *args, f"--strategy={strategy}"]
+
+
+def main(argv):
+    rest = argv[1:]
+    n, strategy = _WORKERS.value, _STRATEGY.value
+    if not rest:
+        raise UsageError("nothing to run: put the `tfdist train` flags (or a command) after --, "
+                         "e.g. tfdist launch --workers 2 -- --config=configs/gpt_nano.py")
+    if not 1 <= n <= 64:
+        raise UsageError(f"--workers must be between 1 and 64, got {n}")
+    if strategy not in STRATEGIES:
+        raise UsageError(f"tfdist launch cannot start strategy '{strategy}'; it starts: "
+                         f"{', '.join(STRATEGIES)}")
+    if _MAX_RESTARTS.value < 0 or _BACKOFF.value < 0:
+        raise UsageError("--max_restarts and --backoff must be >= 0")
+    env = dict(os.environ)
+    if _BIND.value == "loopback":
+        env["LD_PRELOAD"] = " ".join(filter(None, [loopback_shim(), env.get("LD_PRELOAD")]))
+
+    if rest[0].startswith("-"):  # tfdist train flags
+        if any(a.startswith("--strategy") for a in rest):
+            raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
+        p = subprocess.run(_train_argv(rest, strategy) + ["--prepare_only"], env=env)
+        if p.returncode:
+            sys.exit(2 if p.returncode == 2 else 1)
+        worker_args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
+        argv_for = lambda i: _train_argv(worker_args, strategy)  # noqa: E731
+    else:  # any program
+        argv_for = lambda i: rest  # noqa: E731
+
+    code = Supervisor(argv_for, n, max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
+                      env=env, log_dir=_LOG_DIR.value).run()
+    sys.exit(code)
+
+
+def run(argv=None):
+    cli.run(main, argv or sys.argv)
+
+
+if __name__ == "__main__":
+    run()

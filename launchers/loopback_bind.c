@@ -1,0 +1,40 @@
+/* LD_PRELOAD shim used by `tfdist launch --bind=loopback` (the default).
+ *
+ * TensorFlow's gRPC server (the one every tf.distribute worker starts) always listens on every
+ * interface, "0.0.0.0:<port>" (gRPC makes that a dual-stack [::] socket), whatever address the
+ * cluster spec gives: tensorflow/tensorflow#2925, unchanged in TF 2.21. A local cluster must not
+ * be reachable from the network, so this turns a bind to the IPv4 or IPv6 wildcard address into
+ * a bind to 127.0.0.1 (::ffff:127.0.0.1 on a dual-stack socket), which is what the workers dial.
+ * Every other bind passes through unchanged.
+ *
+ * Built on first use by launchers/local.py:  cc -shared -fPIC -O2 -o loopback_bind.so loopback_bind.c -ldl
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <netinet/in.h>
+#include <string.h>
+#include <sys/socket.h>
+
+typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
+
+int bind(int fd, const struct sockaddr *addr, socklen_t len) {
+  static bind_fn real_bind;
+  if (!real_bind) real_bind = (bind_fn)dlsym(RTLD_NEXT, "bind");
+  if (addr && addr->sa_family == AF_INET && len >= sizeof(struct sockaddr_in)) {
+    struct sockaddr_in a;
+    memcpy(&a, addr, sizeof a);
+    if (a.sin_addr.s_addr == htonl(INADDR_ANY)) {
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      return real_bind(fd, (struct sockaddr *)&a, sizeof a);
+    }
+  } else if (addr && addr->sa_family == AF_INET6 && len >= sizeof(struct sockaddr_in6)) {
+    struct sockaddr_in6 a;
+    memcpy(&a, addr, sizeof a);
+    if (IN6_IS_ADDR_UNSPECIFIED(&a.sin6_addr)) {
+      static const unsigned char mapped[16] = {0,0,0,0,0,0,0,0,0,0,0xff,0xff,127,0,0,1};
+      memcpy(&a.sin6_addr, mapped, 16);
+      return real_bind(fd, (struct sockaddr *)&a, sizeof a);
+    }
+  }
+  return real_bind(fd, addr, len);
+}

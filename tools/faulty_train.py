@@ -1,0 +1,130 @@
+"""`tfdist.train.train` with faults injected on purpose: the program of the chaos tool and tests.
+
+    python tools/faulty_train.py WORKDIR '{"train.steps": 20, ...}' [--kill-at-step K] ...
+    tfdist launch --workers 2 -- python tools/faulty_train.py WORKDIR '{...}' --kill-at-step 7 --kill-worker 1
+
+Config overrides are a JSON dict of dotted keys applied to configs/<--config>.py (gpt_nano).
+Prints one `DRIVER_RESULT {...}` JSON line at the end. Every executed step appends a line
+`<worker index> <pid> <loss>` to WORKDIR/executed_steps.txt, so a caller can count the steps that
+really ran, across restarts.
+
+--kill-at-step K: SIGKILL this process right after its K-th step (after that step's backup, if
+  any). Under `tfdist launch` only worker --kill-worker does it, and only in the first attempt
+  (TFDIST_RESTART_COUNT=0), so the restarted group runs to the end.
+--kill-in-save N: SIGKILL inside the N-th backup save, after the checkpoint data files were written
+  but before the checkpoint index was updated.
+--dump-inputs N: after training, write WORKDIR/inputs-w<i>.npy: this worker's input rows of the
+  first N steps, made by the training pipeline with the InputContext the strategy gave it.
+--skip-keras-fix 1|2: keep Keras's own _maybe_symbolic_build (1) or reduce_per_replica (2), to
+  show that each multi-worker correction is needed.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workdir")
+    ap.add_argument("overrides", nargs="?", default="{}")
+    ap.add_argument("--config", default="gpt_nano")
+    ap.add_argument("--kill-at-step", type=int, default=0)
+    ap.add_argument("--kill-worker", type=int, default=0)
+    ap.add_argument("--kill-in-save", type=int, default=0)
+    ap.add_argument("--dump-inputs", type=int, default=0)
+    ap.add_argument("--skip-keras-fix", type=int, default=0)
+    args = ap.parse_args()
+
+    import importlib
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tfdist import cluster
+    from tfdist import config as config_lib
+    from tfdist.data.pipeline import Windows
+    from tfdist.train import train
+
+    spec = cluster.from_environment()
+    worker = spec.worker_index if spec else 0
+    first_attempt = os.environ.get("TFDIST_RESTART_COUNT", "0") == "0"
+    kill_here = args.kill_at_step and worker == args.kill_worker and first_attempt
+
+    if args.skip_keras_fix:
+        from keras.src.backend.tensorflow import trainer as tf_trainer
+        from tfdist.strategies import keras_fixes
+        originals = (tf_trainer.TensorFlowTrainer._maybe_symbolic_build, tf_trainer.reduce_per_replica)
+        upstream_apply = keras_fixes.apply
+
+        def partial_apply():
+            upstream_apply()
+            if args.skip_keras_fix == 1:
+                tf_trainer.TensorFlowTrainer._maybe_symbolic_build = originals[0]
+            else:
+                tf_trainer.reduce_per_replica = originals[1]
+        keras_fixes.apply = partial_apply
+
+    c = importlib.import_module(args.config).get_config()
+    for key, value in json.loads(args.overrides).items():
+        section, _, name = key.rpartition(".")
+        (c[section] if section else c)[name] = value
+    config_lib.validate(c)
+    os.makedirs(args.workdir, exist_ok=True)
+    steps_file = open(os.path.join(args.workdir, "executed_steps.txt"), "a")
+
+    class Record(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.n += 1
+            steps_file.write(f"{worker} {os.getpid()} {logs['loss']!r}\n")
+            steps_file.flush()
+            if kill_here and self.n == args.kill_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if args.kill_in_save:
+        original, count = tf.train.CheckpointManager.save, [0]
+
+        def dying_save(self, checkpoint_number=None, **kw):
+            count[0] += 1
+            if count[0] == args.kill_in_save:
+                self._checkpoint.write(os.path.join(self.directory, f"ckpt-{checkpoint_number}"))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, checkpoint_number=checkpoint_number, **kw)
+
+        tf.train.CheckpointManager.save = dying_save
+
+    contexts = []  # (Windows, InputContext) of the training pipeline, as the strategy built it
+    if args.dump_inputs:
+        original_fn = Windows.dataset_fn
+
+        def recording_dataset_fn(self, start_step, num_steps, repeat=False):
+            fn = original_fn(self, start_step, num_steps, repeat)
+            if repeat:  # validation
+                return fn
+
+            def recorded(input_context=None):
+                contexts.append((self, input_context))
+                return fn(input_context)
+            return recorded
+
+        Windows.dataset_fn = recording_dataset_fn
+
+    result = train(c, args.workdir, verbose=0, extra_callbacks=[Record()])
+    if args.dump_inputs:
+        windows, ctx = contexts[0]
+        rows = [x.numpy() for x, _ in original_fn(windows, 0, args.dump_inputs)(ctx)]
+        np.save(os.path.join(args.workdir, f"inputs-w{worker}.npy"), np.stack(rows))
+    print("DRIVER_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
