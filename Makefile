@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench chaos clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench.py
+
+# 5 trials: SIGKILL a worker of a 2-worker run at a random step; the launcher restarts, the run
+# must end with the exact steps and bitwise the weights of an uninterrupted run.
+chaos: $(STAMP)
+	$(BIN)/python tools/chaos.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

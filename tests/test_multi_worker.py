@@ -154,6 +154,27 @@ def test_each_keras_correction_is_needed(tmp_path, data_dir, fix, needle):
     assert max(abs(x - y) for x, y in zip(a, b)) > 1e-3  # the losses are wrong without it
 
 
+@pytest.mark.slow
+def test_a_users_functional_model_fits_under_two_workers(tmp_path):
+    """Plain `model.fit` on a user's functional model (launchers/examples/keras_functional.py)."""
+    example = os.path.join(ROOT, "launchers", "examples", "keras_functional.py")
+    single = subprocess.run([sys.executable, example, "--strategy=single"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert single.returncode == 0, single.stderr[-2000:]
+    ref = json.loads(single.stdout.split("RESULT ", 1)[1])
+    p = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0",
+                        "--", sys.executable, example], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    found = {int(i): json.loads(r) for i, r in re.findall(r"^\[w(\d+)\] RESULT (.*)$", p.stdout, re.M)}
+    assert set(found) == {0, 1}
+    assert found[0]["checksum"] == found[1]["checksum"]  # the replicas hold the same weights
+    assert found[0]["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
+    assert len(found[0]["loss"]) == len(ref["loss"]) == 3
+    assert max(abs(a - b) for a, b in zip(found[0]["loss"], ref["loss"])) <= 1e-5
+    assert found[0]["loss"][-1] < found[0]["loss"][0]  # it learns
+
+
 def chaos_overrides(data_dir):
     """Backup after every step (so executed steps add up exactly), op determinism, dropout on."""
     return {"data.data_dir": data_dir, "train.steps": CHAOS_STEPS, "train.steps_per_epoch": 10,

@@ -127,10 +127,15 @@ def from_slurm(port_base=8888, env=None):
 
 
 def from_environment(allowed_roles=ROLES, env=None):
-    """TF_CONFIG if set (Kubernetes TFJob and tfdist's launcher set it), else Slurm, else None."""
+    """TF_CONFIG if set (Kubernetes TFJob and tfdist's launcher set it), else Slurm, else None.
+
+    Under Slurm, worker i of a node listens on TFDIST_SLURM_PORT_BASE + i (default 8888 + i)."""
     env = os.environ if env is None else env
     if env.get("TF_CONFIG"):
         return from_tf_config(env["TF_CONFIG"], allowed_roles)
     if env.get("SLURM_JOB_ID") and env.get("SLURM_NTASKS"):
-        return from_slurm(env=env)
+        port = env.get("TFDIST_SLURM_PORT_BASE", "8888")  # task i of a node listens on base + i
+        if not port.isdigit() or not 0 < int(port) < 65000:
+            raise UsageError(f"TFDIST_SLURM_PORT_BASE={port!r} is not a port number")
+        return from_slurm(port_base=int(port), env=env)
     return None

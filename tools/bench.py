@@ -1,7 +1,9 @@
-"""Benchmark: tokens/s and MFU of a GPT training step, tfdist vs plain Keras 3 `fit`.
+"""Benchmark: tokens/s and MFU of a GPT training step, tfdist vs plain Keras 3 `fit`; and the
+scaling of multi-worker training.
 
     python tools/bench.py                       # gpt_mini, batch 16 x 256, both cores
     python tools/bench.py --steps=4 --rounds=2 --config=configs/gpt_nano.py   # quick look
+    python tools/bench.py --scaling             # 2 workers x 1 thread vs 1 x 1 thread, gpt_mini
 
 What it measures, all in one process so that the noisy machine affects every variant alike:
 * the matmul peak of this machine (FLOP/s, fp32 2048^3 `tf.matmul`, best of several);
@@ -12,9 +14,17 @@ What it measures, all in one process so that the noisy machine affects every var
   the variants are interleaved round by round and compared as ratios;
 * MFU = tokens/s * (6 N + 12 L C T) / peak (nanoGPT's formula; N without position embeddings).
 It prints a table and writes JSON (--out).
+
+--scaling runs real `tfdist train` processes instead. A single-process run (1 intra-op thread) and
+a `tfdist launch --workers=2` MultiWorkerMirrored run (1 intra-op thread per worker, same batch per
+worker, so twice the global batch) alternate for --rounds rounds. Each run's steady tokens/s is
+the median over its steps after --warmup; scaling efficiency = tokens/s(2 workers) /
+(2 * tokens/s(1 worker)), per round and as the median of the rounds. Writes
+bench_results/scaling.json unless --out says otherwise.
 """
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -32,7 +42,10 @@ _STEPS = flags.DEFINE_integer("steps", 6, "Timed steps per variant per round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps per variant before the rounds.")
 _JIT = flags.DEFINE_bool("jit", True, "Also time jit_compile=True.")
-_OUT = flags.DEFINE_string("out", "bench_results/bench.json", "Where to write the JSON results.")
+_OUT = flags.DEFINE_string("out", None, "Where to write the JSON results "
+                           "(default bench_results/bench.json, or scaling.json with --scaling).")
+_SCALING = flags.DEFINE_bool("scaling", False, "Measure multi-worker scaling instead (see above).")
+_WORKERS = flags.DEFINE_integer("workers", 2, "--scaling: workers of the multi-worker run.")
 
 
 def matmul_peak(n=2048, repeats=10):
@@ -49,8 +62,71 @@ def matmul_peak(n=2048, repeats=10):
     return 2 * n ** 3 / best
 
 
+def _train_run(workdir, workers, steps):
+    """One `tfdist train` (workers=1, strategy single) or `tfdist launch` run; its per-step log."""
+    config = config_flags_filename()
+    per_worker = _CONFIG.value.train.batch_size
+    train_flags = [f"--config={config}", f"--workdir={workdir}", "--overwrite",
+                   f"--config.train.steps={steps}", f"--config.train.steps_per_epoch={steps}",
+                   f"--config.train.batch_size={per_worker * workers}",
+                   "--config.train.warmup_steps=1", "--config.train.eval_steps=1",
+                   "--config.train.intra_op_threads=1", "--config.backup.enabled=false"]
+    if workers == 1:
+        cmd = [sys.executable, "-m", "tfdist", "train", *train_flags, "--strategy=single"]
+    else:
+        cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}",
+               "--max_restarts=0", "--", *train_flags]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if p.returncode:
+        sys.exit(f"bench: {' '.join(cmd[2:5])} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n"
+                 f"{p.stderr[-2000:]}")
+    with open(os.path.join(workdir, "metrics.json")) as f:
+        return json.load(f)["steps"]
+
+
+def scaling_main():
+    import tempfile
+    import numpy as np
+
+    n, steps = _WORKERS.value, _WARMUP.value + _STEPS.value
+    c = _CONFIG.value
+    tokens_1 = c.train.batch_size * c.model.block_size
+    tmp = tempfile.mkdtemp(prefix="tfdist-scaling-")
+    rounds = []
+    for r in range(_ROUNDS.value):
+        row = {}
+        for workers in (1, n):  # interleaved: the machine's noise hits both alike
+            log = _train_run(os.path.join(tmp, f"w{workers}"), workers, steps)
+            rates = [s["tokens_per_sec"] for s in log[_WARMUP.value:]]
+            row[workers] = float(np.median(rates))
+            print(f"round {r + 1}: {workers} worker(s) x 1 thread: {row[workers]:8.0f} tokens/s "
+                  f"({workers * tokens_1 / row[workers]:.2f} s/step)", flush=True)
+        rounds.append({"tokens_per_sec_1": row[1], f"tokens_per_sec_{n}": row[n],
+                       "efficiency": row[n] / (n * row[1])})
+    eff = float(np.median([x["efficiency"] for x in rounds]))
+    tps1 = float(np.median([x["tokens_per_sec_1"] for x in rounds]))
+    tpsn = float(np.median([x[f"tokens_per_sec_{n}"] for x in rounds]))
+    result = {"config": os.path.basename(config_flags_filename()), "batch_per_worker": c.train.batch_size,
+              "context": c.model.block_size, "workers": n, "intra_op_threads": 1,
+              "timed_steps_per_run": _STEPS.value, "rounds": rounds,
+              "tokens_per_sec_1": tps1, f"tokens_per_sec_{n}": tpsn, "scaling_efficiency": eff}
+    print(f"\n{result['config']}: batch {c.train.batch_size} x {c.model.block_size} per worker, "
+          f"1 intra-op thread per worker, median of {_ROUNDS.value} interleaved rounds")
+    print(f"{'run':34s} {'tokens/s':>10s} {'s/step':>8s}")
+    print(f"{'1 process (single)':34s} {tps1:10.0f} {tokens_1 / tps1:8.2f}")
+    print(f"{f'{n} workers (multi_worker_mirrored)':34s} {tpsn:10.0f} {n * tokens_1 / tpsn:8.2f}")
+    print(f"scaling efficiency: {100 * eff:.1f}% (target >= 90%)")
+    out = _OUT.value or "bench_results/scaling.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
 def main(argv):
     del argv
+    if _SCALING.value:
+        return scaling_main()
     import keras
     import numpy as np
     import tensorflow as tf
@@ -159,10 +235,11 @@ def main(argv):
               f"{100 * r['mfu']:6.1f}% {r['relative_to_tfdist']:10.3f}")
     print(f"tfdist overhead vs plain Keras fit: {100 * result['tfdist_overhead_vs_keras']:+.1f}% "
           f"of throughput")
-    os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-    with open(_OUT.value, "w") as f:
+    out = _OUT.value or "bench_results/bench.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {_OUT.value}")
+    print(f"wrote {out}")
 
 
 def config_flags_filename():
