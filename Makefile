@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench chaos clean
+.PHONY: setup demo test test-fast bench bench-scaling chaos clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench.py
+
+# 2 workers x 1 thread vs 1 process x 1 thread, gpt_mini, same batch per worker.
+bench-scaling: $(STAMP)
+	$(BIN)/python tools/bench.py --scaling
 
 # 5 trials: SIGKILL a worker of a 2-worker run at a random step; the launcher restarts, the run
 # must end with the exact steps and bitwise the weights of an uninterrupted run.

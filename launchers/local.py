@@ -191,6 +191,8 @@ class Supervisor:
                           n=2, max_restarts=0).run()
     """
 
+    FINISH_GRACE = 120.0  # seconds the others may take to exit after the chief has finished
+
     def __init__(self, argv_for, n, *, max_restarts=3, backoff=2.0, env=None, log_dir=None,
                  output=None):
         self.argv_for, self.n = argv_for, n
@@ -244,6 +246,7 @@ class Supervisor:
         """Waits for the group. Returns None if it succeeded, else (worker, exit code) of the
         first failure. Success: every worker exited 0, or the chief (worker 0) did: a synchronous
         run cannot finish on the chief unless every worker took part in every step."""
+        chief_done = None
         while True:
             if self.stop_signal:
                 return None
@@ -251,9 +254,16 @@ class Supervisor:
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed and codes[0] != 0:
                 return failed[0]
+            if codes[0] == 0 and chief_done is None:
+                chief_done = time.monotonic()
             if all(c is not None for c in codes):
                 for i, c in failed:
                     self.say(f"worker {i} {describe_exit(c)} after the chief had finished")
+                return None
+            if chief_done is not None and time.monotonic() - chief_done > self.FINISH_GRACE:
+                self.say(f"stopping the workers still running {self.FINISH_GRACE:g} s after the "
+                         f"chief finished")
+                self._stop(procs)
                 return None
             self._wake.wait(0.1)
 
@@ -337,6 +347,9 @@ def main(argv):
         worker_args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
         argv_for = lambda i: _train_argv(worker_args, strategy)  # noqa: E731
     else:  # any program
+        if not (shutil.which(rest[0]) or os.path.isfile(rest[0])):
+            raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after -- "
+                             f"start with -, e.g. --config=...)")
         argv_for = lambda i: rest  # noqa: E731
 
     code = Supervisor(argv_for, n, max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
