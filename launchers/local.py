@@ -15,7 +15,7 @@ What it does:
 2. Picks free 127.0.0.1 ports and starts the workers. Worker i gets TF_CONFIG
    `{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}` and
    TFDIST_RESTART_COUNT. Output is streamed with a `[w<i>]` prefix (and also written to
-   `--worker_logs/worker-<i>.log` if given).
+   `--worker_logs/w<i>.log` if given).
 3. Supervises (abort and restart, TF's own design for synchronous training). When a worker exits
    non-zero, the others are stopped (SIGTERM, then SIGKILL) and the group starts again on fresh
    ports. The restart waits `--backoff` seconds, doubling each time up to 60 s, and there are at
@@ -47,12 +47,14 @@ from absl import flags
 from tfdist import cli
 from tfdist.errors import UsageError
 
-STRATEGIES = ("multi_worker_mirrored",)
+STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 MAX_BACKOFF = 60.0
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Number of worker processes.")
 _STRATEGY = flags.DEFINE_string("strategy", "multi_worker_mirrored",
                                 "Strategy of the workers: " + ", ".join(STRATEGIES) + ".")
+_PS = flags.DEFINE_integer("ps", 1, "parameter_server: number of ps tasks (a chief, the "
+                           "coordinator, is started too).")
 _MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3,
                                      "Restarts of the whole group before giving up.")
 _BACKOFF = flags.DEFINE_float("backoff", 2.0,
@@ -60,8 +62,8 @@ _BACKOFF = flags.DEFINE_float("backoff", 2.0,
 _BIND = flags.DEFINE_enum("bind", "loopback", ["loopback", "all"],
                           "loopback: workers listen on 127.0.0.1 only; all: TF's default "
                           "(every interface).")
-_LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write worker i's output to "
-                               "<worker_logs>/worker-<i>.log.")
+_LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write each process's output to "
+                               "<worker_logs>/<name>.log (w0, w1, ..., c0, ps0).")
 
 
 def free_ports(n):
@@ -182,55 +184,79 @@ def _is_noise(text):
 
 
 class Supervisor:
-    """Starts `argv_for(i)` for i < n with TF_CONFIG on fresh 127.0.0.1 ports; restarts on failure.
+    """Starts `argv` as n workers (plus a chief and ps tasks for a parameter server) with TF_CONFIG
+    on fresh 127.0.0.1 ports, and restarts on failure.
+
+    Synchronous (`ps=0`): any failure restarts the whole group. Parameter server (`ps>0`): a dead
+    worker is restarted alone, at its address, and rejoins; a dead chief or ps restarts the group.
+    The run is done when the chief (worker 0 without a chief) exits 0; tasks still running then
+    are stopped (at once for a parameter server, whose servers never exit by themselves).
 
     Example (any program that reads TF_CONFIG):
 
         from launchers.local import Supervisor
-        code = Supervisor(lambda i: ["python", "-c", "import os; print(os.environ['TF_CONFIG'])"],
+        code = Supervisor(["python", "-c", "import os; print(os.environ['TF_CONFIG'])"],
                           n=2, max_restarts=0).run()
     """
 
     FINISH_GRACE = 120.0  # seconds the others may take to exit after the chief has finished
 
-    def __init__(self, argv_for, n, *, max_restarts=3, backoff=2.0, env=None, log_dir=None,
+    def __init__(self, argv, n, *, ps=0, max_restarts=3, backoff=2.0, env=None, log_dir=None,
                  output=None):
-        self.argv_for, self.n = argv_for, n
+        self.argv, self.n, self.ps = argv, n, ps
+        self.roles = ([("chief", 0)] if ps else []) + [("worker", i) for i in range(n)] + \
+                     [("ps", i) for i in range(ps)]
         self.max_restarts, self.backoff = max_restarts, backoff
         self.env = dict(os.environ if env is None else env)
         self.log_dir = log_dir
         self.out = output or _Output()
         self.stop_signal = None
         self._wake = threading.Event()
+        self.restarts = 0
 
     def say(self, message):
         self.out.line(f"tfdist launch: {message}")
 
-    def _start(self, restart):
-        addrs = [f"127.0.0.1:{p}" for p in free_ports(self.n)]
-        procs, pumps = [], []
-        for i in range(self.n):
-            env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT": str(restart),
-                   "TF_CONFIG": json.dumps({"cluster": {"worker": addrs},
-                                            "task": {"type": "worker", "index": i}})}
-            read_fd, write_fd = os.pipe()
-            p = subprocess.Popen(self.argv_for(i), env=env, stdin=subprocess.DEVNULL,
-                                 stdout=write_fd, stderr=write_fd, start_new_session=True)
+    def _cluster(self):
+        ports = iter(free_ports(len(self.roles)))
+        cluster = {}
+        for role, _ in self.roles:
+            cluster.setdefault(role, []).append(f"127.0.0.1:{next(ports)}")
+        return cluster
+
+    def _spawn(self, cluster, role, index):
+        name = f"{'c' if role == 'chief' else 'w' if role == 'worker' else 'ps'}{index}"
+        env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT": str(self.restarts),
+               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})}
+        read_fd, write_fd = os.pipe()
+        try:
+            p = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=write_fd,
+                                 stderr=write_fd, start_new_session=True)
+        finally:
             os.close(write_fd)
-            log = None
-            if self.log_dir:
-                os.makedirs(self.log_dir, exist_ok=True)
-                log = open(os.path.join(self.log_dir, f"worker-{i}.log"), "a")
-            t = threading.Thread(target=self.out.pump, args=(read_fd, f"[w{i}] ", log), daemon=True)
-            t.start()
-            procs.append(p)
-            pumps.append((t, log))
-        self.say(f"started {self.n} worker(s) on {', '.join(addrs)} "
-                 f"(pids {', '.join(str(p.pid) for p in procs)})")
-        return procs, pumps
+        log = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            log = open(os.path.join(self.log_dir, f"{name}.log"), "a")
+        t = threading.Thread(target=self.out.pump, args=(read_fd, f"[{name}] ", log), daemon=True)
+        t.start()
+        return p, (t, log)
+
+    def _start(self):
+        cluster = self._cluster()
+        procs, pumps = {}, []
+        for role, index in self.roles:
+            procs[role, index], pump = self._spawn(cluster, role, index)
+            pumps.append(pump)
+        where = "; ".join(f"{r}: {', '.join(a)}" for r, a in cluster.items())
+        self.say(f"started {len(self.roles)} process(es) ({where}; pids "
+                 f"{', '.join(str(p.pid) for p in procs.values())})" if self.ps else
+                 f"started {self.n} worker(s) on {', '.join(cluster['worker'])} "
+                 f"(pids {', '.join(str(p.pid) for p in procs.values())})")
+        return cluster, procs, pumps
 
     def _stop(self, procs, grace=10.0):
-        """SIGTERM to every worker still running, SIGKILL after `grace` seconds. Ours only, by PID."""
+        """SIGTERM to every process still running, SIGKILL after `grace` seconds. Ours only, by PID."""
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -242,29 +268,40 @@ class Supervisor:
                 p.kill()
                 p.wait()
 
-    def _wait(self, procs):
-        """Waits for the group. Returns None if it succeeded, else (worker, exit code) of the
-        first failure. Success: every worker exited 0, or the chief (worker 0) did: a synchronous
-        run cannot finish on the chief unless every worker took part in every step."""
+    def _wait(self, cluster, procs, pumps):
+        """Waits for the group. Returns None if it succeeded, else ((role, index), exit code) of
+        a failure that needs a group restart. Dead parameter-server workers are restarted here."""
+        chief = self.roles[0]
         chief_done = None
+        grace = 0.0 if self.ps else self.FINISH_GRACE
         while True:
             if self.stop_signal:
                 return None
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed and codes[0] != 0:
-                return failed[0]
-            if codes[0] == 0 and chief_done is None:
-                chief_done = time.monotonic()
-            if all(c is not None for c in codes):
-                for i, c in failed:
-                    self.say(f"worker {i} {describe_exit(c)} after the chief had finished")
-                return None
-            if chief_done is not None and time.monotonic() - chief_done > self.FINISH_GRACE:
-                self.say(f"stopping the workers still running {self.FINISH_GRACE:g} s after the "
-                         f"chief finished")
-                self._stop(procs)
-                return None
+            codes = {k: p.poll() for k, p in procs.items()}
+            if codes[chief] == 0:
+                chief_done = chief_done or time.monotonic()
+                others = [k for k, c in codes.items() if c is None]
+                if not others or time.monotonic() - chief_done > grace:
+                    if others and not self.ps:
+                        self.say(f"stopping the workers still running {grace:g} s after the "
+                                 f"chief finished")
+                    self._stop([procs[k] for k in others])
+                    for k, c in codes.items():
+                        if c not in (None, 0) and k != chief:
+                            self.say(f"{k[0]} {k[1]} {describe_exit(c)} after the chief had finished")
+                    return None
+            failed = [(k, c) for k, c in codes.items() if c not in (None, 0)]
+            if failed and chief_done is None:
+                (role, index), code = failed[0]
+                if not (self.ps and role == "worker") or code == 2:
+                    return failed[0]
+                if self.restarts >= self.max_restarts:
+                    return failed[0]
+                self.restarts += 1
+                self.say(f"worker {index} {describe_exit(code)}; restarting it alone at "
+                         f"{cluster['worker'][index]} (restart {self.restarts} of {self.max_restarts})")
+                procs[role, index], pump = self._spawn(cluster, role, index)
+                pumps.append(pump)
             self._wake.wait(0.1)
 
     def _on_signal(self, signum, frame):
@@ -281,12 +318,11 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _run(self):
-        restart = 0
         while True:
-            procs, pumps = self._start(restart)
-            failure = self._wait(procs)
+            cluster, procs, pumps = self._start()
+            failure = self._wait(cluster, procs, pumps)
             if failure or self.stop_signal:
-                self._stop(procs)
+                self._stop(list(procs.values()))
             for t, log in pumps:
                 t.join(timeout=5)
                 if log:
@@ -295,22 +331,22 @@ class Supervisor:
                 self.say(f"stopped by {signal.Signals(self.stop_signal).name}; workers stopped")
                 return 128 + self.stop_signal
             if failure is None:
-                self.say(f"done: {self.n} worker(s) finished"
-                         + (f" after {restart} restart(s)" if restart else ""))
+                what = f"{self.n} worker(s) finished" if not self.ps else "the chief finished"
+                self.say(f"done: {what}" + (f" after {self.restarts} restart(s)" if self.restarts else ""))
                 return 0
-            worker, code = failure
+            (role, index), code = failure
             if code == 2:
-                self.say(f"worker {worker} exited with status 2 (bad usage); not restarting")
+                self.say(f"{role} {index} exited with status 2 (bad usage); not restarting")
                 return 2
-            if restart >= self.max_restarts:
-                print(f"tfdist: error: worker {worker} {describe_exit(code)}; gave up after "
-                      f"{restart} restart(s) (--max_restarts={self.max_restarts})",
+            if self.restarts >= self.max_restarts:
+                print(f"tfdist: error: {role} {index} {describe_exit(code)}; gave up after "
+                      f"{self.restarts} restart(s) (--max_restarts={self.max_restarts})",
                       file=sys.stderr, flush=True)
                 return 1
-            delay = min(self.backoff * 2 ** restart, MAX_BACKOFF)
-            restart += 1
-            self.say(f"worker {worker} {describe_exit(code)}; stopped the others; restart "
-                     f"{restart} of {self.max_restarts} in {delay:g} s")
+            delay = min(self.backoff * 2 ** self.restarts, MAX_BACKOFF)
+            self.restarts += 1
+            self.say(f"{role} {index} {describe_exit(code)}; stopped the others; restart "
+                     f"{self.restarts} of {self.max_restarts} in {delay:g} s")
             self._wake.clear()
             self._wake.wait(delay)
             if self.stop_signal:
@@ -332,6 +368,8 @@ def main(argv):
     if strategy not in STRATEGIES:
         raise UsageError(f"tfdist launch cannot start strategy '{strategy}'; it starts: "
                          f"{', '.join(STRATEGIES)}")
+    if strategy == "parameter_server" and not 1 <= _PS.value <= 16:
+        raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
     if _MAX_RESTARTS.value < 0 or _BACKOFF.value < 0:
         raise UsageError("--max_restarts and --backoff must be >= 0")
     env = dict(os.environ)
@@ -345,14 +383,15 @@ def main(argv):
         if p.returncode:
             sys.exit(2 if p.returncode == 2 else 1)
         worker_args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
-        argv_for = lambda i: _train_argv(worker_args, strategy)  # noqa: E731
+        argv = _train_argv(worker_args, strategy)
     else:  # any program
         if not (shutil.which(rest[0]) or os.path.isfile(rest[0])):
             raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after -- "
                              f"start with -, e.g. --config=...)")
-        argv_for = lambda i: rest  # noqa: E731
+        argv = rest
 
-    code = Supervisor(argv_for, n, max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
+    code = Supervisor(argv, n, ps=_PS.value if strategy == "parameter_server" else 0,
+                      max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
                       env=env, log_dir=_LOG_DIR.value).run()
     sys.exit(code)
 

@@ -60,7 +60,7 @@ def test_each_worker_gets_its_tf_config_and_a_prefixed_output(tmp_path):
         conf, restart = confs[f"[w{i}]"]
         assert conf == {"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}}
         assert restart == "0"
-        assert "CONF" in open(tmp_path / f"worker-{i}.log").read()
+        assert "CONF" in open(tmp_path / f"w{i}.log").read()
     assert "tfdist launch: done: 3 worker(s) finished" in p.stdout
 
 

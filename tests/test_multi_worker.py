@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import DRIVER, ROOT, driver, executed_steps
+from tests.conftest import DRIVER, ROOT, children, driver, executed_steps
 from tests.test_backup import final_weights
 
 STEPS = 20
@@ -54,19 +54,6 @@ def steps_by_worker(workdir):
 
 
 # -- sockets --------------------------------------------------------------------------------------
-def _children(pid):
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-
 def _addr(hex_addr):
     ip, port = hex_addr.split(":")
     raw = bytes.fromhex(ip)
@@ -108,7 +95,7 @@ def run_and_sample_sockets(workdir, overrides, *extra, bind="loopback", timeout=
     try:
         while p.poll() is None and time.monotonic() < deadline:
             if steps_by_worker(workdir).get(0):
-                sockets = listening_sockets(_children(p.pid))
+                sockets = listening_sockets(children(p.pid))
                 break
             time.sleep(0.2)
         out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))

@@ -34,6 +34,15 @@ def read_json(path):
         return json.load(f)
 
 
+STEPS_KEY = "tfdist/steps"
+
+
+def steps_in(logs):
+    """Optimizer steps that one `on_train_batch_end` stands for: 1 under Keras `fit`; more under
+    the parameter-server loop, which reports once per group of asynchronously run steps."""
+    return int((logs or {}).get(STEPS_KEY, 1))
+
+
 def model_signature(model):
     """Shapes of the model's weights, in order: what a checkpoint must match to be restored."""
     return [list(map(int, w.shape)) for w in model.weights]
@@ -139,8 +148,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._make_checkpoint(model)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step.assign_add(1)
-        if self.every_steps and int(self.step.numpy()) % self.every_steps == 0:
+        n = steps_in(logs)
+        before = int(self.step.numpy())
+        self.step.assign_add(n)
+        if self.every_steps and (before + n) // self.every_steps > before // self.every_steps:
             self.save()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -198,11 +209,15 @@ class TrainingLog(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         dt = time.perf_counter() - self._t0
-        self.step += 1
+        n = steps_in(logs)
+        self.step += n
         logs = logs if logs is not None else {}
         lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         record = {"step": self.step, "loss": float(logs.get("loss", np.nan)), "lr": lr,
-                  "step_time": dt, "tokens_per_sec": self.tokens_per_step / dt}
+                  "step_time": dt / n, "tokens_per_sec": n * self.tokens_per_step / dt,
+                  "time": round(time.time(), 3)}
+        if "tfdist/worker_steps" in logs:  # parameter server: steps each worker has run so far
+            record["worker_steps"] = [int(x) for x in logs["tfdist/worker_steps"]]
         logs["tok/s"] = round(record["tokens_per_sec"])  # shown by Keras's progress bar
         self.history["steps"].append(record)
         if self._writer and self.step % self.log_every_steps == 0:

@@ -92,6 +92,9 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     tf.config.threading.set_intra_op_parallelism_threads(c.train.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(c.train.inter_op_threads)
     strategy = strategies.from_config(c)
+    if strategy.is_server:  # a parameter server's worker or ps task: the chief trains
+        strategy.serve()
+        return {}
 
     import keras
     from tfdist import callbacks as cb
@@ -151,11 +154,9 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
         say(f"tfdist: resuming from {backup_dir} at step {start} of {t.steps}")
 
     callbacks = [log] + ([backup] if c.backup.enabled else []) + list(extra_callbacks)
-    strategy.fit(model, lambda s: train_windows.dataset_fn(s, t.steps - s),
-                 epochs=t.steps // t.steps_per_epoch, steps_per_epoch=t.steps_per_epoch,
-                 initial_step=start, callbacks=callbacks,
-                 validation_data=val_windows.dataset_fn(0, t.eval_steps, repeat=True),
-                 validation_steps=t.eval_steps,
+    strategy.fit(model, train_windows, epochs=t.steps // t.steps_per_epoch,
+                 steps_per_epoch=t.steps_per_epoch, initial_step=start, callbacks=callbacks,
+                 validation_data=val_windows, validation_steps=t.eval_steps,
                  verbose=verbose if strategy.is_chief else 0)  # one progress bar per cluster
 
     result = {"steps_run": log.step - start, "final_step": log.step,

@@ -39,6 +39,15 @@ class Windows:
                                                 tf.cast(step, tf.int64)]),
             minval=0, maxval=len(self.tokens) - self.block_size - 1, dtype=tf.int64)
 
+    def batch(self, step, replica=0, replicas=1):
+        """(x, y) of global step `step` (int64 tensor or int), or of one replica's share of it.
+        Graph-friendly: the parameter-server loop calls it inside the step it schedules."""
+        b = self.global_batch // replicas
+        rows = self.offsets(step)[replica * b:(replica + 1) * b]
+        span = tf.range(self.block_size + 1, dtype=tf.int64)
+        w = tf.cast(tf.gather(tf.constant(self.tokens), rows[:, None] + span[None, :]), tf.int32)
+        return w[:, :-1], w[:, 1:]
+
     def dataset_fn(self, start_step, num_steps, repeat=False):
         """Returns `fn(input_context) -> tf.data.Dataset` of per-replica (x, y) batches.
 
@@ -46,9 +55,6 @@ class Windows:
         whole global batches (one replica). With `repeat=True` the same steps cycle forever (fixed
         validation batches).
         """
-        T = self.block_size
-        span = tf.range(T + 1, dtype=tf.int64)
-
         def fn(input_context=None):
             if input_context is None:
                 replicas, pipelines, pipeline_id = 1, 1, 0
@@ -60,15 +66,10 @@ class Windows:
                 raise ValueError(f"global batch {self.global_batch} is not divisible by "
                                  f"{replicas} replicas")
             local = replicas // pipelines  # replicas fed by this input pipeline
-            b = self.global_batch // replicas
-            data = tf.constant(self.tokens)
 
             def element(k):  # k-th element of this pipeline: (step, local replica)
                 step = start_step + k // local
-                replica = pipeline_id * local + k % local
-                rows = self.offsets(step)[replica * b:(replica + 1) * b]
-                w = tf.cast(tf.gather(data, rows[:, None] + span[None, :]), tf.int32)
-                return w[:, :-1], w[:, 1:]
+                return self.batch(step, pipeline_id * local + k % local, replicas)
 
             ds = tf.data.Dataset.range(num_steps * local)
             if repeat:

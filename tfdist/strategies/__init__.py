@@ -18,6 +18,7 @@ _PLUGINS = {
     "single": "tfdist.strategies.single:SingleDevice",
     "mirrored": "tfdist.strategies.mirrored:Mirrored",
     "multi_worker_mirrored": "tfdist.strategies.multi_worker:MultiWorkerMirrored",
+    "parameter_server": "tfdist.strategies.parameter_server:ParameterServer",
 }
 
 

@@ -120,6 +120,14 @@ class Strategy:
     def num_workers(self):
         return 1
 
+    @property
+    def is_server(self):
+        """True on tasks that only serve others (parameter server's worker and ps tasks)."""
+        return False
+
+    def serve(self):
+        raise NotImplementedError(f"{self.name} has no server tasks")
+
     def describe(self):
         devices = getattr(self.tf_strategy.extended, "worker_devices", ())
         return f"{self.name}: {self.num_replicas} replica(s) on {', '.join(devices) or 'default device'}"
@@ -145,15 +153,21 @@ class Strategy:
         """Trains `model` from global step `initial_step` to `epochs * steps_per_epoch`.
 
         `data` is either what Keras `fit` accepts (a `tf.data.Dataset`; then `initial_step` must
-        fall on an epoch boundary, since tfdist cannot position a foreign dataset), or a callable
-        `data(start_step) -> dataset_fn(input_context)` such as `Windows.dataset_fn` bound with
-        `functools.partial`: then training resumes at any step without replaying a batch.
-        `validation_data` is a dataset or a `dataset_fn(input_context)`.
+        fall on an epoch boundary, since tfdist cannot position a foreign dataset), or
+        step-addressed data (`tfdist.data.Windows`, or a callable
+        `data(start_step) -> dataset_fn(input_context)`): then training resumes at any step
+        without replaying a batch. `validation_data` is a dataset, a `dataset_fn(input_context)`
+        or a `Windows` (its first `validation_steps` steps, the same every time).
 
         A resume in the middle of an epoch runs as two Keras `fit` calls: the rest of the
         interrupted epoch, then the remaining whole epochs.
         """
         callbacks = list(callbacks or []) + self.callbacks()
+        if hasattr(data, "dataset_fn"):  # step-addressed data such as tfdist.data.Windows
+            windows, total = data, epochs * (steps_per_epoch or 0)
+            data = lambda start: windows.dataset_fn(start, total - start)  # noqa: E731
+        if hasattr(validation_data, "dataset_fn"):
+            validation_data = validation_data.dataset_fn(0, validation_steps, repeat=True)
         if callable(validation_data) and not isinstance(validation_data, tf.data.Dataset):
             validation_data = self.distribute(validation_data)
         first_epoch, done_in_epoch = divmod(initial_step, steps_per_epoch or 1)

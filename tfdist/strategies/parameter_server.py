@@ -1,0 +1,283 @@
+"""`parameter_server`: asynchronous data parallelism. Variables on ps tasks, steps on workers.
+
+Keras 3 `fit` does not support ParameterServerStrategy (keras-team/keras#18624). This plugin runs
+`fit` as a `tf.distribute.coordinator.ClusterCoordinator` loop on the chief (the coordinator):
+
+* every optimizer step is a closure scheduled on whichever worker is free (asynchronous: a slow or
+  paused worker does not hold the others up); at most `2 x workers` closures are in flight, and
+  the loop never waits for one particular step except at a barrier (below);
+* tfdist's own data (`tfdist.data.Windows`) is addressed by step: the closure for global step `s`
+  computes batch `s` on its worker, so every step's batch is trained on exactly once, also when a
+  closure is rescheduled after a worker failure. A plain `tf.data.Dataset` is read through
+  per-worker datasets (`create_per_worker_dataset`);
+* the step count is an atomic `tf.Variable.assign_add` on the ps (Keras 3's
+  `optimizer.iterations.assign_add` is a read-modify-write that loses increments under
+  concurrency; `iterations` is set from the exact count at every report);
+* callbacks run on the coordinator every 10 completed steps (`log_every_steps`): one
+  `on_train_batch_end` stands for the steps since the last one (`logs["tfdist/steps"]`), with their
+  mean loss. Before a backup and at each epoch end the loop is a barrier: it schedules nothing
+  new and waits for every step in flight (`join`), so a backup holds exactly the steps counted.
+* validation is inline: its batches are scheduled on the workers and the losses averaged here.
+
+On worker and ps tasks there is nothing to train: `serve()` runs a `tf.distribute.Server` until
+the process is stopped (the launcher stops them when the chief is done).
+
+Example (a chief with TF_CONFIG listing chief, worker and ps tasks, the others serving):
+
+    strategy = tfdist.strategies.get("parameter_server")
+    with strategy.scope():
+        model = ...; model.compile(optimizer=strategy.wrap_optimizer(keras.optimizers.Adam()), loss=...)
+    model.fit(dataset, epochs=2, steps_per_epoch=100)     # steps_per_epoch is required
+"""
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import cluster as cluster_lib
+from tfdist.callbacks import STEPS_KEY
+from tfdist.errors import UsageError
+from tfdist.strategies.base import Strategy
+
+_ROLES = ("chief", "worker", "ps")
+
+
+class ParameterServer(Strategy):
+    name = "parameter_server"
+    supports_jit_compile = False
+
+    def __init__(self, cluster=None, variable_shards=0, **unused_options):
+        self.cluster = cluster or cluster_lib.from_environment(allowed_roles=_ROLES)
+        if self.cluster is None:
+            raise UsageError("parameter_server needs a cluster with chief, worker and ps tasks: set "
+                             "TF_CONFIG or start it with `tfdist launch --strategy=parameter_server`")
+        missing = [r for r in _ROLES if r not in self.cluster.cluster]
+        if missing:
+            raise UsageError(f"parameter_server needs {', '.join(missing)} task(s) in the cluster "
+                             f"(it has {', '.join(self.cluster.cluster)})")
+        self.coordinator = None
+        if self.cluster.task_type != "chief":
+            super().__init__(tf.distribute.get_strategy())
+            return
+        partitioner = None
+        if variable_shards > 1:
+            partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(variable_shards)
+        super().__init__(tf.distribute.ParameterServerStrategy(
+            self.cluster.resolver(), variable_partitioner=partitioner))
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.tf_strategy)
+        _route_keras_fit()
+        with self.tf_strategy.scope():
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_ps_step")
+            self.worker_steps = tf.Variable(tf.zeros([self.num_workers], tf.int64),
+                                            trainable=False, name="tfdist_ps_worker_steps")
+            self.loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                        name="tfdist_ps_loss_sum")
+        _PLUGINS[id(self.tf_strategy)] = self
+
+    # -- who am I ------------------------------------------------------------------------------
+    @property
+    def is_server(self):
+        return self.cluster.task_type != "chief"
+
+    @property
+    def is_chief(self):
+        return self.cluster.task_type == "chief"
+
+    @property
+    def worker_index(self):
+        return self.cluster.task_index if self.cluster.task_type == "worker" else 0
+
+    @property
+    def num_workers(self):
+        return len(self.cluster.cluster["worker"])
+
+    @property
+    def num_replicas(self):
+        return 1  # each closure trains on one whole batch
+
+    def describe(self):
+        c = self.cluster.cluster
+        return (f"{self.name}: coordinator of {len(c['worker'])} worker(s) and {len(c['ps'])} ps "
+                f"task(s), asynchronous")
+
+    def serve(self):
+        """Worker or ps task: serve the coordinator's requests until stopped."""
+        server = tf.distribute.Server(tf.train.ClusterSpec(self.cluster.cluster),
+                                      job_name=self.cluster.task_type,
+                                      task_index=self.cluster.task_index, protocol="grpc", start=True)
+        print(f"tfdist: {self.cluster.task_type} {self.cluster.task_index} serving at "
+              f"{self.cluster.cluster[self.cluster.task_type][self.cluster.task_index]}", flush=True)
+        server.join()
+
+    # -- training ------------------------------------------------------------------------------
+    def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
+            validation_data=None, validation_steps=None, verbose="auto", log_every_steps=None):
+        """The coordinator loop (see the module doc). `data` is a `Windows`-like object with
+        `batch(step)`, or a `tf.data.Dataset` / `dataset_fn()` read through per-worker datasets."""
+        if not steps_per_epoch:
+            raise UsageError("parameter_server training needs steps_per_epoch (there is no end of "
+                             "data to detect: each worker reads its own copy); pass steps_per_epoch")
+        if hasattr(data, "dataset_fn") and not _step_addressed(data):
+            raise UsageError("parameter_server needs step-addressed data (with batch(step)) or a "
+                             "tf.data.Dataset")
+        callbacks = list(callbacks or [])
+        every = log_every_steps or max(1, min(steps_per_epoch, 10))
+        backup_every = [c.every_steps for c in callbacks if getattr(c, "every_steps", 0)]
+        train_fn = self._train_closure(model, data)
+        history = keras.callbacks.History()
+        cbs = keras.callbacks.CallbackList(callbacks + [history], model=model, epochs=epochs,
+                                           steps=steps_per_epoch, verbose=0)
+        show = verbose not in (0, False)
+        self.step.assign(initial_step)
+        model.optimizer.iterations.assign(initial_step)
+        model.stop_training = False
+        cbs.on_train_begin()
+        done = scheduled = initial_step
+        last_loss_sum = float(self.loss_sum.numpy())
+        for epoch in range(initial_step // steps_per_epoch, epochs):
+            cbs.on_epoch_begin(epoch)
+            bar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss", "steps/s"]) if show else None
+            if bar:
+                print(f"Epoch {epoch + 1}/{epochs}", flush=True)
+            end = (epoch + 1) * steps_per_epoch
+            logs = {}
+            while done < end:
+                cbs.on_train_batch_begin(done % steps_per_epoch)
+                t0 = time.perf_counter()
+                target = min(done + every, end)
+                barrier = target == end or any(target // b > done // b for b in backup_every)
+                scheduled = self._advance(train_fn, scheduled, target, end, barrier)
+                now = int(self.step.numpy())  # >= target: steps in flight may have finished too
+                loss_sum = float(self.loss_sum.numpy())
+                losses = (loss_sum - last_loss_sum) / max(now - done, 1)  # of the steps since
+                n, done, last_loss_sum = now - done, now, loss_sum
+                model.optimizer.iterations.assign(done)  # the exact count (see module doc)
+                logs = {"loss": losses, STEPS_KEY: n,
+                        "tfdist/worker_steps": self.worker_steps.numpy().tolist()}
+                cbs.on_train_batch_end((done - 1) % steps_per_epoch, logs)
+                if bar:
+                    bar.update(done - epoch * steps_per_epoch,
+                               values=[("loss", logs["loss"]),
+                                       ("steps/s", n / (time.perf_counter() - t0))])
+            epoch_logs = {"loss": logs.get("loss", float("nan"))}
+            if validation_data is not None:
+                epoch_logs["val_loss"] = self._validate(model, validation_data, validation_steps)
+                if bar:
+                    print(f"val_loss: {epoch_logs['val_loss']:.4f}", flush=True)
+            cbs.on_epoch_end(epoch, epoch_logs)
+            if model.stop_training:
+                break
+        cbs.on_train_end()
+        return history
+
+    def _advance(self, train_fn, scheduled, target, end, barrier):
+        """Keeps up to 2 x workers steps in flight until `target` steps have completed.
+        With `barrier`, also waits for every step in flight (a consistent state to save).
+        Returns the next step to schedule."""
+        window = 2 * self.num_workers
+        while True:
+            done = int(self.step.numpy())
+            limit = target if barrier else end
+            while scheduled < limit and scheduled - done < window:
+                fn, args = train_fn
+                self.coordinator.schedule(fn, args=args(scheduled))
+                scheduled += 1
+            if barrier and scheduled >= target:
+                self.coordinator.join()
+                break
+            if done >= target:
+                break
+            self.coordinator.done()  # raises the error of any failed step (else we'd wait forever)
+            time.sleep(0.002)
+        return scheduled
+
+    def _train_closure(self, model, data):
+        strategy, step_var, worker_steps = self.tf_strategy, self.step, self.worker_steps
+        by_step = _step_addressed(data)
+        if not by_step:
+            # a dataset_fn, or a tf.data.Dataset (serialized and sent to every worker)
+            iterator = iter(self.coordinator.create_per_worker_dataset(data))
+
+        loss_sum = self.loss_sum
+
+        def count(loss):
+            loss_sum.assign_add(tf.cast(loss, tf.float64))
+            step_var.assign_add(1)
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            worker_steps.scatter_nd_add([[worker]], tf.constant([1], tf.int64))
+
+        @tf.function
+        def train_by_step(step):
+            def replica_fn(step):
+                loss = model.train_step(data.batch(step))["loss"]
+                count(loss)
+                return loss
+            return strategy.run(replica_fn, args=(step,))
+
+        @tf.function
+        def train_from_iterator(iterator):
+            def replica_fn(batch):
+                loss = model.train_step(batch)["loss"]
+                count(loss)
+                return loss
+            return strategy.run(replica_fn, args=(next(iterator),))
+
+        if by_step:
+            return train_by_step, lambda step: (tf.constant(step, tf.int64),)
+        return train_from_iterator, lambda step: (iterator,)
+
+    def _validate(self, model, validation_data, steps):
+        if not _step_addressed(validation_data):
+            raise UsageError("parameter_server validates on step-addressed data (tfdist.data.Windows)")
+
+        @tf.function
+        def eval_step(step):
+            def replica_fn(step):
+                x, y = validation_data.batch(step)
+                return model.compute_loss(x=x, y=y, y_pred=model(x, training=False))
+            return self.tf_strategy.run(replica_fn, args=(step,))
+
+        results = [self.coordinator.schedule(eval_step, args=(tf.constant(s, tf.int64),))
+                   for s in range(steps)]
+        self.coordinator.join()
+        return float(np.mean([r.fetch() for r in results]))
+
+
+def _step_addressed(data):
+    """tfdist.data.Windows and the like: batch(step) gives the batch of any global step."""
+    return (not isinstance(data, tf.data.Dataset) and hasattr(data, "batch")
+            and hasattr(data, "dataset_fn"))
+
+
+def _route_keras_fit():
+    """Makes Keras 3 `model.fit` work for models built under a ParameterServerStrategy scope: it
+    is routed to this plugin's coordinator loop (keras-team/keras#18624: Keras 3 has no PS path)."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    if getattr(tf_trainer.TensorFlowTrainer.fit, "_tfdist_ps", False):
+        return
+    upstream_fit = tf_trainer.TensorFlowTrainer.fit
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, validation_batch_size=None,
+            validation_steps=None, validation_freq=1, steps_per_epoch=None):
+        plugin = _PLUGINS.get(id(self.distribute_strategy))
+        if plugin is None:
+            return upstream_fit(self, x, y, batch_size, epochs, verbose, callbacks,
+                                validation_split, validation_data, shuffle, class_weight,
+                                sample_weight, initial_epoch, validation_batch_size,
+                                validation_steps, validation_freq, steps_per_epoch)
+        if y is not None or not (isinstance(x, tf.data.Dataset) or callable(x) or _step_addressed(x)):
+            raise UsageError("under parameter_server, fit takes a tf.data.Dataset (or a dataset_fn) "
+                             "of (x, y) batches, not arrays")
+        return plugin.fit(self, x, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                          initial_step=initial_epoch * (steps_per_epoch or 0), callbacks=callbacks,
+                          validation_data=validation_data, validation_steps=validation_steps,
+                          verbose=verbose)
+
+    fit._tfdist_ps = True
+    tf_trainer.TensorFlowTrainer.fit = fit
+
+
+_PLUGINS = {}  # id(tf.distribute strategy) -> plugin, for model.fit routing
