@@ -1,4 +1,5 @@
-"""`tfdist launch`: N worker processes on 127.0.0.1 with their TF_CONFIG, supervised.
+"""The local launcher behind `tfdist launch` (its flags: `launchers/launch.py`): N worker processes
+on 127.0.0.1 with their TF_CONFIG, supervised.
 
     tfdist launch --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/nano-2w
     tfdist launch --workers 2 -- python my_keras_program.py --its --flags
@@ -42,29 +43,10 @@ import sys
 import threading
 import time
 
-from absl import flags
-
-from tfdist import cli
 from tfdist.errors import UsageError
 
 STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 MAX_BACKOFF = 60.0
-
-_WORKERS = flags.DEFINE_integer("workers", 2, "Number of worker processes.")
-_STRATEGY = flags.DEFINE_string("strategy", "multi_worker_mirrored",
-                                "Strategy of the workers: " + ", ".join(STRATEGIES) + ".")
-_PS = flags.DEFINE_integer("ps", 1, "parameter_server: number of ps tasks (a chief, the "
-                           "coordinator, is started too).")
-_MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3,
-                                     "Restarts of the whole group before giving up.")
-_BACKOFF = flags.DEFINE_float("backoff", 2.0,
-                              "Seconds before the first restart; doubles each time, up to 60.")
-_BIND = flags.DEFINE_enum("bind", "loopback", ["loopback", "all"],
-                          "loopback: workers listen on 127.0.0.1 only; all: TF's default "
-                          "(every interface).")
-_LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write each process's output to "
-                               "<worker_logs>/<name>.log (w0, w1, ..., c0, ps0).")
-
 
 def free_ports(n):
     """n distinct ports free on 127.0.0.1 right now."""
@@ -78,6 +60,32 @@ def free_ports(n):
     finally:
         for s in socks:
             s.close()
+
+
+def children(pid):
+    """PIDs of the direct children of process `pid` (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def task_of(pid):
+    """(type, index) of the TF_CONFIG task process `pid` runs as, or None. With `children`,
+    this finds a launcher's worker or ps process, e.g. to pause or kill it in a chaos test."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        task = json.loads(env[b"TF_CONFIG"])["task"]
+        return task["type"], task["index"]
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def loopback_shim():
@@ -351,54 +359,3 @@ class Supervisor:
             self._wake.wait(delay)
             if self.stop_signal:
                 return 128 + self.stop_signal
-
-
-def _train_argv(args, strategy):
-    return [sys.executable, "-m", "tfdist", "train", *args, f"--strategy={strategy}"]
-
-
-def main(argv):
-    rest = argv[1:]
-    n, strategy = _WORKERS.value, _STRATEGY.value
-    if not rest:
-        raise UsageError("nothing to run: put the `tfdist train` flags (or a command) after --, "
-                         "e.g. tfdist launch --workers 2 -- --config=configs/gpt_nano.py")
-    if not 1 <= n <= 64:
-        raise UsageError(f"--workers must be between 1 and 64, got {n}")
-    if strategy not in STRATEGIES:
-        raise UsageError(f"tfdist launch cannot start strategy '{strategy}'; it starts: "
-                         f"{', '.join(STRATEGIES)}")
-    if strategy == "parameter_server" and not 1 <= _PS.value <= 16:
-        raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
-    if _MAX_RESTARTS.value < 0 or _BACKOFF.value < 0:
-        raise UsageError("--max_restarts and --backoff must be >= 0")
-    env = dict(os.environ)
-    if _BIND.value == "loopback":
-        env["LD_PRELOAD"] = " ".join(filter(None, [loopback_shim(), env.get("LD_PRELOAD")]))
-
-    if rest[0].startswith("-"):  # tfdist train flags
-        if any(a.startswith("--strategy") for a in rest):
-            raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
-        p = subprocess.run(_train_argv(rest, strategy) + ["--prepare_only"], env=env)
-        if p.returncode:
-            sys.exit(2 if p.returncode == 2 else 1)
-        worker_args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
-        argv = _train_argv(worker_args, strategy)
-    else:  # any program
-        if not (shutil.which(rest[0]) or os.path.isfile(rest[0])):
-            raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after -- "
-                             f"start with -, e.g. --config=...)")
-        argv = rest
-
-    code = Supervisor(argv, n, ps=_PS.value if strategy == "parameter_server" else 0,
-                      max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
-                      env=env, log_dir=_LOG_DIR.value).run()
-    sys.exit(code)
-
-
-def run(argv=None):
-    cli.run(main, argv or sys.argv)
-
-
-if __name__ == "__main__":
-    run()

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from launchers.local import children, task_of  # noqa: F401  (re-exported for tests)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(ROOT, "tools", "faulty_train.py")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -52,27 +54,3 @@ def executed_steps(workdir):
         return []
     return [line.split() for line in open(path)]
 
-
-def children(pid):
-    """PIDs of the direct children of process `pid` (from /proc)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-
-def task_of(pid):
-    """(type, index) of the TF_CONFIG task a process runs as, or None."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
-        task = json.loads(env[b"TF_CONFIG"])["task"]
-        return task["type"], task["index"]
-    except (OSError, KeyError, ValueError):
-        return None

@@ -128,7 +128,9 @@ def test_a_killed_worker_is_restarted_alone_and_no_step_is_lost(tmp_path, data_d
     assert f"worker {worker} was killed by SIGKILL; restarting it alone" in run.out
     assert "resuming" not in run.out  # the job itself went on
     last = metrics(tmp_path)["steps"][-1]
-    assert last["step"] == 600 and sum(last["worker_steps"]) == 600  # counted == planned
+    assert last["step"] == 600  # counted == planned: every step once
+    # runs per worker: a step in flight on the killed worker may have been run again elsewhere
+    assert 600 <= sum(last["worker_steps"]) <= 600 + 2 * 2
     assert time.monotonic() - t < 300
 
 

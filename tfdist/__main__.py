@@ -2,7 +2,7 @@
 import importlib
 import sys
 
-COMMANDS = {"train": "tfdist.train", "sample": "tfdist.sample", "launch": "launchers.local"}
+COMMANDS = {"train": "tfdist.train", "sample": "tfdist.sample", "launch": "launchers.launch"}
 USAGE = "usage: tfdist {train,sample,launch} [--flags]   (tfdist <command> --help for its flags)"
 
 

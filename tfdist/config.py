@@ -64,7 +64,6 @@ def default_config():
     c.strategy.name = "single"
     c.strategy.devices = 0  # mirrored on CPU: split the CPU into N logical devices (0 = as found)
     c.strategy.cross_device_ops = "auto"
-    c.strategy.variable_shards = 0  # parameter_server: split each variable over N ps tasks (0: off)
 
     c.backup = ml_collections.ConfigDict()
     c.backup.enabled = True
@@ -115,7 +114,6 @@ _RULES = {
     "strategy.name": (lambda v: bool(v), "a strategy name"),
     "strategy.devices": (lambda v: isinstance(v, int) and 0 <= v <= 64, "an integer in [0, 64]"),
     "strategy.cross_device_ops": (lambda v: v in CROSS_DEVICE_OPS, "one of " + ", ".join(CROSS_DEVICE_OPS)),
-    "strategy.variable_shards": (lambda v: 0 <= v <= 64, "an integer in [0, 64]"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
     "sample.max_new_tokens": (_positive_int, "an integer > 0"),

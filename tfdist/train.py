@@ -8,7 +8,6 @@ A run writes into --workdir: `backup/` while it trains (removed at the end), `te
 `metrics.json` (per-step loss, lr, tokens/s; validation loss per epoch), `loss.png` and
 `model.keras`. Run the same command again after a crash and it resumes at the exact step.
 """
-import functools
 import os
 import sys
 

@@ -4,6 +4,7 @@ scaling of multi-worker training.
     python tools/bench.py                       # gpt_mini, batch 16 x 256, both cores
     python tools/bench.py --steps=4 --rounds=2 --config=configs/gpt_nano.py   # quick look
     python tools/bench.py --scaling             # 2 workers x 1 thread vs 1 x 1 thread, gpt_mini
+    python tools/bench.py --scaling --ps        # parameter server: 2 workers + 1 ps vs 1 + 1
 
 What it measures, all in one process so that the noisy machine affects every variant alike:
 * the matmul peak of this machine (FLOP/s, fp32 2048^3 `tf.matmul`, best of several);
@@ -22,6 +23,12 @@ It prints a table and writes JSON (--out).
 the median over its steps after --warmup; scaling efficiency = tokens/s(2 workers) /
 (2 * tokens/s(1 worker)), per round and as the median of the rounds. Writes
 bench_results/scaling.json unless --out says otherwise.
+
+--scaling --ps does the same for the parameter server: `tfdist launch --strategy=parameter_server`
+with 1 ps task and 1 or 2 workers (each step one batch of train.batch_size on one worker; every
+process 1 intra-op and --inter_op_threads inter-op threads). Steps/s is measured from the run's
+progress reports after the first one; efficiency = steps/s(2 workers) / (2 * steps/s(1 worker)).
+Writes bench_results/scaling-ps.json.
 """
 import json
 import os
@@ -29,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -47,6 +54,8 @@ _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results "
                            "(default bench_results/bench.json, or scaling.json with --scaling).")
 _SCALING = flags.DEFINE_bool("scaling", False, "Measure multi-worker scaling instead (see above).")
 _WORKERS = flags.DEFINE_integer("workers", 2, "--scaling: workers of the multi-worker run.")
+_PS_SCALING = flags.DEFINE_bool("ps", False, "--scaling: parameter_server instead: 2 workers + 1 ps "
+                                 "vs 1 worker + 1 ps, in steps/s.")
 _INTER = flags.DEFINE_integer("inter_op_threads", 1, "--scaling: inter-op threads per process. With "
                               "TF's default (0: one per core) a process with 1 intra-op thread "
                               "still runs independent ops in parallel, on ~1.4 of 2 cores.")
@@ -87,6 +96,58 @@ def _train_run(workdir, workers, steps):
                  f"{p.stderr[-2000:]}")
     with open(os.path.join(workdir, "metrics.json")) as f:
         return json.load(f)["steps"]
+
+
+def _ps_run(workdir, workers, steps):
+    """Steps/s of one parameter-server run (its progress reports after the first)."""
+    config = config_flags_filename()
+    train_flags = [f"--config={config}", f"--workdir={workdir}", "--overwrite",
+                   f"--config.train.steps={steps}", f"--config.train.steps_per_epoch={steps}",
+                   "--config.train.warmup_steps=1", "--config.train.eval_steps=1",
+                   "--config.train.intra_op_threads=1",
+                   f"--config.train.inter_op_threads={_INTER.value}", "--config.backup.enabled=false"]
+    cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=parameter_server",
+           f"--workers={workers}", "--ps=1", "--max_restarts=0", "--", *train_flags]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if p.returncode:
+        sys.exit(f"bench: parameter_server run failed (exit {p.returncode}):\n{p.stdout[-2000:]}")
+    with open(os.path.join(workdir, "metrics.json")) as f:
+        log = json.load(f)["steps"][1:]
+    return (log[-1]["step"] - log[0]["step"]) / (log[-1]["time"] - log[0]["time"])
+
+
+def ps_scaling_main():
+    import tempfile
+    import numpy as np
+
+    steps = 10 * max(2, _STEPS.value // 2 + 1)  # reports come every 10 steps; the first is warm-up
+    c = _CONFIG.value
+    tmp = tempfile.mkdtemp(prefix="tfdist-scaling-ps-")
+    rounds = []
+    for r in range(_ROUNDS.value):
+        row = {}
+        for workers in (1, 2):
+            row[workers] = _ps_run(os.path.join(tmp, f"w{workers}"), workers, steps)
+            print(f"round {r + 1}: {workers} worker(s) + 1 ps: {row[workers]:.3f} steps/s", flush=True)
+        rounds.append({"steps_per_sec_1": row[1], "steps_per_sec_2": row[2],
+                       "efficiency": row[2] / (2 * row[1])})
+    eff = float(np.median([x["efficiency"] for x in rounds]))
+    s1 = float(np.median([x["steps_per_sec_1"] for x in rounds]))
+    s2 = float(np.median([x["steps_per_sec_2"] for x in rounds]))
+    result = {"config": os.path.basename(config_flags_filename()), "batch_per_step": c.train.batch_size,
+              "context": c.model.block_size, "ps_tasks": 1, "intra_op_threads": 1,
+              "inter_op_threads": _INTER.value or "TF default", "steps_per_run": steps,
+              "rounds": rounds, "steps_per_sec_1": s1, "steps_per_sec_2": s2,
+              "scaling_efficiency": eff}
+    print(f"\n{result['config']}: batch {c.train.batch_size} x {c.model.block_size} per step, "
+          f"parameter_server with 1 ps, median of {_ROUNDS.value} interleaved rounds")
+    print(f"1 worker + 1 ps: {s1:.3f} steps/s; 2 workers + 1 ps: {s2:.3f} steps/s")
+    print(f"scaling efficiency: {100 * eff:.1f}% (target >= 80%)")
+    out = _OUT.value or "bench_results/scaling-ps.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
 
 
 def scaling_main():
@@ -133,7 +194,7 @@ def scaling_main():
 def main(argv):
     del argv
     if _SCALING.value:
-        return scaling_main()
+        return ps_scaling_main() if _PS_SCALING.value else scaling_main()
     import keras
     import numpy as np
     import tensorflow as tf

@@ -1,23 +1,34 @@
-"""Chaos trials for `tfdist launch`: SIGKILL a worker at a random step and check the run's end.
+"""Chaos trials for `tfdist launch`: SIGKILL a worker and check how the run ends.
 
     python tools/chaos.py                       # 5 trials, 2 workers, gpt_nano, 30 steps
     python tools/chaos.py --trials=10 --seed=1 --workers=3
+    python tools/chaos.py --strategy=parameter_server      # 5 trials, 2 workers + 1 ps, 600 steps
 
+multi_worker_mirrored (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
 and a worker in turn (worker 0, the chief, first). That worker SIGKILLs itself right after the step (tools/faulty_train.py), the launcher
 stops the group and restarts it, and training resumes from the backup. A backup is written after
 every step, with op determinism and dropout on. A trial passes when the launcher exits 0 after
 exactly one restart, every worker executed exactly the planned steps (none lost, none repeated),
-and the final weights are bitwise equal to the reference's. Prints a table and writes
-bench_results/chaos.json. Exit status 1 if any trial fails.
+and the final weights are bitwise equal to the reference's.
+
+parameter_server (asynchronous): each trial SIGKILLs a worker (in turn) at a random time (seeded,
+1-6 s into training). The launcher restarts that worker alone and it rejoins. A trial passes when
+the run completes (exit 0), the counted steps equal the planned steps, the runs summed over the
+workers exceed them by no more than the steps that were in flight (TF's coordinator re-runs a
+closure whose worker died: at least once), and no gap between two progress reports exceeds 60 s.
+
+Prints a table and writes bench_results/chaos.json (chaos-ps.json). Exit status 1 if a trial fails.
 """
 import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,8 +68,13 @@ def main():
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--data_dir", default="", help="TFDS data_dir (default ~/tensorflow_datasets)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "chaos.json"))
+    ap.add_argument("--strategy", default="multi_worker_mirrored",
+                    choices=["multi_worker_mirrored", "parameter_server"])
+    ap.add_argument("--out", default=None, help="default bench_results/chaos.json (chaos-ps.json)")
     args = ap.parse_args()
+    if args.strategy == "parameter_server":
+        return ps_trials(args)
+    args.out = args.out or os.path.join(ROOT, "bench_results", "chaos.json")
     if args.steps < 4 or args.steps % 10 or args.workers < 1 or args.trials < 1:
         ap.error("--steps must be a multiple of 10 (>= 10); --workers and --trials >= 1")
 
@@ -105,15 +121,86 @@ def main():
                                                for w in range(args.workers)),
                        r["planned_steps"], r["max_abs_weight_diff"], r["seconds"],
                        "yes" if r["ok"] else "NO") for r in rows]
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
+    report(args, table, rows)
+
+
+def report(args, table, rows):
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"workers": args.workers, "steps": args.steps, "seed": args.seed,
-                   "trials": rows}, f, indent=1)
+        json.dump({"strategy": args.strategy, "workers": args.workers, "steps": args.steps,
+                   "seed": args.seed, "trials": rows}, f, indent=1)
     print(f"wrote {args.out}; {sum(r['ok'] for r in rows)} of {len(rows)} trials ok")
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+def ps_trials(args):
+    from launchers.local import children, task_of
+
+    args.out = args.out or os.path.join(ROOT, "bench_results", "chaos-ps.json")
+    steps = args.steps if args.steps != 30 else 600
+    rng = random.Random(args.seed)
+    tmp = tempfile.mkdtemp(prefix="tfdist-chaos-ps-")
+    rows = []
+    for trial in range(args.trials):
+        worker, delay = trial % args.workers, round(rng.uniform(1.0, 6.0), 2)
+        d = os.path.join(tmp, f"trial{trial}")
+        flags = ["--config=configs/gpt_nano.py", f"--workdir={d}", f"--config.train.steps={steps}",
+                 f"--config.train.steps_per_epoch={steps // 2}", "--config.train.eval_steps=4",
+                 "--config.backup.every_steps=100"]
+        if args.data_dir:
+            flags.append(f"--config.data.data_dir={args.data_dir}")
+        t = time.monotonic()
+        p = subprocess.Popen([sys.executable, "-m", "tfdist", "launch", "--strategy=parameter_server",
+                              f"--workers={args.workers}", "--ps=1", "--max_restarts=5",
+                              "--backoff=0.5", "--", *flags], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+        reader.start()
+        while not any("[c0] Epoch 1/" in x for x in lines) and p.poll() is None:
+            time.sleep(0.1)
+        time.sleep(delay)
+        victim = [pid for pid in children(p.pid) if task_of(pid) == ("worker", worker)]
+        for pid in victim:
+            os.kill(pid, signal.SIGKILL)
+        try:
+            p.wait(timeout=900)
+        finally:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+        reader.join(timeout=10)
+        out = "".join(lines)
+        seconds = time.monotonic() - t
+        counted = summed = stall = None
+        if p.returncode == 0:
+            log = json.load(open(os.path.join(d, "metrics.json")))["steps"]
+            counted, summed = log[-1]["step"], sum(log[-1]["worker_steps"])
+            times = [r["time"] for r in log]
+            stall = round(max(b - a for a, b in zip(times, times[1:])), 1)
+        restarted = f"worker {worker} was killed by SIGKILL; restarting it alone" in out
+        # every step counted once; runs may exceed it by steps re-run after the kill (at most the
+        # 2 x workers in flight)
+        ok = (p.returncode == 0 and bool(victim) and restarted and counted == steps
+              and steps <= summed <= steps + 2 * args.workers and stall < 60)
+        rows.append({"trial": trial, "killed_worker": worker, "kill_after_s": delay,
+                     "exit": p.returncode, "worker_restarted": restarted, "counted_steps": counted,
+                     "runs_incl_retries": summed, "planned_steps": steps,
+                     "max_stall_s": stall, "seconds": round(seconds, 1), "ok": ok})
+        if not ok:
+            print(out[-3000:])
+        print(f"trial {trial}: {'ok' if ok else 'FAILED'}", flush=True)
+    head = ("trial", "killed", "at s", "exit", "restarted alone", "counted", "runs (retries incl.)",
+            "planned", "max stall s", "s", "ok")
+    table = [head] + [(r["trial"], f"w{r['killed_worker']}", r["kill_after_s"], r["exit"],
+                       "yes" if r["worker_restarted"] else "no", r["counted_steps"],
+                       r["runs_incl_retries"], r["planned_steps"], r["max_stall_s"],
+                       r["seconds"], "yes" if r["ok"] else "NO") for r in rows]
+    args.steps = steps
+    report(args, table, rows)
 
 
 if __name__ == "__main__":

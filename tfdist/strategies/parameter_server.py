@@ -10,9 +10,11 @@ Keras 3 `fit` does not support ParameterServerStrategy (keras-team/keras#18624).
   computes batch `s` on its worker, so every step's batch is trained on exactly once, also when a
   closure is rescheduled after a worker failure. A plain `tf.data.Dataset` is read through
   per-worker datasets (`create_per_worker_dataset`);
-* the step count is an atomic `tf.Variable.assign_add` on the ps (Keras 3's
-  `optimizer.iterations.assign_add` is a read-modify-write that loses increments under
-  concurrency; `iterations` is set from the exact count at every report);
+* the step count is exact: each step marks itself done in a mask on the ps (an idempotent
+  scatter: a closure that TF's coordinator re-runs after a worker failure counts once), and per
+  worker runs are counted with atomic `assign_add`s. Keras 3's `optimizer.iterations.assign_add`
+  is a read-modify-write that loses increments under concurrency, so `iterations` is set from
+  the exact count at every report;
 * callbacks run on the coordinator every 10 completed steps (`log_every_steps`): one
   `on_train_batch_end` stands for the steps since the last one (`logs["tfdist/steps"]`), with their
   mean loss. Before a backup and at each epoch end the loop is a barrier: it schedules nothing
@@ -47,7 +49,7 @@ class ParameterServer(Strategy):
     name = "parameter_server"
     supports_jit_compile = False
 
-    def __init__(self, cluster=None, variable_shards=0, **unused_options):
+    def __init__(self, cluster=None, **unused_options):
         self.cluster = cluster or cluster_lib.from_environment(allowed_roles=_ROLES)
         if self.cluster is None:
             raise UsageError("parameter_server needs a cluster with chief, worker and ps tasks: set "
@@ -60,15 +62,14 @@ class ParameterServer(Strategy):
         if self.cluster.task_type != "chief":
             super().__init__(tf.distribute.get_strategy())
             return
-        partitioner = None
-        if variable_shards > 1:
-            partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(variable_shards)
-        super().__init__(tf.distribute.ParameterServerStrategy(
-            self.cluster.resolver(), variable_partitioner=partitioner))
+        # No variable_partitioner: Keras 3 cannot train sharded variables. Its TF variable wrapper
+        # hands `tape.gradient` the `.handle` of the wrapped variable, and a ShardedVariable has
+        # none ("AttributeError: 'ShardedVariable' object has no attribute 'handle'", Keras 3.15).
+        super().__init__(tf.distribute.ParameterServerStrategy(self.cluster.resolver()))
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.tf_strategy)
         _route_keras_fit()
         with self.tf_strategy.scope():
-            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_ps_step")
+            self.runs = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_ps_runs")
             self.worker_steps = tf.Variable(tf.zeros([self.num_workers], tf.int64),
                                             trainable=False, name="tfdist_ps_worker_steps")
             self.loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False,
@@ -124,12 +125,17 @@ class ParameterServer(Strategy):
         callbacks = list(callbacks or [])
         every = log_every_steps or max(1, min(steps_per_epoch, 10))
         backup_every = [c.every_steps for c in callbacks if getattr(c, "every_steps", 0)]
-        train_fn = self._train_closure(model, data)
         history = keras.callbacks.History()
         cbs = keras.callbacks.CallbackList(callbacks + [history], model=model, epochs=epochs,
                                            steps=steps_per_epoch, verbose=0)
         show = verbose not in (0, False)
-        self.step.assign(initial_step)
+        total = epochs * steps_per_epoch
+        with self.tf_strategy.scope():  # step s done <=> done_mask[s] == 1 (see _count)
+            self.done_mask = tf.Variable(tf.cast(tf.range(total) < initial_step, tf.int8),
+                                         trainable=False, name="tfdist_ps_done_mask")
+        self._count = tf.function(self._count_fn)
+        train_fn = self._train_closure(model, data)
+        self.runs.assign(initial_step)
         model.optimizer.iterations.assign(initial_step)
         model.stop_training = False
         cbs.on_train_begin()
@@ -148,7 +154,7 @@ class ParameterServer(Strategy):
                 target = min(done + every, end)
                 barrier = target == end or any(target // b > done // b for b in backup_every)
                 scheduled = self._advance(train_fn, scheduled, target, end, barrier)
-                now = int(self.step.numpy())  # >= target: steps in flight may have finished too
+                now = int(self._count())  # >= target: steps in flight may have finished too
                 loss_sum = float(self.loss_sum.numpy())
                 losses = (loss_sum - last_loss_sum) / max(now - done, 1)  # of the steps since
                 n, done, last_loss_sum = now - done, now, loss_sum
@@ -177,7 +183,7 @@ class ParameterServer(Strategy):
         Returns the next step to schedule."""
         window = 2 * self.num_workers
         while True:
-            done = int(self.step.numpy())
+            done = int(self.runs.numpy())  # cheap; may run ahead by retried closures
             limit = target if barrier else end
             while scheduled < limit and scheduled - done < window:
                 fn, args = train_fn
@@ -186,14 +192,15 @@ class ParameterServer(Strategy):
             if barrier and scheduled >= target:
                 self.coordinator.join()
                 break
-            if done >= target:
+            if done >= target and int(self._count()) >= target:
                 break
             self.coordinator.done()  # raises the error of any failed step (else we'd wait forever)
             time.sleep(0.002)
         return scheduled
 
     def _train_closure(self, model, data):
-        strategy, step_var, worker_steps = self.tf_strategy, self.step, self.worker_steps
+        strategy, runs, worker_steps = self.tf_strategy, self.runs, self.worker_steps
+        done_mask = self.done_mask
         by_step = _step_addressed(data)
         if not by_step:
             # a dataset_fn, or a tf.data.Dataset (serialized and sent to every worker)
@@ -201,9 +208,10 @@ class ParameterServer(Strategy):
 
         loss_sum = self.loss_sum
 
-        def count(loss):
+        def count(step, loss):
+            done_mask.scatter_nd_update([[step]], tf.constant([1], tf.int8))  # idempotent
             loss_sum.assign_add(tf.cast(loss, tf.float64))
-            step_var.assign_add(1)
+            runs.assign_add(1)
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             worker_steps.scatter_nd_add([[worker]], tf.constant([1], tf.int64))
 
@@ -211,21 +219,27 @@ class ParameterServer(Strategy):
         def train_by_step(step):
             def replica_fn(step):
                 loss = model.train_step(data.batch(step))["loss"]
-                count(loss)
+                count(step, loss)
                 return loss
             return strategy.run(replica_fn, args=(step,))
 
         @tf.function
-        def train_from_iterator(iterator):
-            def replica_fn(batch):
+        def train_from_iterator(iterator, step):
+            def replica_fn(batch, step):
                 loss = model.train_step(batch)["loss"]
-                count(loss)
+                count(step, loss)
                 return loss
-            return strategy.run(replica_fn, args=(next(iterator),))
+            return strategy.run(replica_fn, args=(next(iterator), step))
 
         if by_step:
             return train_by_step, lambda step: (tf.constant(step, tf.int64),)
-        return train_from_iterator, lambda step: (iterator,)
+        return train_from_iterator, lambda step: (iterator, tf.constant(step, tf.int64))
+
+    def _count_fn(self):
+        """Steps done, each counted once (a closure retried after a worker failure may have run
+        twice: TF's coordinator executes at least once). Summed on the ps that holds the mask."""
+        with tf.device(self.done_mask.device):
+            return tf.reduce_sum(tf.cast(self.done_mask, tf.int64))
 
     def _validate(self, model, validation_data, steps):
         if not _step_addressed(validation_data):

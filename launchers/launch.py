@@ -1,0 +1,84 @@
+"""`tfdist launch`: the command line of the local launcher (`launchers.local` does the work).
+
+    tfdist launch --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/nano-2w
+    tfdist launch --strategy=parameter_server --workers 2 --ps 1 -- --config=configs/gpt_nano.py
+    tfdist launch --workers 2 -- python my_keras_program.py --its --flags
+
+See `launchers/local.py` for what it does, and its exit status.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+from absl import flags
+
+from launchers.local import STRATEGIES, Supervisor, loopback_shim
+from tfdist import cli
+from tfdist.errors import UsageError
+
+_WORKERS = flags.DEFINE_integer("workers", 2, "Number of worker processes.")
+_STRATEGY = flags.DEFINE_string("strategy", "multi_worker_mirrored",
+                                "Strategy of the workers: " + ", ".join(STRATEGIES) + ".")
+_PS = flags.DEFINE_integer("ps", 1, "parameter_server: number of ps tasks (a chief, the "
+                           "coordinator, is started too).")
+_MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3,
+                                     "Restarts of the whole group before giving up.")
+_BACKOFF = flags.DEFINE_float("backoff", 2.0,
+                              "Seconds before the first restart; doubles each time, up to 60.")
+_BIND = flags.DEFINE_enum("bind", "loopback", ["loopback", "all"],
+                          "loopback: workers listen on 127.0.0.1 only; all: TF's default "
+                          "(every interface).")
+_LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write each process's output to "
+                               "<worker_logs>/<name>.log (w0, w1, ..., c0, ps0).")
+
+
+def _train_argv(args, strategy):
+    return [sys.executable, "-m", "tfdist", "train", *args, f"--strategy={strategy}"]
+
+
+def main(argv):
+    rest = argv[1:]
+    n, strategy = _WORKERS.value, _STRATEGY.value
+    if not rest:
+        raise UsageError("nothing to run: put the `tfdist train` flags (or a command) after --, "
+                         "e.g. tfdist launch --workers 2 -- --config=configs/gpt_nano.py")
+    if not 1 <= n <= 64:
+        raise UsageError(f"--workers must be between 1 and 64, got {n}")
+    if strategy not in STRATEGIES:
+        raise UsageError(f"tfdist launch cannot start strategy '{strategy}'; it starts: "
+                         f"{', '.join(STRATEGIES)}")
+    if strategy == "parameter_server" and not 1 <= _PS.value <= 16:
+        raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
+    if _MAX_RESTARTS.value < 0 or _BACKOFF.value < 0:
+        raise UsageError("--max_restarts and --backoff must be >= 0")
+    env = dict(os.environ)
+    if _BIND.value == "loopback":
+        env["LD_PRELOAD"] = " ".join(filter(None, [loopback_shim(), env.get("LD_PRELOAD")]))
+
+    if rest[0].startswith("-"):  # tfdist train flags
+        if any(a.startswith("--strategy") for a in rest):
+            raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
+        p = subprocess.run(_train_argv(rest, strategy) + ["--prepare_only"], env=env)
+        if p.returncode:
+            sys.exit(2 if p.returncode == 2 else 1)
+        worker_args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
+        argv = _train_argv(worker_args, strategy)
+    else:  # any program
+        if not (shutil.which(rest[0]) or os.path.isfile(rest[0])):
+            raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after -- "
+                             f"start with -, e.g. --config=...)")
+        argv = rest
+
+    code = Supervisor(argv, n, ps=_PS.value if strategy == "parameter_server" else 0,
+                      max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
+                      env=env, log_dir=_LOG_DIR.value).run()
+    sys.exit(code)
+
+
+def run(argv=None):
+    cli.run(main, argv or sys.argv)
+
+
+if __name__ == "__main__":
+    run()
