@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench bench-scaling chaos clean
+.PHONY: setup demo test test-fast bench bench-scaling bench-scaling-ps chaos chaos-ps clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ bench: $(STAMP)
 bench-scaling: $(STAMP)
 	$(BIN)/python tools/bench.py --scaling
 
+# parameter server: 2 workers + 1 ps vs 1 worker + 1 ps, 1 thread each, gpt_mini.
+bench-scaling-ps: $(STAMP)
+	$(BIN)/python tools/bench.py --scaling --ps
+
 # 5 trials: SIGKILL a worker of a 2-worker run at a random step; the launcher restarts, the run
 # must end with the exact steps and bitwise the weights of an uninterrupted run.
 chaos: $(STAMP)
@@ -38,3 +42,8 @@ chaos: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
+
+# 5 trials: SIGKILL a parameter-server worker at a random time; it must be restarted alone and the
+# run must count exactly the planned steps.
+chaos-ps: $(STAMP)
+	$(BIN)/python tools/chaos.py --strategy=parameter_server

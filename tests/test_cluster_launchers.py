@@ -22,31 +22,32 @@ from tfdist import cluster
 
 SBATCH = os.path.join(ROOT, "launchers", "slurm", "tfdist.sbatch")
 TFJOB = os.path.join(ROOT, "launchers", "kubernetes", "tfjob.yaml")
+TFJOB_PS = os.path.join(ROOT, "launchers", "kubernetes", "tfjob-ps.yaml")
 
 
-def free_port_pair():
+def free_port_run(n):
+    """A port p such that p .. p+n-1 are free on 127.0.0.1 now."""
     for _ in range(100):
-        a = socket.socket()
-        a.bind(("127.0.0.1", 0))
-        port = a.getsockname()[1]
-        b = socket.socket()
+        socks = [socket.socket() for _ in range(n)]
         try:
-            b.bind(("127.0.0.1", port + 1))
+            socks[0].bind(("127.0.0.1", 0))
+            port = socks[0].getsockname()[1]
+            for i, s in enumerate(socks[1:], 1):
+                s.bind(("127.0.0.1", port + i))
             return port
         except OSError:
             continue
         finally:
-            a.close()
-            b.close()
-    raise RuntimeError("no two consecutive free ports")
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
-@pytest.mark.slow
-def test_sbatch_script_trains_two_workers_from_slurm_variables(tmp_path, data_dir):
+def run_sbatch(tmp_path, data_dir, tasks, **env_extra):
     env = {**os.environ, "PATH": os.path.join(ROOT, "tests", "fake_slurm") + os.pathsep + os.environ["PATH"],
-           "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_SUBMIT_DIR": ROOT,
-           "PYTHON": sys.executable, "TFDIST_SLURM_PORT_BASE": str(free_port_pair()),
-           "LD_PRELOAD": loopback_shim(), "PYTHONUNBUFFERED": "1"}
+           "SLURM_JOB_ID": "4242", "SLURM_NTASKS": str(tasks), "SLURM_SUBMIT_DIR": ROOT,
+           "PYTHON": sys.executable, "TFDIST_SLURM_PORT_BASE": str(free_port_run(tasks)),
+           "LD_PRELOAD": loopback_shim(), "PYTHONUNBUFFERED": "1", **env_extra}
     env.pop("TF_CONFIG", None)
     flags = ["--config=configs/gpt_nano.py", f"--workdir={tmp_path}", "--config.train.steps=4",
              f"--config.data.data_dir={data_dir}", "--config.train.steps_per_epoch=2",
@@ -55,10 +56,25 @@ def test_sbatch_script_trains_two_workers_from_slurm_variables(tmp_path, data_di
                        timeout=300, cwd=str(tmp_path))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"tfdist: prepared {tmp_path}" in p.stdout
-    assert "tfdist: multi_worker_mirrored: worker 0 of 2, 2 replica(s) in sync" in p.stdout
     assert "tfdist: done: 4 steps run (step 4 of 4)" in p.stdout
     assert "tfdist.sbatch: done after 0 restart(s)" in p.stdout
     assert (tmp_path / "model.keras").exists()
+    return p.stdout
+
+
+@pytest.mark.slow
+def test_sbatch_script_trains_two_workers_from_slurm_variables(tmp_path, data_dir):
+    out = run_sbatch(tmp_path, data_dir, 2)
+    assert "tfdist: multi_worker_mirrored: worker 0 of 2, 2 replica(s) in sync" in out
+
+
+@pytest.mark.slow
+def test_sbatch_parameter_server_variant(tmp_path, data_dir):
+    """Task 0 the chief, task 1 the ps, tasks 2-3 workers; the servers end when the chief is gone."""
+    out = run_sbatch(tmp_path, data_dir, 4, STRATEGY="parameter_server", PS="1",
+                     TFDIST_SERVER_ORPHAN_TIMEOUT="2")
+    assert "tfdist: parameter_server: coordinator of 2 worker(s) and 1 ps task(s)" in out
+    assert out.count("the chief has been gone for 2 s") == 3
 
 
 def test_sbatch_script_asks_for_one_task_per_worker():
@@ -101,6 +117,31 @@ def test_tfjob_manifest_is_a_valid_restartable_multi_worker_job():
     for flag in ("--workdir=", "--config.data.data_dir="):
         (value,) = [a[len(flag):] for a in cmd if a.startswith(flag)]
         assert value.startswith(mount["mountPath"] + "/")
+
+
+def test_tfjob_parameter_server_manifest():
+    with open(TFJOB_PS) as f:
+        job = yaml.safe_load(f)
+    assert job["kind"] == "TFJob" and job["apiVersion"] == "kubeflow.org/v1"
+    specs = job["spec"]["tfReplicaSpecs"]
+    assert {k: v["replicas"] for k, v in specs.items()} == {"Chief": 1, "Worker": 2, "PS": 1}
+    _, collective = load_tfjob()
+    for spec in specs.values():
+        (container,) = spec["template"]["spec"]["containers"]
+        assert container["name"] == "tensorflow" and spec["restartPolicy"] == "OnFailure"
+        assert container["command"][-1] == "--strategy=parameter_server"
+        assert not any(a.startswith("--overwrite") for a in container["command"])
+        claims = [v["persistentVolumeClaim"]["claimName"] for v in spec["template"]["spec"]["volumes"]]
+        assert claims == ["tfdist-runs"]  # the PVC of tfjob.yaml
+    name = job["metadata"]["name"]
+    cluster_spec = {role: [f"{name}-{role}-{i}.default.svc:2222" for i in range(specs[k]["replicas"])]
+                    for k, role in (("Chief", "chief"), ("Worker", "worker"), ("PS", "ps"))}
+    for role, addrs in cluster_spec.items():
+        for i in range(len(addrs)):
+            tf_config = json.dumps({"cluster": cluster_spec, "task": {"type": role, "index": i},
+                                    "environment": "cloud"})
+            spec = cluster.from_environment(env={"TF_CONFIG": tf_config})
+            assert (spec.task_type, spec.task_index, spec.is_chief) == (role, i, role == "chief")
 
 
 def test_tf_config_of_every_tfjob_replica_places_the_pod():

@@ -83,6 +83,7 @@ def test_trains_as_well_as_the_collective_mode(tmp_path, data_dir):
         assert run.finish() == 0, run.out[-3000:]
         runs[strategy] = metrics(d)["evals"][-1]["loss"]
     collective, ps = runs["multi_worker_mirrored"], runs["parameter_server"]
+    print(f"final validation loss after 80 steps: {runs}")  # shown with pytest -s
     assert abs(ps - collective) <= 0.10 * collective, runs
     assert ps < 3.5  # it learned (5.5 nats at the start)
 
@@ -103,11 +104,12 @@ def test_a_paused_worker_does_not_stop_the_other(tmp_path, data_dir):
 
     def rate(t0, t1):  # worker 0's steps per second between t0 and t1
         inside = [r for r in steps if t0 <= r["time"] <= t1]
-        assert len(inside) >= 2, (t0, t1, steps[:3])
+        assert len(inside) >= 2, (t0, t1, [(r["step"], round(r["time"] - t0, 2)) for r in steps])
         return ((inside[-1]["worker_steps"][0] - inside[0]["worker_steps"][0])
                 / (inside[-1]["time"] - inside[0]["time"]))
 
     before, during = rate(t_stop - 4, t_stop), rate(t_stop + 1, t_cont)
+    print(f"worker 0: {before:.1f} steps/s before the pause, {during:.1f} during")
     paused = [r["worker_steps"][1] for r in steps if t_stop + 1 <= r["time"] <= t_cont]
     assert paused[-1] - paused[0] <= 1  # worker 1 really stood still
     assert during >= 0.8 * before, (before, during)

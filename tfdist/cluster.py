@@ -97,8 +97,10 @@ def from_tf_config(text, allowed_roles=ROLES):
     return ClusterSpec(cluster, ttype, index)
 
 
-def from_slurm(port_base=8888, env=None):
-    """The cluster of a Slurm job step (one task per worker), through TF's SlurmClusterResolver."""
+def from_slurm(port_base=8888, env=None, ps=0):
+    """The cluster of a Slurm job step, through TF's SlurmClusterResolver: one task per worker;
+    with `ps` > 0 (parameter server), task 0 is the chief, tasks 1..ps the ps tasks, the rest
+    workers."""
     import tensorflow as tf
     env = os.environ if env is None else env
     old = {k: os.environ.get(k) for k in env if k.startswith("SLURM_")}
@@ -110,8 +112,12 @@ def from_slurm(port_base=8888, env=None):
         # TF's resolver zips each node's task ports with a range over its GPUs, so on CPU-only
         # nodes (gpus_per_node=0) it lists no tasks at all. Give it one "GPU" slot per task and
         # auto_set_gpu=False (it then touches no CUDA_VISIBLE_DEVICES).
+        n = int(env["SLURM_NTASKS"])
+        jobs = {"worker": n} if not ps else {"chief": 1, "ps": ps, "worker": n - 1 - ps}
+        if min(jobs.values()) < 1:
+            raise ValueError(f"{n} tasks cannot hold a chief, {ps} ps task(s) and a worker")
         r = tf.distribute.cluster_resolver.SlurmClusterResolver(
-            jobs={"worker": int(env["SLURM_NTASKS"])}, port_base=port_base,
+            jobs=jobs, port_base=port_base,
             gpus_per_node=per_node, gpus_per_task=1, auto_set_gpu=False)
         spec = r.cluster_spec().as_dict()
         return ClusterSpec({k: list(v) for k, v in spec.items()}, r.task_type, r.task_id, "slurm")
@@ -129,7 +135,8 @@ def from_slurm(port_base=8888, env=None):
 def from_environment(allowed_roles=ROLES, env=None):
     """TF_CONFIG if set (Kubernetes TFJob and tfdist's launcher set it), else Slurm, else None.
 
-    Under Slurm, worker i of a node listens on TFDIST_SLURM_PORT_BASE + i (default 8888 + i)."""
+    Under Slurm, task i of a node listens on TFDIST_SLURM_PORT_BASE + i (default 8888 + i), and
+    TFDIST_SLURM_PS=P makes task 0 the chief and tasks 1..P ps tasks (parameter server)."""
     env = os.environ if env is None else env
     if env.get("TF_CONFIG"):
         return from_tf_config(env["TF_CONFIG"], allowed_roles)
@@ -137,5 +144,8 @@ def from_environment(allowed_roles=ROLES, env=None):
         port = env.get("TFDIST_SLURM_PORT_BASE", "8888")  # task i of a node listens on base + i
         if not port.isdigit() or not 0 < int(port) < 65000:
             raise UsageError(f"TFDIST_SLURM_PORT_BASE={port!r} is not a port number")
-        return from_slurm(port_base=int(port), env=env)
+        ps = env.get("TFDIST_SLURM_PS", "0")
+        if not ps.isdigit():
+            raise UsageError(f"TFDIST_SLURM_PS={ps!r} is not a number of ps tasks")
+        return from_slurm(port_base=int(port), env=env, ps=int(ps))
     return None

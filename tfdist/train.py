@@ -93,7 +93,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     strategy = strategies.from_config(c)
     if strategy.is_server:  # a parameter server's worker or ps task: the chief trains
         strategy.serve()
-        return {}
+        sys.stdout.flush()
+        os._exit(0)  # TF's server threads would keep the process alive
 
     import keras
     from tfdist import callbacks as cb

@@ -31,6 +31,8 @@ Example (a chief with TF_CONFIG listing chief, worker and ps tasks, the others s
         model = ...; model.compile(optimizer=strategy.wrap_optimizer(keras.optimizers.Adam()), loss=...)
     model.fit(dataset, epochs=2, steps_per_epoch=100)     # steps_per_epoch is required
 """
+import os
+import socket
 import time
 
 import keras
@@ -102,14 +104,33 @@ class ParameterServer(Strategy):
         return (f"{self.name}: coordinator of {len(c['worker'])} worker(s) and {len(c['ps'])} ps "
                 f"task(s), asynchronous")
 
+    ORPHAN_TIMEOUT = 60.0  # seconds; TFDIST_SERVER_ORPHAN_TIMEOUT overrides
+
     def serve(self):
-        """Worker or ps task: serve the coordinator's requests until stopped."""
+        """Worker or ps task: serve the coordinator's requests. Returns (the process then exits 0)
+        once the chief, after having been up, has been unreachable for ORPHAN_TIMEOUT seconds:
+        under Slurm or by hand nothing else would end a server after a finished run (the local
+        launcher and a TFJob stop them themselves)."""
         server = tf.distribute.Server(tf.train.ClusterSpec(self.cluster.cluster),
                                       job_name=self.cluster.task_type,
                                       task_index=self.cluster.task_index, protocol="grpc", start=True)
         print(f"tfdist: {self.cluster.task_type} {self.cluster.task_index} serving at "
               f"{self.cluster.cluster[self.cluster.task_type][self.cluster.task_index]}", flush=True)
-        server.join()
+        timeout = float(os.environ.get("TFDIST_SERVER_ORPHAN_TIMEOUT", self.ORPHAN_TIMEOUT))
+        host, _, port = self.cluster.cluster["chief"][0].rpartition(":")
+        seen, down_since = False, None
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=2).close()
+                seen, down_since = True, None
+            except OSError:
+                down_since = down_since or time.monotonic()
+                if seen and time.monotonic() - down_since > timeout:
+                    print(f"tfdist: the chief has been gone for {timeout:g} s; "
+                          f"{self.cluster.task_type} {self.cluster.task_index} stops", flush=True)
+                    del server
+                    return
+            time.sleep(2)
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
@@ -140,7 +161,8 @@ class ParameterServer(Strategy):
         model.stop_training = False
         cbs.on_train_begin()
         done = scheduled = initial_step
-        last_loss_sum = float(self.loss_sum.numpy())
+        self._runs_and_loss = tf.function(lambda: (self.runs.read_value(), self.loss_sum.read_value()))
+        last_runs, last_loss_sum = (float(v) for v in self._runs_and_loss())
         for epoch in range(initial_step // steps_per_epoch, epochs):
             cbs.on_epoch_begin(epoch)
             bar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss", "steps/s"]) if show else None
@@ -155,9 +177,9 @@ class ParameterServer(Strategy):
                 barrier = target == end or any(target // b > done // b for b in backup_every)
                 scheduled = self._advance(train_fn, scheduled, target, end, barrier)
                 now = int(self._count())  # >= target: steps in flight may have finished too
-                loss_sum = float(self.loss_sum.numpy())
-                losses = (loss_sum - last_loss_sum) / max(now - done, 1)  # of the steps since
-                n, done, last_loss_sum = now - done, now, loss_sum
+                runs, loss_sum = (float(v) for v in self._runs_and_loss())
+                losses = (loss_sum - last_loss_sum) / max(runs - last_runs, 1)  # since last time
+                n, done, last_loss_sum, last_runs = now - done, now, loss_sum, runs
                 model.optimizer.iterations.assign(done)  # the exact count (see module doc)
                 logs = {"loss": losses, STEPS_KEY: n,
                         "tfdist/worker_steps": self.worker_steps.numpy().tolist()}
