@@ -33,6 +33,7 @@ def one_error_line(p):
     (["--max_restarts=-1", "--", PY, "-c", "pass"], "--max_restarts and --backoff must be >= 0"),
     (["--bind=everywhere", "--", PY, "-c", "pass"], "--bind"),
     (["--", "no-such-program", "x"], "cannot run 'no-such-program': not found"),
+    (["--strategy=parameter_server", "--ps=0", "--", PY, "-c", "pass"], "--ps must be between 1 and 16"),
     (["--", "--config=configs/nope.py"], "config file 'configs/nope.py' not found"),
     (["--", "--config=configs/gpt_nano.py", "--config.model.n_layer=0"], "model.n_layer"),
 ])

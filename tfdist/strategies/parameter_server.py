@@ -163,13 +163,14 @@ class ParameterServer(Strategy):
         done = scheduled = initial_step
         self._runs_and_loss = tf.function(lambda: (self.runs.read_value(), self.loss_sum.read_value()))
         last_runs, last_loss_sum = (float(v) for v in self._runs_and_loss())
+        losses = float("nan")
         for epoch in range(initial_step // steps_per_epoch, epochs):
             cbs.on_epoch_begin(epoch)
             bar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss", "steps/s"]) if show else None
             if bar:
                 print(f"Epoch {epoch + 1}/{epochs}", flush=True)
             end = (epoch + 1) * steps_per_epoch
-            logs = {}
+            logs, epoch_runs, epoch_loss_sum = {}, last_runs, last_loss_sum
             while done < end:
                 cbs.on_train_batch_begin(done % steps_per_epoch)
                 t0 = time.perf_counter()
@@ -178,7 +179,9 @@ class ParameterServer(Strategy):
                 scheduled = self._advance(train_fn, scheduled, target, end, barrier)
                 now = int(self._count())  # >= target: steps in flight may have finished too
                 runs, loss_sum = (float(v) for v in self._runs_and_loss())
-                losses = (loss_sum - last_loss_sum) / max(runs - last_runs, 1)  # since last time
+                if runs > last_runs:  # mean loss of the runs since the last report (steps still
+                    # in flight at that report may all have finished by then: keep the last mean)
+                    losses = (loss_sum - last_loss_sum) / (runs - last_runs)
                 n, done, last_loss_sum, last_runs = now - done, now, loss_sum, runs
                 model.optimizer.iterations.assign(done)  # the exact count (see module doc)
                 logs = {"loss": losses, STEPS_KEY: n,
@@ -188,7 +191,7 @@ class ParameterServer(Strategy):
                     bar.update(done - epoch * steps_per_epoch,
                                values=[("loss", logs["loss"]),
                                        ("steps/s", n / (time.perf_counter() - t0))])
-            epoch_logs = {"loss": logs.get("loss", float("nan"))}
+            epoch_logs = {"loss": (last_loss_sum - epoch_loss_sum) / max(last_runs - epoch_runs, 1)}
             if validation_data is not None:
                 epoch_logs["val_loss"] = self._validate(model, validation_data, validation_steps)
                 if bar:
