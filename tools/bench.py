@@ -143,11 +143,7 @@ def ps_scaling_main():
           f"parameter_server with 1 ps, median of {_ROUNDS.value} interleaved rounds")
     print(f"1 worker + 1 ps: {s1:.3f} steps/s; 2 workers + 1 ps: {s2:.3f} steps/s")
     print(f"scaling efficiency: {100 * eff:.1f}% (target >= 80%)")
-    out = _OUT.value or "bench_results/scaling-ps.json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_json(result, "bench_results/scaling-ps.json")
 
 
 def scaling_main():
@@ -184,11 +180,7 @@ def scaling_main():
     print(f"{'1 process (single)':34s} {tps1:10.0f} {tokens_1 / tps1:8.2f}")
     print(f"{f'{n} workers (multi_worker_mirrored)':34s} {tpsn:10.0f} {n * tokens_1 / tpsn:8.2f}")
     print(f"scaling efficiency: {100 * eff:.1f}% (target >= 90%)")
-    out = _OUT.value or "bench_results/scaling.json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_json(result, "bench_results/scaling.json")
 
 
 def main(argv):
@@ -303,7 +295,11 @@ def main(argv):
               f"{100 * r['mfu']:6.1f}% {r['relative_to_tfdist']:10.3f}")
     print(f"tfdist overhead vs plain Keras fit: {100 * result['tfdist_overhead_vs_keras']:+.1f}% "
           f"of throughput")
-    out = _OUT.value or "bench_results/bench.json"
+    write_json(result, "bench_results/bench.json")
+
+
+def write_json(result, default_path):
+    out = _OUT.value or default_path
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
