@@ -111,8 +111,15 @@ class ParameterServer(Strategy):
         once the chief, after having been up, has been unreachable for ORPHAN_TIMEOUT seconds:
         under Slurm or by hand nothing else would end a server after a finished run (the local
         launcher and a TFJob stop them themselves)."""
+        # The server runs the coordinator's ops with its own thread pools, sized by this config;
+        # `tf.config.threading` (set by `tfdist train`) does not reach them. One inter-op thread
+        # deadlocks a worker (a function's receive from the ps waits on the only thread), so at
+        # least 2; they mostly wait, the compute is in the intra-op pool.
+        config = tf.compat.v1.ConfigProto(
+            intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
+            inter_op_parallelism_threads=max(2, tf.config.threading.get_inter_op_parallelism_threads()))
         server = tf.distribute.Server(tf.train.ClusterSpec(self.cluster.cluster),
-                                      job_name=self.cluster.task_type,
+                                      job_name=self.cluster.task_type, config=config,
                                       task_index=self.cluster.task_index, protocol="grpc", start=True)
         print(f"tfdist: {self.cluster.task_type} {self.cluster.task_index} serving at "
               f"{self.cluster.cluster[self.cluster.task_type][self.cluster.task_index]}", flush=True)
