@@ -2,6 +2,7 @@
 
     tfdist launch --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/nano-2w
     tfdist launch --strategy=parameter_server --workers 2 --ps 1 -- --config=configs/gpt_nano.py
+    tfdist launch --strategy=horovod --workers 2 -- --config=configs/gpt_nano.py
     tfdist launch --workers 2 -- python my_keras_program.py --its --flags
 
 See `launchers/local.py` for what it does, and its exit status.
@@ -13,7 +14,7 @@ import sys
 
 from absl import flags
 
-from launchers.local import STRATEGIES, Supervisor, loopback_shim
+from launchers.local import STRATEGIES, Supervisor, horovodrun_argv, loopback_shim
 from tfdist import cli
 from tfdist.errors import UsageError
 
@@ -70,9 +71,12 @@ def main(argv):
                              f"start with -, e.g. --config=...)")
         argv = rest
 
-    code = Supervisor(argv, n, ps=_PS.value if strategy == "parameter_server" else 0,
+    horovod = strategy == "horovod"  # one horovodrun, which starts and stops the ranks itself
+    if horovod:
+        argv = horovodrun_argv(n, argv)
+    code = Supervisor(argv, 1 if horovod else n, ps=_PS.value if strategy == "parameter_server" else 0,
                       max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
-                      env=env, log_dir=_LOG_DIR.value).run()
+                      env=env, log_dir=_LOG_DIR.value, tf_config=not horovod).run()
     sys.exit(code)
 
 

@@ -45,7 +45,7 @@ import time
 
 from tfdist.errors import UsageError
 
-STRATEGIES = ("multi_worker_mirrored", "parameter_server")
+STRATEGIES = ("multi_worker_mirrored", "parameter_server", "horovod")
 MAX_BACKOFF = 60.0
 
 def free_ports(n):
@@ -112,6 +112,17 @@ def loopback_shim():
     return so
 
 
+def horovodrun_argv(n, argv):
+    """`horovodrun` for `n` ranks on this host over Gloo, on the loopback interface only."""
+    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    if not os.path.exists(exe):
+        exe = shutil.which("horovodrun")
+    if not exe:
+        raise UsageError("--strategy=horovod needs horovodrun: install Horovod with `make horovod`")
+    return [exe, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--network-interfaces", "lo",
+            *argv]
+
+
 def describe_exit(code):
     if code < 0:
         try:
@@ -167,11 +178,11 @@ class _Output:
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for raw in lines:
-                self.line(prefix + _last_state(raw), log)
+                self.line(_ranks(prefix + _last_state(raw)), log)
             if b"\r" in buf:
-                self.progress(prefix + _last_state(buf))
+                self.progress(_ranks(prefix + _last_state(buf)))
         if buf:
-            self.line(prefix + _last_state(buf), log)
+            self.line(_ranks(prefix + _last_state(buf)), log)
         os.close(fd)
 
 
@@ -180,6 +191,14 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # print them 2N times. They carry no information about the run.
 _NOISE = ("WARNING: All log messages before absl::InitializeLog() is called",
           "port.cc:153] oneDNN custom operations are on")
+
+
+def _ranks(text):
+    """horovodrun's `[1]<stdout>:` prefix becomes `[r1] `, like the other launchers' `[w1] `."""
+    return _HOROVOD_PREFIX.sub(r"[r\1] ", text)
+
+
+_HOROVOD_PREFIX = re.compile(r"^\[hvd\] \[(\d+)\]<std(?:out|err)>:")
 
 
 def _last_state(raw):
@@ -210,8 +229,8 @@ class Supervisor:
     FINISH_GRACE = 120.0  # seconds the others may take to exit after the chief has finished
 
     def __init__(self, argv, n, *, ps=0, max_restarts=3, backoff=2.0, env=None, log_dir=None,
-                 output=None):
-        self.argv, self.n, self.ps = argv, n, ps
+                 output=None, tf_config=True):
+        self.argv, self.n, self.ps, self.tf_config = argv, n, ps, tf_config
         self.roles = ([("chief", 0)] if ps else []) + [("worker", i) for i in range(n)] + \
                      [("ps", i) for i in range(ps)]
         self.max_restarts, self.backoff = max_restarts, backoff
@@ -234,8 +253,11 @@ class Supervisor:
 
     def _spawn(self, cluster, role, index):
         name = f"{'c' if role == 'chief' else 'w' if role == 'worker' else 'ps'}{index}"
-        env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT": str(self.restarts),
-               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})}
+        env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT": str(self.restarts)}
+        if self.tf_config:
+            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
+        else:  # one process that starts the others itself (horovodrun)
+            name = "hvd"
         read_fd, write_fd = os.pipe()
         try:
             p = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=write_fd,
@@ -257,6 +279,9 @@ class Supervisor:
             procs[role, index], pump = self._spawn(cluster, role, index)
             pumps.append(pump)
         where = "; ".join(f"{r}: {', '.join(a)}" for r, a in cluster.items())
+        if not self.tf_config:
+            self.say(f"started {' '.join(self.argv[:5])} ... (pid {procs['worker', 0].pid})")
+            return cluster, procs, pumps
         self.say(f"started {len(self.roles)} process(es) ({where}; pids "
                  f"{', '.join(str(p.pid) for p in procs.values())})" if self.ps else
                  f"started {self.n} worker(s) on {', '.join(cluster['worker'])} "
@@ -339,7 +364,8 @@ class Supervisor:
                 self.say(f"stopped by {signal.Signals(self.stop_signal).name}; workers stopped")
                 return 128 + self.stop_signal
             if failure is None:
-                what = f"{self.n} worker(s) finished" if not self.ps else "the chief finished"
+                what = (f"{self.n} worker(s) finished" if self.tf_config and not self.ps else
+                        "the chief finished" if self.ps else "horovodrun finished")
                 self.say(f"done: {what}" + (f" after {self.restarts} restart(s)" if self.restarts else ""))
                 return 0
             (role, index), code = failure

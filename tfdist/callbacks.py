@@ -65,16 +65,18 @@ class BackupAndRestore(keras.callbacks.Callback):
     * After the run reaches `total_steps` the backup is removed (unless `delete_on_success=False`).
     * Multi-worker: every worker calls `save` (synchronous strategies need all of them to take
       part); only the chief writes into `backup_dir`, the others write into a private temporary
-      directory that is removed right after.
+      directory that is removed right after. With `collective=False` (Horovod: each rank holds
+      its own copy of the variables) the others write nothing.
     """
 
     def __init__(self, backup_dir, *, every_steps=0, total_steps=None, keep=2,
-                 delete_on_success=True, signature=None, is_chief=True, worker_index=0):
+                 delete_on_success=True, signature=None, is_chief=True, worker_index=0,
+                 collective=True):
         super().__init__()
         self.backup_dir, self.every_steps, self.total_steps = backup_dir, every_steps, total_steps
         self.keep, self.delete_on_success = keep, delete_on_success
         self.signature = signature or {}  # extra facts that must match (model config, data ...)
-        self.is_chief, self.worker_index = is_chief, worker_index
+        self.is_chief, self.worker_index, self.collective = is_chief, worker_index, collective
         self.step = None  # tf.Variable, created with the checkpoint
         self._ckpt = self._manager = None
         self._last_saved = -1
@@ -129,6 +131,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Saves now (every worker must call this under a synchronous multi-worker strategy)."""
         step = int(self.step.numpy())
         if step == self._last_saved:
+            return
+        if not (self.is_chief or self.collective):
+            self._last_saved = step
             return
         if self._manager is None:
             self._manager = tf.train.CheckpointManager(self._ckpt, self._write_dir,

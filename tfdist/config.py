@@ -64,6 +64,8 @@ def default_config():
     c.strategy.name = "single"
     c.strategy.devices = 0  # mirrored on CPU: split the CPU into N logical devices (0 = as found)
     c.strategy.cross_device_ops = "auto"
+    c.strategy.compression = "none"  # horovod: "fp16" sends the gradients as float16
+    c.strategy.lr_scaling = "none"  # horovod: "linear" multiplies the learning rate by the ranks
 
     c.backup = ml_collections.ConfigDict()
     c.backup.enabled = True
@@ -114,6 +116,8 @@ _RULES = {
     "strategy.name": (lambda v: bool(v), "a strategy name"),
     "strategy.devices": (lambda v: isinstance(v, int) and 0 <= v <= 64, "an integer in [0, 64]"),
     "strategy.cross_device_ops": (lambda v: v in CROSS_DEVICE_OPS, "one of " + ", ".join(CROSS_DEVICE_OPS)),
+    "strategy.compression": (lambda v: v in ("none", "fp16"), "none or fp16"),
+    "strategy.lr_scaling": (lambda v: v in ("none", "linear"), "none or linear"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
     "sample.max_new_tokens": (_positive_int, "an integer > 0"),

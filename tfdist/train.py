@@ -132,7 +132,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     backup = cb.BackupAndRestore(
         backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps, keep=c.backup.keep,
         delete_on_success=c.backup.delete_on_success, is_chief=strategy.is_chief,
-        worker_index=strategy.worker_index,
+        worker_index=strategy.worker_index, collective=strategy.collective_checkpoints,
         signature={"model": c.model.to_dict(), "data": {
             "corpus": corpus.name, "fingerprint": corpus.fingerprint, "seed": c.seed,
             "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps}})

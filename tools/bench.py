@@ -5,6 +5,8 @@ scaling of multi-worker training.
     python tools/bench.py --steps=4 --rounds=2 --config=configs/gpt_nano.py   # quick look
     python tools/bench.py --scaling             # 2 workers x 1 thread vs 1 x 1 thread, gpt_mini
     python tools/bench.py --scaling --ps        # parameter server: 2 workers + 1 ps vs 1 + 1
+    python tools/bench.py --scaling --horovod   # Horovod: 2 ranks x 1 thread vs 1 x 1 thread
+    python tools/bench.py --scaling --horovod --compression=fp16    # the same, gradients in fp16
 
 What it measures, all in one process so that the noisy machine affects every variant alike:
 * the matmul peak of this machine (FLOP/s, fp32 2048^3 `tf.matmul`, best of several);
@@ -23,6 +25,10 @@ It prints a table and writes JSON (--out).
 the median over its steps after --warmup; scaling efficiency = tokens/s(2 workers) /
 (2 * tokens/s(1 worker)), per round and as the median of the rounds. Writes
 bench_results/scaling.json unless --out says otherwise.
+
+--scaling --horovod does the same with `tfdist launch --strategy=horovod` (horovodrun, Gloo) for
+the 2 ranks, and --compression=fp16 sends their gradients as float16. Writes
+bench_results/scaling-horovod[-fp16].json.
 
 --scaling --ps does the same for the parameter server: `tfdist launch --strategy=parameter_server`
 with 1 ps task and 1 or 2 workers (each step one batch of train.batch_size on one worker; every
@@ -56,6 +62,10 @@ _SCALING = flags.DEFINE_bool("scaling", False, "Measure multi-worker scaling ins
 _WORKERS = flags.DEFINE_integer("workers", 2, "--scaling: workers of the multi-worker run.")
 _PS_SCALING = flags.DEFINE_bool("ps", False, "--scaling: parameter_server instead: 2 workers + 1 ps "
                                  "vs 1 worker + 1 ps, in steps/s.")
+_HOROVOD = flags.DEFINE_bool("horovod", False, "--scaling: Horovod ranks instead of "
+                              "multi_worker_mirrored workers.")
+_COMPRESSION = flags.DEFINE_enum("compression", "none", ["none", "fp16"],
+                                 "--scaling --horovod: gradient compression.")
 _INTER = flags.DEFINE_integer("inter_op_threads", 1, "--scaling: inter-op threads per process. With "
                               "TF's default (0: one per core) a process with 1 intra-op thread "
                               "still runs independent ops in parallel, on ~1.4 of 2 cores.")
@@ -87,6 +97,10 @@ def _train_run(workdir, workers, steps):
                    f"--config.train.inter_op_threads={_INTER.value}", "--config.backup.enabled=false"]
     if workers == 1:
         cmd = [sys.executable, "-m", "tfdist", "train", *train_flags, "--strategy=single"]
+    elif _HOROVOD.value:
+        cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod",
+               f"--workers={workers}", "--max_restarts=0", "--", *train_flags,
+               f"--config.strategy.compression={_COMPRESSION.value}"]
     else:
         cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}",
                "--max_restarts=0", "--", *train_flags]
@@ -168,7 +182,10 @@ def scaling_main():
     eff = float(np.median([x["efficiency"] for x in rounds]))
     tps1 = float(np.median([x["tokens_per_sec_1"] for x in rounds]))
     tpsn = float(np.median([x[f"tokens_per_sec_{n}"] for x in rounds]))
+    strategy = (f"horovod, compression {_COMPRESSION.value}" if _HOROVOD.value
+                else "multi_worker_mirrored")
     result = {"config": os.path.basename(config_flags_filename()), "batch_per_worker": c.train.batch_size,
+              "strategy": strategy,
               "context": c.model.block_size, "workers": n, "intra_op_threads": 1,
               "inter_op_threads": _INTER.value or "TF default",
               "timed_steps_per_run": _STEPS.value, "rounds": rounds,
@@ -178,9 +195,10 @@ def scaling_main():
           f"{_ROUNDS.value} interleaved rounds")
     print(f"{'run':34s} {'tokens/s':>10s} {'s/step':>8s}")
     print(f"{'1 process (single)':34s} {tps1:10.0f} {tokens_1 / tps1:8.2f}")
-    print(f"{f'{n} workers (multi_worker_mirrored)':34s} {tpsn:10.0f} {n * tokens_1 / tpsn:8.2f}")
+    print(f"{f'{n} workers ({strategy})':34s} {tpsn:10.0f} {n * tokens_1 / tpsn:8.2f}")
     print(f"scaling efficiency: {100 * eff:.1f}% (target >= 90%)")
-    write_json(result, "bench_results/scaling.json")
+    write_json(result, "bench_results/scaling.json" if not _HOROVOD.value else
+               f"bench_results/scaling-horovod{'-fp16' if _COMPRESSION.value == 'fp16' else ''}.json")
 
 
 def main(argv):

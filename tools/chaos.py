@@ -3,8 +3,9 @@
     python tools/chaos.py                       # 5 trials, 2 workers, gpt_nano, 30 steps
     python tools/chaos.py --trials=10 --seed=1 --workers=3
     python tools/chaos.py --strategy=parameter_server      # 5 trials, 2 workers + 1 ps, 600 steps
+    python tools/chaos.py --strategy=horovod    # 5 trials, 2 Horovod ranks (horovodrun), 30 steps
 
-multi_worker_mirrored (synchronous):
+multi_worker_mirrored and horovod (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
 and a worker in turn (worker 0, the chief, first). That worker SIGKILLs itself right after the step (tools/faulty_train.py), the launcher
 stops the group and restarts it, and training resumes from the backup. A backup is written after
@@ -18,7 +19,7 @@ the run completes (exit 0), the counted steps equal the planned steps, the runs 
 workers exceed them by no more than the steps that were in flight (TF's coordinator re-runs a
 closure whose worker died: at least once), and no gap between two progress reports exceeds 60 s.
 
-Prints a table and writes bench_results/chaos.json (chaos-ps.json). Exit status 1 if a trial fails.
+Prints a table and writes bench_results/chaos.json (chaos-ps.json, chaos-horovod.json). Exit status 1 if a trial fails.
 """
 import argparse
 import json
@@ -39,6 +40,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def launch(workdir, overrides, workers, *extra):
     cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}", "--max_restarts=2",
+           f"--strategy={overrides['strategy.name']}",
            "--backoff=0.5", "--", sys.executable, DRIVER, workdir, json.dumps(overrides), *extra]
     t = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -69,18 +71,20 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--data_dir", default="", help="TFDS data_dir (default ~/tensorflow_datasets)")
     ap.add_argument("--strategy", default="multi_worker_mirrored",
-                    choices=["multi_worker_mirrored", "parameter_server"])
-    ap.add_argument("--out", default=None, help="default bench_results/chaos.json (chaos-ps.json)")
+                    choices=["multi_worker_mirrored", "parameter_server", "horovod"])
+    ap.add_argument("--out", default=None, help="default bench_results/chaos.json (chaos-ps.json, "
+                    "chaos-horovod.json)")
     args = ap.parse_args()
     if args.strategy == "parameter_server":
         return ps_trials(args)
-    args.out = args.out or os.path.join(ROOT, "bench_results", "chaos.json")
+    args.out = args.out or os.path.join(ROOT, "bench_results", "chaos.json" if args.strategy ==
+                                        "multi_worker_mirrored" else "chaos-horovod.json")
     if args.steps < 4 or args.steps % 10 or args.workers < 1 or args.trials < 1:
         ap.error("--steps must be a multiple of 10 (>= 10); --workers and --trials >= 1")
 
     overrides = {"train.steps": args.steps, "train.steps_per_epoch": 10, "train.batch_size": 16,
                  "train.deterministic": True, "train.eval_steps": 2, "model.dropout": 0.1,
-                 "backup.every_steps": 1, "strategy.name": "multi_worker_mirrored"}
+                 "backup.every_steps": 1, "strategy.name": args.strategy}
     if args.data_dir:
         overrides["data.data_dir"] = args.data_dir
     plan = {w: args.steps for w in range(args.workers)}
@@ -90,7 +94,7 @@ def main():
     if p.returncode or steps_by_worker(ref_dir) != plan:
         sys.exit(f"chaos: the reference run failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}")
     reference = final_weights(ref_dir)
-    print(f"reference: {args.workers} workers, {args.steps} steps, {seconds:.1f} s", flush=True)
+    print(f"reference: {args.strategy}, {args.workers} workers, {args.steps} steps, {seconds:.1f} s", flush=True)
 
     rng = random.Random(args.seed)
     rows = []

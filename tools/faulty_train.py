@@ -10,13 +10,21 @@ really ran, across restarts.
 
 --kill-at-step K: SIGKILL this process right after its K-th step (after that step's backup, if
   any). Under `tfdist launch` only worker --kill-worker does it, and only in the first attempt
-  (TFDIST_RESTART_COUNT=0), so the restarted group runs to the end.
+  (TFDIST_RESTART_COUNT=0), so the restarted group runs to the end. Under Horovod, where only
+  rank 0 writes the backup, every rank first passes an allreduce after each step's backup, so the
+  kill comes after rank 0 has written step K's.
 --kill-in-save N: SIGKILL inside the N-th backup save, after the checkpoint data files were written
   but before the checkpoint index was updated.
 --dump-inputs N: after training, write WORKDIR/inputs-w<i>.npy: this worker's input rows of the
   first N steps, made by the training pipeline with the InputContext the strategy gave it.
 --skip-keras-fix 1|2: keep Keras's own _maybe_symbolic_build (1) or reduce_per_replica (2), to
   show that each multi-worker correction is needed.
+--skip-allreduce: horovod: leave the optimizer without tfdist's allreduce (what Horovod's own
+  Keras layer does under Keras 3), to show that the equality tests can fail.
+--seed-by-rank: initialise the model with seed + rank (the data keeps the config's seed), so that
+  only Horovod's broadcast from rank 0 can make the ranks start alike.
+--skip-broadcast: horovod: leave out that broadcast.
+--dump-weights: after training, write WORKDIR/weights-w<i>.npz: this worker's model weights.
 """
 import argparse
 import json
@@ -40,6 +48,10 @@ def main():
     ap.add_argument("--kill-in-save", type=int, default=0)
     ap.add_argument("--dump-inputs", type=int, default=0)
     ap.add_argument("--skip-keras-fix", type=int, default=0)
+    ap.add_argument("--skip-allreduce", action="store_true")
+    ap.add_argument("--dump-weights", action="store_true")
+    ap.add_argument("--seed-by-rank", action="store_true")
+    ap.add_argument("--skip-broadcast", action="store_true")
     args = ap.parse_args()
 
     import importlib
@@ -52,7 +64,9 @@ def main():
     from tfdist.train import train
 
     spec = cluster.from_environment()
-    worker = spec.worker_index if spec else 0
+    # A Horovod rank (horovodrun sets HOROVOD_RANK, mpirun OMPI_COMM_WORLD_RANK) has no TF_CONFIG.
+    rank = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    worker = spec.worker_index if spec else int(rank)
     first_attempt = os.environ.get("TFDIST_RESTART_COUNT", "0") == "0"
     kill_here = args.kill_at_step and worker == args.kill_worker and first_attempt
 
@@ -70,6 +84,21 @@ def main():
                 tf_trainer.reduce_per_replica = originals[1]
         keras_fixes.apply = partial_apply
 
+    sync_ranks = args.kill_at_step and strategy_is_horovod(args.overrides)
+    if sync_ranks:
+        import horovod.tensorflow as hvd
+
+    if args.skip_allreduce:
+        from tfdist.strategies import base, horovod
+        horovod.Horovod.wrap_optimizer = lambda self, optimizer: base.fix_distributed_apply(optimizer)
+
+    if args.seed_by_rank:
+        seed_everything = keras.utils.set_random_seed
+        keras.utils.set_random_seed = lambda seed: seed_everything(seed + worker)
+    if args.skip_broadcast:
+        from tfdist.strategies import horovod
+        horovod._BroadcastFromRankZero.on_train_begin = lambda self, logs=None: None
+
     c = importlib.import_module(args.config).get_config()
     for key, value in json.loads(args.overrides).items():
         section, _, name = key.rpartition(".")
@@ -85,6 +114,8 @@ def main():
 
         def on_train_batch_end(self, batch, logs=None):
             self.n += 1
+            if sync_ranks:  # every rank is past step n's backup (rank 0 writes it) before a kill
+                hvd.allreduce(tf.constant(0.0), name="faulty_train_sync")
             steps_file.write(f"{worker} {os.getpid()} {logs['loss']!r}\n")
             steps_file.flush()
             if kill_here and self.n == args.kill_at_step:
@@ -118,12 +149,20 @@ def main():
 
         Windows.dataset_fn = recording_dataset_fn
 
-    result = train(c, args.workdir, verbose=0, extra_callbacks=[Record()])
+    record = Record()
+    result = train(c, args.workdir, verbose=0, extra_callbacks=[record])
+    if args.dump_weights:
+        np.savez(os.path.join(args.workdir, f"weights-w{worker}.npz"),
+                 *[v.numpy() for v in record.model.weights])
     if args.dump_inputs:
         windows, ctx = contexts[0]
         rows = [x.numpy() for x, _ in original_fn(windows, 0, args.dump_inputs)(ctx)]
         np.save(os.path.join(args.workdir, f"inputs-w{worker}.npy"), np.stack(rows))
     print("DRIVER_RESULT " + json.dumps(result), flush=True)
+
+
+def strategy_is_horovod(overrides):
+    return json.loads(overrides).get("strategy.name") == "horovod"
 
 
 if __name__ == "__main__":

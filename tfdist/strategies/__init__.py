@@ -19,6 +19,7 @@ _PLUGINS = {
     "mirrored": "tfdist.strategies.mirrored:Mirrored",
     "multi_worker_mirrored": "tfdist.strategies.multi_worker:MultiWorkerMirrored",
     "parameter_server": "tfdist.strategies.parameter_server:ParameterServer",
+    "horovod": "tfdist.strategies.horovod:Horovod",
 }
 
 

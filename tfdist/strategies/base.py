@@ -132,6 +132,10 @@ class Strategy:
         devices = getattr(self.tf_strategy.extended, "worker_devices", ())
         return f"{self.name}: {self.num_replicas} replica(s) on {', '.join(devices) or 'default device'}"
 
+    #: Saving a checkpoint is a collective operation (every worker must call it), as under the
+    #: tf.distribute strategies. False: only the chief saves (Horovod).
+    collective_checkpoints = True
+
     # -- what it adds --------------------------------------------------------------------------
     def scope(self):
         return self.tf_strategy.scope()
@@ -162,7 +166,8 @@ class Strategy:
         A resume in the middle of an epoch runs as two Keras `fit` calls: the rest of the
         interrupted epoch, then the remaining whole epochs.
         """
-        callbacks = list(callbacks or []) + self.callbacks()
+        callbacks = self.callbacks() + list(callbacks or [])  # the strategy's first (Horovod's
+        # broadcast must precede the first step; its log averaging, the loggers)
         if hasattr(data, "dataset_fn"):  # step-addressed data such as tfdist.data.Windows
             windows, total = data, epochs * (steps_per_epoch or 0)
             data = lambda start: windows.dataset_fn(start, total - start)  # noqa: E731

@@ -1,0 +1,203 @@
+"""Horovod on Keras 3: the patched build, 2 ranks under horovodrun equal one process, and without
+tfdist's allreduce they do not; `tfdist launch --strategy=horovod` restarts after a killed rank and
+resumes step-exactly; fp16 compression and gradient accumulation."""
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import DRIVER, ROOT, driver, executed_steps
+
+STEPS = 20
+CHAOS_STEPS = 24
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
+def run_group(cmd, timeout):
+    """Runs `cmd` in its own process group; on timeout that group (ours) is killed."""
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"{cmd[:6]} timed out after {timeout} s\n{out[-3000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def horovodrun(workdir, overrides, *extra, np_=2, timeout=300):
+    cmd = [HOROVODRUN, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+           "--network-interfaces", "lo", sys.executable, DRIVER, str(workdir),
+           json.dumps(overrides), *extra]
+    p = run_group(cmd, timeout)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    return p
+
+
+def common(data_dir, **extra):
+    return {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": 10,
+            "train.batch_size": 16, "backup.enabled": False, **extra}
+
+
+def losses(workdir):
+    return [r["loss"] for r in json.load(open(os.path.join(workdir, "metrics.json")))["steps"]]
+
+
+def weights(workdir, worker):
+    with np.load(os.path.join(workdir, f"weights-w{worker}.npz")) as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def max_diff(a, b):
+    assert len(a) == len(b)
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, data_dir):
+    """One process, the same global batch: the reference every Horovod run must equal."""
+    d = tmp_path_factory.mktemp("hvd-single")
+    driver(d, {**common(data_dir), "strategy.name": "single"}, "--dump-weights")
+    return d
+
+
+def test_check_build():
+    p = subprocess.run([HOROVODRUN, "--check-build"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"\[X\] TensorFlow", p.stdout), p.stdout
+    assert re.search(r"\[X\] Gloo", p.stdout), p.stdout
+    import horovod
+    assert horovod.__version__ == "0.28.1"
+
+
+@pytest.mark.slow
+def test_two_ranks_identical_and_equal_to_single_process(tmp_path, data_dir, single):
+    p = horovodrun(tmp_path, {**common(data_dir), "strategy.name": "horovod"}, "--dump-weights")
+    assert "horovod: rank 0 of 2, ring-allreduce (gloo)" in p.stdout
+    w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)
+    assert max_diff(w0, w1) == 0.0  # bitwise: every rank applied the same averaged gradient
+    assert max_diff(w0, weights(single, 0)) <= 1e-5
+    a, b = losses(single), losses(tmp_path)  # rank 0 logs the loss averaged over both ranks
+    assert len(a) == len(b) == STEPS
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    assert not os.path.exists(os.path.join(tmp_path, "backup", ".tmp-worker-1"))
+
+
+@pytest.mark.slow
+def test_without_the_allreduce_ranks_diverge(tmp_path, data_dir, single):
+    """What Horovod's own Keras layer does under Keras 3 (no allreduce): the checks above fail."""
+    horovodrun(tmp_path, {**common(data_dir), "strategy.name": "horovod"}, "--dump-weights",
+               "--skip-allreduce")
+    w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)
+    assert max_diff(w0, w1) > 1e-3
+    assert max_diff(w0, weights(single, 0)) > 1e-3
+
+
+@pytest.mark.slow
+def test_rank_zero_broadcast_makes_differently_initialised_ranks_alike(tmp_path, data_dir, single):
+    """Rank r initialises with seed + r. With the broadcast the ranks are identical and equal the
+    single process (rank 0 has its seed); without it they are not."""
+    o = {**common(data_dir), "train.steps": 10, "strategy.name": "horovod"}
+    horovodrun(tmp_path / "on", o, "--dump-weights", "--seed-by-rank")
+    horovodrun(tmp_path / "off", o, "--dump-weights", "--seed-by-rank", "--skip-broadcast")
+    assert max_diff(weights(tmp_path / "on", 0), weights(tmp_path / "on", 1)) == 0.0
+    assert max_diff(weights(tmp_path / "off", 0), weights(tmp_path / "off", 1)) > 1e-2
+    ref = tmp_path / "single"
+    driver(ref, {**o, "strategy.name": "single"}, "--dump-weights")
+    assert max_diff(weights(tmp_path / "on", 0), weights(ref, 0)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_fp16_compression_and_gradient_accumulation(tmp_path, data_dir):
+    """fp16: ranks stay identical, losses near fp32. Accumulation over 2 micro-steps allreduces
+    only when it applies and equals one process accumulating the same way."""
+    o = common(data_dir, **{"train.steps": 10, "train.grad_accum_steps": 2})
+    driver(tmp_path / "single", {**o, "strategy.name": "single"}, "--dump-weights")
+    horovodrun(tmp_path / "fp32", {**o, "strategy.name": "horovod"}, "--dump-weights")
+    horovodrun(tmp_path / "fp16", {**o, "strategy.name": "horovod", "strategy.compression": "fp16"},
+               "--dump-weights")
+    ref = weights(tmp_path / "single", 0)
+    assert max_diff(weights(tmp_path / "fp32", 0), ref) <= 1e-5
+    assert max_diff(weights(tmp_path / "fp16", 0), weights(tmp_path / "fp16", 1)) == 0.0
+    fp16 = max_diff(weights(tmp_path / "fp16", 0), ref)
+    assert 0 < fp16 < 1e-2, fp16  # rounded gradients: close, not equal
+    a, b = losses(tmp_path / "single"), losses(tmp_path / "fp16")
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2
+
+
+def test_learning_rate_scaling_keeps_the_warmup():
+    import keras
+    from tfdist.strategies.horovod import _scale_learning_rate
+
+    schedule = keras.optimizers.schedules.CosineDecay(0.0, decay_steps=100, warmup_target=1e-3,
+                                                      warmup_steps=10)
+    opt = keras.optimizers.AdamW(learning_rate=schedule)
+    _scale_learning_rate(opt, 4)
+    assert float(opt._learning_rate(5)) == pytest.approx(4 * float(schedule(5)))
+    assert float(opt._learning_rate(10)) == pytest.approx(4e-3)
+    restored = type(opt._learning_rate).from_config(opt._learning_rate.get_config())
+    assert float(restored(10)) == pytest.approx(4e-3)
+
+
+def launch_horovod(workdir, overrides, *extra, timeout=600):
+    cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod", "--workers=2",
+           "--max_restarts=2", "--backoff=0.5", "--", sys.executable, DRIVER, str(workdir),
+           json.dumps(overrides), *extra]
+    return run_group(cmd, timeout)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_dir):
+    d = tmp_path_factory.mktemp("hvd-ref")
+    o = chaos_overrides(data_dir)
+    p = launch_horovod(d, o, "--dump-weights")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    return d
+
+
+def chaos_overrides(data_dir):
+    return {"data.data_dir": data_dir, "train.steps": CHAOS_STEPS, "train.steps_per_epoch": 12,
+            "train.batch_size": 16, "train.deterministic": True, "model.dropout": 0.1,
+            "backup.every_steps": 1, "strategy.name": "horovod"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank,seed", [(0, 1), (1, 2)])
+def test_killed_rank_resumes_step_exactly(tmp_path, data_dir, uninterrupted, rank, seed):
+    step = random.Random(seed).randint(3, CHAOS_STEPS - 3)
+    p = launch_horovod(tmp_path, chaos_overrides(data_dir), "--dump-weights",
+                       "--kill-at-step", str(step), "--kill-worker", str(rank))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert p.stdout.count("tfdist launch: started") == 2  # one restart
+    assert f"resuming from" in p.stdout and f"at step {step} of {CHAOS_STEPS}" in p.stdout
+    runs = executed_steps(tmp_path)
+    for r in (0, 1):  # the first attempt ran `step` steps, the second the rest: none twice
+        assert sum(1 for w, _, _ in runs if int(w) == r) == CHAOS_STEPS
+    ref = weights(uninterrupted, 0)
+    assert max_diff(weights(tmp_path, 0), ref) == 0.0
+    assert max_diff(weights(tmp_path, 1), ref) == 0.0
+
+
+@pytest.mark.slow
+def test_a_users_functional_model_fits_under_two_ranks(tmp_path):
+    """Plain `model.fit` on a user's functional model (launchers/examples/keras_functional.py)."""
+    example = os.path.join(ROOT, "launchers", "examples", "keras_functional.py")
+    single = run_group([sys.executable, example, "--strategy=single"], 120)
+    assert single.returncode == 0, single.stderr[-2000:]
+    ref = json.loads(single.stdout.split("RESULT ", 1)[1])
+    p = run_group([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", "--network-interfaces",
+                   "lo", sys.executable, example, "--strategy=horovod"], 300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    found = {int(i): json.loads(r) for i, r in re.findall(r"^\[(\d)\]<stdout>:RESULT (.*)$", p.stdout, re.M)}
+    assert set(found) == {0, 1}
+    assert found[0]["checksum"] == found[1]["checksum"]  # the ranks hold the same weights
+    assert found[0]["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
+    assert max(abs(a - b) for a, b in zip(found[0]["loss"], ref["loss"])) <= 1e-5
+    assert found[0]["loss"][-1] < found[0]["loss"][0]  # it learns

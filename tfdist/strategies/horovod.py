@@ -1,0 +1,209 @@
+"""`horovod`: synchronous data parallelism by Horovod ring-allreduce, one process per rank.
+
+Start the ranks with `horovodrun` (or `mpirun`, or `tfdist launch --strategy=horovod`, which adds
+supervision and restart):
+
+    horovodrun -np 2 -H localhost:2 --gloo tfdist train --config=configs/gpt_nano.py \\
+        --config.strategy.name=horovod
+
+Horovod's own Keras layer does not work on Keras 3: `horovod.tensorflow.keras` supports only
+the legacy tf.keras optimizers (horovod/horovod#3725), and wrapping a Keras 3 optimizer constructs
+and trains but never allreduces, so ranks diverge silently; `hvd.broadcast_variables` fails on
+Keras 3 variables (`'Variable' object has no attribute 'ref'`) and its callbacks call
+`keras.backend.get_value`, gone in Keras 3. This plugin is the Keras 3 integration, built on the
+`horovod.tensorflow` primitives:
+
+* `wrap_optimizer`: the optimizer's gradient all-reduce becomes one grouped Horovod allreduce
+  (average over ranks; one group, so Horovod fuses it into few ring operations), optionally in
+  fp16. Keras 3's own `gradient_accumulation_steps` accumulates locally and allreduces only on
+  the steps that apply (Horovod's `backward_passes_per_step`). tfdist's Keras 3 corrections
+  (`fix_distributed_apply`: sparse duplicates, clipping after the reduction) still apply.
+* `callbacks()`: broadcast of the model and optimizer state from rank 0 when training begins
+  (`[v.value for v in ...]`, which Horovod accepts), and the logged metrics averaged over ranks.
+* `distribute`: each rank reads its own rows of every global batch (`InputContext` with
+  `hvd.size()` pipelines), so `train.batch_size` stays the global batch as for every strategy.
+* rank 0 is the chief: it alone writes backups, logs and the final model.
+* `lr_scaling="linear"` multiplies the learning rate by the number of ranks (Goyal et al.), reached
+  over tfdist's warmup; the default keeps the single-process learning rate, since tfdist's batch
+  size is already global.
+
+Example (inside a program started by `horovodrun -np 2 ...`):
+
+    import keras, tensorflow as tf, tfdist.strategies
+    strategy = tfdist.strategies.get("horovod")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=strategy.wrap_optimizer(keras.optimizers.SGD()), loss="mse")
+    ds = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat()
+    strategy.fit(model, ds, epochs=1, steps_per_epoch=5)   # ranks hold identical weights after
+"""
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import UsageError
+from tfdist.strategies.base import Strategy, fix_distributed_apply
+
+_COMPRESSION = ("none", "fp16")
+_LR_SCALING = ("none", "linear")
+
+
+def _import_horovod():
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as e:
+        raise UsageError(f"strategy horovod needs Horovod ({e}); install it with `make horovod` "
+                         f"(builds Horovod 0.28.1 for this TensorFlow)") from None
+    return hvd
+
+
+class Horovod(Strategy):
+    name = "horovod"
+    supports_jit_compile = False  # Horovod's ops have no XLA kernels on CPU
+
+    def __init__(self, compression="none", lr_scaling="none", **unused_options):
+        if compression not in _COMPRESSION:
+            raise UsageError(f"strategy.compression={compression!r}: use one of {', '.join(_COMPRESSION)}")
+        if lr_scaling not in _LR_SCALING:
+            raise UsageError(f"strategy.lr_scaling={lr_scaling!r}: use one of {', '.join(_LR_SCALING)}")
+        self.hvd = _import_horovod()
+        self.hvd.init()
+        self.compression = compression
+        self.lr_scaling = lr_scaling
+        super().__init__(tf.distribute.get_strategy())  # one device per rank; Horovod reduces
+
+    # -- who am I ------------------------------------------------------------------------------
+    @property
+    def num_replicas(self):
+        return self.hvd.size()
+
+    @property
+    def is_chief(self):
+        return self.hvd.rank() == 0
+
+    @property
+    def worker_index(self):
+        return self.hvd.rank()
+
+    @property
+    def num_workers(self):
+        return self.hvd.size()
+
+    #: Only rank 0 writes a backup; the others need not take part (unlike a tf.distribute strategy).
+    collective_checkpoints = False
+
+    def describe(self):
+        if self.hvd.size() == 1:
+            return (f"{self.name}: 1 rank (start several with horovodrun, mpirun or "
+                    f"`tfdist launch --strategy=horovod`)")
+        return (f"{self.name}: rank {self.hvd.rank()} of {self.hvd.size()}, ring-allreduce "
+                f"({'gloo' if self.hvd.gloo_enabled() else 'mpi'}), compression {self.compression}")
+
+    # -- what it adds --------------------------------------------------------------------------
+    def distribute(self, dataset_fn):
+        """This rank's dataset: `dataset_fn` sees `hvd.size()` pipelines, one replica each."""
+        n = self.hvd.size()
+        return dataset_fn(tf.distribute.InputContext(num_input_pipelines=n,
+                                                     input_pipeline_id=self.hvd.rank(),
+                                                     num_replicas_in_sync=n))
+
+    def wrap_optimizer(self, optimizer):
+        """Averages the gradients over ranks (one grouped allreduce) before the update."""
+        hvd = self.hvd
+        compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
+        if self.lr_scaling == "linear" and hvd.size() > 1:
+            _scale_learning_rate(optimizer, hvd.size())
+
+        def allreduce(grads_and_vars):
+            grads_and_vars = list(grads_and_vars)
+            present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+            reduced = hvd.grouped_allreduce([grads_and_vars[i][0] for i in present], op=hvd.Average,
+                                            compression=compression)
+            out = list(grads_and_vars)
+            for i, g in zip(present, reduced):
+                out[i] = (g, grads_and_vars[i][1])
+            return out
+
+        optimizer._all_reduce_sum_gradients = allreduce  # what Keras 3 calls before every update
+        return fix_distributed_apply(optimizer)
+
+    def callbacks(self):
+        return [_BroadcastFromRankZero(self.hvd), _AverageLogs(self.hvd)]
+
+    def fit(self, model, data, *, verbose="auto", callbacks=None, **kwargs):
+        # Keras puts its progress bar first; here it goes after the averaging so that it shows
+        # the metrics of all ranks. Only rank 0 shows one.
+        callbacks = list(callbacks or [])
+        if self.is_chief and verbose != 0:
+            callbacks.insert(0, keras.callbacks.ProgbarLogger())
+        return super().fit(model, data, verbose=verbose if self.is_chief else 0,
+                           callbacks=callbacks, **kwargs)
+
+
+def _scale_learning_rate(optimizer, factor):
+    """lr x `factor`: a schedule is wrapped (its warmup then ramps to the scaled rate)."""
+    lr = optimizer._learning_rate
+    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+        optimizer._learning_rate = _Scaled(lr, factor)
+    else:
+        optimizer.learning_rate = optimizer.learning_rate * factor
+
+
+class _Scaled(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule times a constant (Horovod's linear learning-rate scaling)."""
+
+    def __init__(self, schedule, factor):
+        self.schedule, self.factor = schedule, factor
+
+    def __call__(self, step):
+        return self.schedule(step) * self.factor
+
+    def get_config(self):
+        return {"schedule": keras.optimizers.schedules.serialize(self.schedule),
+                "factor": self.factor}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(keras.optimizers.schedules.deserialize(config["schedule"]), config["factor"])
+
+
+class _BroadcastFromRankZero(keras.callbacks.Callback):
+    """Rank 0's model and optimizer state to every rank, before the first step of each `fit`.
+    (Keras builds the optimizer's variables before `on_train_begin`.)"""
+
+    def __init__(self, hvd):
+        super().__init__()
+        self.hvd = hvd
+
+    def on_train_begin(self, logs=None):
+        variables = list(self.model.variables) + list(self.model.optimizer.variables)
+        # Keras 3 variables are not tf.Variables; Horovod broadcasts into the TF variables they wrap.
+        self.hvd.broadcast_variables([v.value for v in variables], root_rank=0)
+
+
+class _AverageLogs(keras.callbacks.Callback):
+    """The logged metrics (loss, val_loss, ...) averaged over ranks, at every batch and epoch end:
+    each rank's Keras metrics see only its own rows of the batch. (Validation: `fit` hands the
+    `val_` metrics to `on_epoch_end`.)"""
+
+    def __init__(self, hvd):
+        super().__init__()
+        self.hvd = hvd
+
+    def _average(self, logs, prefix):
+        if not logs:
+            return
+        keys = sorted(k for k, v in logs.items()  # the same keys, in the same order, on every rank
+                      if not k.startswith("tfdist/") and np.ndim(v) == 0)
+        if not keys:
+            return
+        values = tf.constant([float(logs[k]) for k in keys], tf.float64)
+        mean = self.hvd.allreduce(values, op=self.hvd.Average, name=f"tfdist_logs_{prefix}").numpy()
+        for k, v in zip(keys, mean):
+            logs[k] = float(v)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._average(logs, "batch")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._average(logs, "epoch")
