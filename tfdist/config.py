@@ -67,6 +67,15 @@ def default_config():
     c.strategy.compression = "none"  # horovod: "fp16" sends the gradients as float16
     c.strategy.lr_scaling = "none"  # horovod: "linear" multiplies the learning rate by the ranks
 
+    # Layer-split model parallelism (tfdist/models/pipeline.py): the GPT's blocks in `stages`
+    # contiguous stages on as many devices, each batch in `microbatches` (GPipe).
+    c.pipeline = ml_collections.ConfigDict()
+    c.pipeline.stages = 1  # 1 with microbatches 1: no pipeline
+    c.pipeline.microbatches = 1
+    c.pipeline.layers_per_stage = ""  # e.g. "2,4"; "" balances the blocks by compute
+    c.pipeline.devices = ""  # e.g. "/gpu:0,/gpu:1"; "" = the GPUs, else the CPU split in K
+    c.pipeline.recompute = False  # recompute each stage's activations in the backward pass
+
     c.backup = ml_collections.ConfigDict()
     c.backup.enabled = True
     c.backup.dir = ""  # "" means <workdir>/backup
@@ -118,6 +127,10 @@ _RULES = {
     "strategy.cross_device_ops": (lambda v: v in CROSS_DEVICE_OPS, "one of " + ", ".join(CROSS_DEVICE_OPS)),
     "strategy.compression": (lambda v: v in ("none", "fp16"), "none or fp16"),
     "strategy.lr_scaling": (lambda v: v in ("none", "linear"), "none or linear"),
+    "pipeline.stages": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
+    "pipeline.microbatches": (lambda v: isinstance(v, int) and 1 <= v <= 4096, "an integer in [1, 4096]"),
+    "pipeline.layers_per_stage": (lambda v: v == "" or all(p.strip().isdigit() for p in v.split(",")),
+                                  "comma-separated block counts, e.g. 2,4 (\"\": balanced)"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
     "sample.max_new_tokens": (_positive_int, "an integer > 0"),
@@ -164,6 +177,19 @@ def validate(c):
         raise UsageError("train.min_learning_rate must not exceed train.learning_rate")
     if t.warmup_steps >= t.steps:
         raise UsageError(f"train.warmup_steps ({t.warmup_steps}) must be less than train.steps ({t.steps})")
+    p = c.pipeline
+    if p.stages > m.n_layer:
+        raise UsageError(f"pipeline.stages ({p.stages}) cannot exceed the model's blocks "
+                         f"(model.n_layer = {m.n_layer})")
+    if p.layers_per_stage:
+        counts = [int(x) for x in p.layers_per_stage.split(",")]
+        if len(counts) != p.stages or min(counts) < 1 or sum(counts) != m.n_layer:
+            raise UsageError(f"pipeline.layers_per_stage ({p.layers_per_stage}) must give "
+                             f"{p.stages} positive block counts adding up to model.n_layer "
+                             f"({m.n_layer})")
+    if p.devices and len(p.devices.split(",")) != p.stages:
+        raise UsageError(f"pipeline.devices lists {len(p.devices.split(','))} device(s); "
+                         f"pipeline.stages is {p.stages}")
     if t.steps % t.steps_per_epoch:
         raise UsageError(f"train.steps ({t.steps}) must be a multiple of train.steps_per_epoch "
                          f"({t.steps_per_epoch})")

@@ -85,11 +85,21 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     """
     import tensorflow as tf
     from tfdist import strategies
+    from tfdist.errors import UsageError
+    from tfdist.strategies.base import configure_logical_cpus
 
     # Before anything initialises TF's runtime: thread pools, then the strategy (which may split
     # the CPU into logical devices).
     tf.config.threading.set_intra_op_parallelism_threads(c.train.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(c.train.inter_op_threads)
+    p = c.pipeline
+    pipelined = p.stages > 1 or p.microbatches > 1
+    if p.stages > 1 and not p.devices and len(tf.config.list_physical_devices("GPU")) < p.stages:
+        if c.strategy.name == "mirrored":
+            raise UsageError("pipeline stages and the mirrored strategy both want this machine's "
+                             "devices; combine a pipeline with one replica per process "
+                             "(horovod or multi_worker_mirrored)")
+        configure_logical_cpus(p.stages)  # one logical CPU device per stage
     strategy = strategies.from_config(c)
     if strategy.is_server:  # a parameter server's worker or ps task: the chief trains
         strategy.serve()
@@ -101,6 +111,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     from tfdist.data import Windows, load_corpus
     from tfdist.errors import UsageError
     from tfdist.models.gpt import GPT, loss_fn
+    from tfdist.models.pipeline import Pipeline
     from tfdist.optimizers import make_optimizer
 
     t = c.train
@@ -119,8 +130,20 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     train_windows = Windows(corpus.train, c.model.block_size, t.batch_size, seed=c.seed)
     val_windows = Windows(corpus.val, c.model.block_size, t.batch_size, seed=c.seed + 1)
 
+    per_replica = t.batch_size // strategy.num_replicas
+    if per_replica % p.microbatches:
+        raise UsageError(f"pipeline.microbatches ({p.microbatches}) must divide the batch of each "
+                         f"replica ({per_replica} = train.batch_size {t.batch_size} / "
+                         f"{strategy.num_replicas} replica(s))")
+
     with strategy.scope():
         model = GPT.from_model_config(c.model)
+        if pipelined:
+            model = Pipeline(model, stages=p.stages, microbatches=p.microbatches,
+                             layers_per_stage=[int(x) for x in p.layers_per_stage.split(",")]
+                             if p.layers_per_stage else None,
+                             devices=p.devices.split(",") if p.devices else None,
+                             recompute=p.recompute)
         model.build()
         optimizer = strategy.wrap_optimizer(make_optimizer(t, t.steps))
         model.compile(optimizer=optimizer, loss=loss_fn(), jit_compile=t.jit_compile)
@@ -135,7 +158,10 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
         worker_index=strategy.worker_index, collective=strategy.collective_checkpoints,
         signature={"model": c.model.to_dict(), "data": {
             "corpus": corpus.name, "fingerprint": corpus.fingerprint, "seed": c.seed,
-            "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps}})
+            "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps},
+        # A split restores into another split (same variables); a pipeline's backup does not
+        # restore into the plain model or back (the checkpoint nests the GPT one level deeper).
+        "layout": "pipeline" if pipelined else "plain"})
     # With --overwrite the chief deletes the old backup; the other workers must not read it
     # meanwhile. Every worker starts at step 0 then (the chief's deletion precedes its first step,
     # which no worker can finish without it).
@@ -148,6 +174,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
                          log_every_steps=t.log_every_steps)
     say = print if strategy.is_chief else (lambda *a, **k: None)
     say(f"tfdist: {strategy.describe()}")
+    if pipelined:
+        say(f"tfdist: {model.describe()}")
     say(f"tfdist: model {model.num_params():,} parameters; corpus {corpus.name}: "
         f"{len(corpus.train):,} train / {len(corpus.val):,} validation tokens")
     if start:
@@ -163,7 +191,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
               "val_loss": (log.history["evals"] or [{}])[-1].get("loss"),
               "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": workdir}
     if strategy.is_chief:
-        model.save(os.path.join(workdir, "model.keras"))
+        # The GPT itself (a pipeline's variables are its GPT's): it samples on any device.
+        (model.gpt if pipelined else model).save(os.path.join(workdir, "model.keras"))
         say(f"tfdist: done: {result['steps_run']} steps run (step {log.step} of {t.steps}), "
             f"validation loss {result['val_loss']:.4f} nats/token, "
             f"{result['tokens_per_sec']:,.0f} tokens/s; model saved to {workdir}/model.keras")

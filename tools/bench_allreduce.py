@@ -67,22 +67,19 @@ def horovod_worker(sizes):
 
 def tf_worker(sizes):
     import tensorflow as tf
-    from tfdist import cluster
-    spec = cluster.from_environment()
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(
-        cluster_resolver=spec.resolver(),
-        communication_options=tf.distribute.experimental.CommunicationOptions(
-            implementation=tf.distribute.experimental.CommunicationImplementation.RING))
+    import tfdist.strategies
+    plugin = tfdist.strategies.get("multi_worker_mirrored", cross_device_ops="ring")
+    strategy = plugin.tf_strategy
 
     @tf.function
     def all_reduce(x):
-        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, x))
+        return strategy.run(lambda v: tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.identity(v)), args=(x,))  # placed on the replica
 
     def call(x):
         return strategy.experimental_local_results(all_reduce(x))[0].numpy()
 
-    return spec.worker_index, spec.num_workers, _time(call, sizes)
+    return plugin.worker_index, plugin.num_workers, _time(call, sizes)
 
 
 def run_worker():
@@ -136,7 +133,7 @@ def main(argv):
     print(f"{'size':>7s} " + " ".join(f"{n:>20s}" for n in names) + f" {'hvd/tf':>7s}")
     for row in rows:
         bw = [row[n]["busbw_GBps"] for n in names]
-        print(f"{row['size_mb']:5g}MB " + " ".join(f"{b:13.3f} ({row[n]['seconds'] * 1e3:5.1f}ms)"
+        print(f"{row['size_mb']:4g}MiB " + " ".join(f"{b:13.3f} ({row[n]['seconds'] * 1e3:5.1f}ms)"
                                                     for b, n in zip(bw, names))
               + f" {bw[0] / bw[2]:7.2f}")
     os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)

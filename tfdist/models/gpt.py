@@ -120,13 +120,21 @@ class GPT(keras.Model):
         self(ops.zeros((1, self.block_size), dtype="int32"))
 
     def call(self, idx, training=False):
-        T = ops.shape(idx)[1]
-        pos = ops.arange(T, dtype="int32")
-        x = self.drop(self.wte(idx) + self.wpe(pos)[None], training=training)
+        x = self.embed(idx, training=training)
         for block in self.blocks:
             x = block(x, training=training)
+        return self.head(x)
+
+    # The three parts of `call`, also used by tfdist.models.pipeline to place them on devices.
+    def embed(self, idx, training=False):
+        """Token ids (B, T) -> token + position embeddings (B, T, n_embd)."""
+        pos = ops.arange(ops.shape(idx)[1], dtype="int32")
+        return self.drop(self.wte(idx) + self.wpe(pos)[None], training=training)
+
+    def head(self, x):
+        """Final LayerNorm and the output head tied to the token embedding: logits (B, T, vocab),
+        in float32 also under mixed precision."""
         x = self.ln_f(x)
-        # Tied head: logits = x @ wte^T, in float32 also under mixed precision.
         return ops.matmul(ops.cast(x, "float32"),
                           ops.transpose(ops.cast(self.wte.embeddings, "float32")))
 

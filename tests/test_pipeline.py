@@ -1,0 +1,121 @@
+"""Pipeline (GPipe) model parallelism: gradients and losses equal the unsplit GPT's, every stage's
+variables and ops are on its device, 2 Horovod ranks x 2 stages stay identical, a backup restores
+into another split (and is refused by the plain model), and bad pipeline configs are one line."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, driver, run, tfdist
+from tests.test_cli import _tf_noise
+from tests.test_horovod import HOROVODRUN, max_diff, run_group, weights
+
+PROBE = os.path.join(ROOT, "tests", "pipeline_probe.py")
+
+
+def probe(*args):
+    p = run([sys.executable, PROBE, *map(str, args)], timeout=300)
+    line = [x for x in p.stdout.splitlines() if x.startswith("PROBE ")][-1]
+    return json.loads(line[len("PROBE "):])
+
+
+@pytest.mark.parametrize("k,m,extra", [(2, 4, ""), (4, 4, ""), (2, 4, "recompute")])
+def test_gradients_equal_the_unsplit_model(k, m, extra):
+    r = probe("grads", k, m, *([extra] if extra else []))
+    assert r["n"] == 52  # every trainable variable of the 4-block GPT has a gradient
+    assert r["loss_diff"] <= 1e-5
+    assert r["max_grad_diff"] <= 1e-5, r
+    assert r["max_grad"] > 1e-2  # the gradients compared are not all ~0
+
+
+def test_losses_over_ten_steps_equal_the_unsplit_model():
+    r = probe("losses", 2, 4)
+    assert len(r["plain"]) == len(r["pipeline"]) == 10
+    assert r["max_diff"] <= 1e-5, r
+    assert r["plain"][-1] != r["plain"][0]  # it trained
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_every_stage_is_on_its_device(k):
+    r = probe("placement", k, 4)
+    stage_of_block = {b: s for s, blocks in enumerate(r["stage_blocks"]) for b in blocks}
+    assert sorted(stage_of_block) == [0, 1, 2, 3]
+    for path, device in r["variables"].items():  # variables
+        if "/h_" in path:
+            block = int(path.split("/h_")[1].split("/")[0])
+            assert device == stage_of_block[block], path
+        elif "wte" in path or "wpe" in path:
+            assert device == 0, path
+        elif "ln_f" in path:
+            assert device == k - 1, path
+    for path, device in r["slots"].items():  # optimizer slots live with their variables
+        if "_h_" in path:
+            block = int(path.split("_h_")[1].split("_")[0])
+            assert device == stage_of_block[block], path
+    for block, ops in r["block_ops"].items():  # forward and backward ops of each block
+        want = [stage_of_block[int(block)]]
+        assert ops["forward"] == want and ops["backward"] == want, (block, ops)
+    assert sorted(r["update_ops"]) == [str(s) for s in range(k)]  # each device updates its own
+
+
+def common(data_dir, **extra):
+    return {"data.data_dir": data_dir, "train.steps": 12, "train.steps_per_epoch": 6,
+            "train.batch_size": 16, "model.n_layer": 4, "train.intra_op_threads": 1,
+            "train.inter_op_threads": 2, **extra}
+
+
+@pytest.mark.slow
+def test_two_ranks_of_two_stages_stay_identical(tmp_path, data_dir):
+    o = common(data_dir, **{"strategy.name": "horovod", "pipeline.stages": 2,
+                            "pipeline.microbatches": 2, "backup.enabled": False})
+    p = run_group([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", "--network-interfaces",
+                   "lo", sys.executable, os.path.join(ROOT, "tools", "faulty_train.py"),
+                   str(tmp_path), json.dumps(o), "--dump-weights"], 300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "pipeline of 2 stages, 2 microbatch(es)" in p.stdout
+    assert max_diff(weights(tmp_path, 0), weights(tmp_path, 1)) == 0.0
+    log = json.load(open(tmp_path / "metrics.json"))["steps"]
+    assert len(log) == 12 and log[-1]["loss"] < log[0]["loss"]
+
+
+@pytest.mark.slow
+def test_backup_restores_into_another_split_and_not_into_the_plain_model(tmp_path, data_dir):
+    o = common(data_dir, **{"backup.every_steps": 1, "pipeline.stages": 2,
+                            "pipeline.layers_per_stage": "1,3", "pipeline.microbatches": 2})
+    driver(tmp_path / "ref", o, "--dump-weights")
+    p, _ = driver(tmp_path / "run", o, "--kill-at-step", "5", check=False)
+    assert p.returncode == -9  # killed after step 5, its backup written
+    # Resume the same run split into 4 stages: it continues at step 5 ...
+    p, res = driver(tmp_path / "run", {**o, "pipeline.stages": 4, "pipeline.layers_per_stage": ""},
+                    "--dump-weights")
+    assert "resuming from" in p.stdout and "at step 5 of 12" in p.stdout
+    assert res["steps_run"] == 7
+    assert max_diff(weights(tmp_path / "run", 0), weights(tmp_path / "ref", 0)) <= 1e-5
+    # ... while the plain model refuses a pipeline's backup with one line.
+    p, _ = driver(tmp_path / "run2", o, "--kill-at-step", "3", check=False)
+    p = run([sys.executable, "-m", "tfdist", "train", "--config=configs/gpt_nano.py",
+             f"--workdir={tmp_path / 'run2'}", f"--config.data.data_dir={data_dir}",
+             "--config.model.n_layer=4", "--config.train.steps=12",
+             "--config.train.steps_per_epoch=6", "--config.train.batch_size=16"], check=False)
+    assert p.returncode == 2
+    err = [x for x in p.stderr.splitlines() if x.strip() and not _tf_noise(x)]
+    assert len(err) == 1 and "different layout" in err[0] and "pipeline" in err[0], p.stderr
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--config.pipeline.stages=3"], "cannot exceed the model's blocks"),
+    (["--config.pipeline.stages=2", "--config.pipeline.microbatches=3"], "must divide the batch"),
+    (["--config.pipeline.stages=2", "--config.pipeline.layers_per_stage=2,1"], "adding up to"),
+    (["--config.pipeline.stages=2", "--config.pipeline.devices=/cpu:0"], "lists 1 device"),
+    (["--config.pipeline.stages=2", "--strategy=mirrored", "--devices=2"], "one replica per process"),
+    (["--config.pipeline.microbatches=0"], "pipeline.microbatches"),
+])
+def test_bad_pipeline_configs_are_one_line(tmp_path, flags, needle):
+    p = tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
+               "--config.train.batch_size=8", *flags, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = [x for x in p.stderr.splitlines() if x.strip() and not _tf_noise(x)]
+    assert len(err) == 1 and needle in err[0], p.stderr
+    assert not os.listdir(tmp_path)

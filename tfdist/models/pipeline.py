@@ -1,0 +1,271 @@
+"""Layer-split model parallelism with pipelined microbatches (GPipe) for the GPT.
+
+`Pipeline(gpt, stages=K, microbatches=M)` partitions an (unbuilt) `GPT` into K contiguous stages
+and places each stage's variables and ops on its device: stage 0 has the embeddings and the first
+blocks, stage K-1 the last blocks and the head (the head reads the tied token embedding from
+stage 0). The GPT file itself knows nothing of this; the pipeline calls its parts (`embed`,
+`blocks`, `head`) under `tf.device`.
+
+The train step splits the batch into M microbatches, runs each through the stages, and takes the
+gradient of the mean of their losses, so gradients accumulate over the microbatches and one
+optimizer update follows (GPipe's schedule: all forwards, then all backwards). Nothing is
+scheduled by hand: the step is one TF graph, and TF's executor runs stage s of microbatch m+1
+while stage s+1 works on microbatch m, because the two are independent ops on different
+devices. Two facts make that work (both measured, ../shared/DESIGN.md):
+
+* the gradient is taken with `tf.gradients`, which puts each backward op on the device of its
+  forward op (`GradientTape` would put all of them on the default device);
+* the overlap comes from TF's inter-op thread pool, so it needs at least 2 inter-op threads
+  (`train.inter_op_threads`; 0 = TF's default, one per core).
+
+`recompute=True` wraps each stage in `tf.recompute_grad`: its activations are not kept for the
+backward pass but computed again, trading compute for memory.
+
+Example (2 logical CPU devices, 4 microbatches):
+
+    import tensorflow as tf
+    from tfdist.models.gpt import GPT
+    from tfdist.models.pipeline import Pipeline
+    from tfdist.strategies.base import configure_logical_cpus
+    configure_logical_cpus(2)
+    model = Pipeline(GPT(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
+                     stages=2, microbatches=4)
+    model.build()
+    print(model.describe())   # stage 0: embed + blocks 0-1 on /device:CPU:0 ...
+    logits = model(tf.zeros((8, 32), tf.int32))
+"""
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+from keras.src.losses.loss import unscale_loss_for_distribution  # as Keras's own train_step
+
+from tfdist.errors import UsageError
+from tfdist.models.gpt import GPT
+
+
+def block_costs(gpt):
+    """Relative forward FLOPs per token of each block, and of the embedding and the head."""
+    C, T, V = gpt.n_embd, gpt.block_size, gpt.vocab_size
+    block = 24 * C * C + 4 * T * C  # qkv + proj + mlp (2 * 12 C^2), attention scores + values
+    return [block] * gpt.n_layer, 2 * C, 2 * C * V
+
+
+def balanced_split(costs, stages, first_extra=0.0, last_extra=0.0):
+    """Block counts of `stages` contiguous, non-empty groups minimising the costliest stage
+    (the first stage also carries `first_extra`, the last `last_extra`)."""
+    n = len(costs)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    best = {}
+
+    def cost(i, j, s):  # blocks i..j-1 as stage s
+        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0) + \
+            (last_extra if s == stages - 1 else 0)
+
+    def solve(i, s):  # (max cost, counts) for blocks i.. as stages s..
+        if s == stages - 1:
+            return cost(i, n, s), [n - i]
+        if (i, s) not in best:
+            options = []
+            for j in range(i + 1, n - (stages - s - 1) + 1):
+                rest, counts = solve(j, s + 1)
+                options.append((max(cost(i, j, s), rest), [j - i] + counts))
+            best[i, s] = min(options, key=lambda o: o[0])
+        return best[i, s]
+
+    return solve(0, 0)[1]
+
+
+def default_devices(stages):
+    """K devices: the GPUs if there are enough, else the (logical) CPUs."""
+    for kind in ("GPU", "CPU"):
+        found = tf.config.list_logical_devices(kind)
+        if len(found) >= stages:
+            return [d.name for d in found[:stages]]
+    cpus = len(tf.config.list_logical_devices("CPU"))
+    raise UsageError(f"pipeline.stages={stages} needs {stages} devices, and this process has "
+                     f"{cpus} CPU device(s) and no {stages} GPUs; split the CPU first "
+                     f"(tfdist train does) or give pipeline.devices")
+
+
+def _update_where_the_variable_is(optimizer):
+    """Runs each variable's optimizer update on that variable's device. Keras 3 (TF backend,
+    default strategy) leaves the update math without a device, so TF would run every stage's
+    updates on the first device and copy gradients and results back and forth."""
+    if getattr(optimizer, "_tfdist_placed", False):
+        return
+    update_step = optimizer.update_step
+
+    def placed(gradient, variable, learning_rate):
+        with tf.device(variable.device):
+            return update_step(gradient, variable, learning_rate)
+
+    optimizer.update_step = placed
+    optimizer._tfdist_placed = True
+
+
+@keras.saving.register_keras_serializable("tfdist")
+class Pipeline(keras.Model):
+    """A GPT split into `stages` on `devices`, trained with `microbatches` per batch (GPipe).
+
+    `layers_per_stage`: blocks per stage (default: balanced by compute). `devices`: one device
+    name per stage (default: `default_devices`). Saved models and checkpoints hold the GPT's
+    variables under the same names whatever the split, so a backup of one split restores into
+    another.
+    """
+
+    def __init__(self, gpt, stages=2, microbatches=1, layers_per_stage=None, devices=None,
+                 recompute=False, **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(gpt, dict):  # from get_config
+            gpt = keras.saving.deserialize_keras_object(gpt)
+        if not isinstance(gpt, GPT):
+            raise TypeError(f"Pipeline wraps a tfdist GPT, got {type(gpt).__name__}")
+        if gpt.built:
+            raise ValueError("Pipeline needs an unbuilt GPT: its variables must be created on "
+                             "their stages' devices")
+        if not 1 <= stages <= gpt.n_layer:
+            raise UsageError(f"pipeline.stages={stages} must be between 1 and the model's "
+                             f"{gpt.n_layer} blocks (model.n_layer)")
+        if microbatches < 1:
+            raise UsageError(f"pipeline.microbatches={microbatches} must be >= 1")
+        blocks, embed, head = block_costs(gpt)
+        counts = list(layers_per_stage or balanced_split(blocks, stages, embed, head))
+        if len(counts) != stages or min(counts) < 1 or sum(counts) != gpt.n_layer:
+            raise UsageError(f"pipeline.layers_per_stage={','.join(map(str, counts))} must give "
+                             f"{stages} positive block counts adding up to model.n_layer="
+                             f"{gpt.n_layer}")
+        devices = list(devices or default_devices(stages))
+        if len(devices) != stages:
+            raise UsageError(f"pipeline.devices lists {len(devices)} device(s) for {stages} stages")
+        self.gpt, self.stages, self.microbatches = gpt, stages, microbatches
+        self.layers_per_stage, self.devices, self.recompute = counts, devices, recompute
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        self.stage_blocks = [list(range(starts[s], starts[s + 1])) for s in range(stages)]
+        self._stage_fns = [self._make_stage(s) for s in range(stages)]
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _make_stage(self, s):
+        g = self.gpt
+
+        def body(x, training):  # the stage's blocks, and the head on the last stage
+            for i in self.stage_blocks[s]:
+                x = g.blocks[i](x, training=training)
+            return g.head(x) if s == self.stages - 1 else x
+
+        if self.recompute:  # the embedding (int ids in) stays outside: ids have no gradient
+            recomputed = {t: tf.recompute_grad(lambda x, t=t: body(x, t)) for t in (True, False)}
+            run = lambda x, training: recomputed[bool(training)](x)  # noqa: E731
+        else:
+            run = body
+
+        def stage(x, training):
+            if s == 0:
+                x = g.embed(x, training=training)
+            return run(x, training)
+        return stage
+
+    def call(self, idx, training=False):
+        x = idx
+        for s in range(self.stages):
+            with tf.device(self.devices[s]):
+                x = self._stage_fns[s](x, training)
+        return x
+
+    def build(self, input_shape=None):
+        """Creates every variable on its stage's device (by running the stages once)."""
+        if self.built:
+            return
+        self.built = True
+        g, x = self.gpt, ops.zeros((1, self.gpt.block_size), dtype="int32")
+        for s in range(self.stages):
+            with tf.device(self.devices[s]):
+                if s == 0:
+                    x = g.embed(x)
+                for i in self.stage_blocks[s]:
+                    x = g.blocks[i](x)
+                if s == self.stages - 1:
+                    g.head(x)
+        g.built = True
+
+    # -- training --------------------------------------------------------------------------------
+    def compile(self, *args, **kwargs):
+        super().compile(*args, **kwargs)
+        _update_where_the_variable_is(self.optimizer)
+
+    def compute_gradients(self, x, y, scale=lambda loss: loss):
+        """(mean loss, gradients of the trainable weights) of batch (x, y) in M microbatches.
+        Graph mode only (inside a tf.function, as Keras runs `train_step`)."""
+        m = self.microbatches
+        xs, ys = tf.split(x, m), tf.split(y, m)
+        losses = [self._compute_loss(x=xi, y=yi, y_pred=self(xi, training=True), training=True)
+                  for xi, yi in zip(xs, ys)]
+        loss = tf.add_n(losses) / m
+        # tf.gradients, not GradientTape: it places each backward op with its forward op.
+        grads = tf.gradients(scale(loss), [v.value for v in self.trainable_weights])
+        return loss, grads
+
+    def train_step(self, data):
+        x, y = data[0], data[1]
+        loss, grads = self.compute_gradients(x, y, scale=self.optimizer.scale_loss)
+        self._loss_tracker.update_state(unscale_loss_for_distribution(loss),
+                                        sample_weight=tf.shape(x)[0])
+        self.optimizer.apply(grads, self.trainable_weights)
+        return self.get_metrics_result()
+
+    # -- reporting -------------------------------------------------------------------------------
+    def num_params(self, non_embedding=False):
+        return self.gpt.num_params(non_embedding=non_embedding)
+
+    def flops_per_token(self, seq_len=None):
+        return self.gpt.flops_per_token(seq_len)
+
+    def describe(self):
+        parts = []
+        for s, blocks in enumerate(self.stage_blocks):
+            what = (["embed"] if s == 0 else []) + [f"blocks {blocks[0]}-{blocks[-1]}"] + \
+                   (["head"] if s == self.stages - 1 else [])
+            parts.append(f"stage {s}: {' + '.join(what)} on {self.devices[s]}")
+        return (f"pipeline of {self.stages} stages, {self.microbatches} microbatch(es)"
+                f"{', recomputed' if self.recompute else ''}: " + "; ".join(parts))
+
+    def stage_of(self, variable):
+        """The stage whose device holds `variable` (a Keras variable of this model)."""
+        device = tf.DeviceSpec.from_string(variable.value.device)
+        for s, d in enumerate(self.devices):
+            want = tf.DeviceSpec.from_string(d)
+            if (want.device_type, want.device_index) == (device.device_type, device.device_index):
+                return s
+        return None
+
+    def memory_estimate(self, batch_size, dtype_bytes=4, optimizer_slots=2):
+        """Estimated peak bytes per stage: its parameters, gradients and optimizer slots, plus the
+        activations kept for the backward pass. Per block and microbatch of b sequences the
+        activations are about b*T*C*(34 + 5*H*T/C) values (Korthikanti et al. 2022, Sec. 4.1,
+        counted there in 2-byte units, i.e. 17 + 2.5*H*T/C values of `dtype_bytes`); GPipe keeps
+        all M microbatches' (only the stage inputs with recomputation, plus one stage's worth)."""
+        g = self.gpt
+        b = batch_size // self.microbatches
+        T, C, H = g.block_size, g.n_embd, g.n_head
+        per_block = b * T * C * (17 + 2.5 * H * T / C) * dtype_bytes
+        out = []
+        for s in range(self.stages):
+            params = sum(int(np.prod(v.shape)) for v in self.trainable_weights if self.stage_of(v) == s)
+            state = params * dtype_bytes * (2 + optimizer_slots)  # weights, gradients, slots
+            n = len(self.stage_blocks[s])
+            if self.recompute:
+                acts = self.microbatches * b * T * C * dtype_bytes + n * per_block
+            else:
+                acts = self.microbatches * n * per_block
+            if s == self.stages - 1:  # logits and their gradient, float32
+                acts += 2 * self.microbatches * b * T * g.vocab_size * 4
+            out.append({"stage": s, "device": self.devices[s], "params": params,
+                        "param_state_bytes": int(state), "activation_bytes": int(acts),
+                        "total_bytes": int(state + acts)})
+        return out
+
+    def get_config(self):
+        return {**super().get_config(), "gpt": keras.saving.serialize_keras_object(self.gpt),
+                "stages": self.stages, "microbatches": self.microbatches,
+                "layers_per_stage": self.layers_per_stage, "devices": self.devices,
+                "recompute": self.recompute}
