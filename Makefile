@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce chaos chaos-ps chaos-horovod clean
+        bench-allreduce bench-pipeline chaos chaos-ps chaos-horovod clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,10 @@ chaos-horovod: $(HOROVOD)
 bench-scaling-horovod: $(HOROVOD)
 	$(BIN)/python tools/bench.py --scaling --horovod
 	$(BIN)/python tools/bench.py --scaling --horovod --compression=fp16
+
+# GPipe: the GPT in 2 stages on 2 logical CPU devices, M = 1..16 microbatches, vs unsplit.
+bench-pipeline: $(STAMP)
+	$(BIN)/python tools/bench.py --pipeline
 
 # allreduce bus bandwidth, 1-64 MB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
 bench-allreduce: $(HOROVOD)

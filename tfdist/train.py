@@ -187,6 +187,13 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
                  validation_data=val_windows, validation_steps=t.eval_steps,
                  verbose=verbose if strategy.is_chief else 0)  # one progress bar per cluster
 
+    if pipelined:
+        for row in model.memory_report(per_replica):
+            measured = row["measured_peak_bytes"]
+            say(f"tfdist: stage {row['stage']} on {row['device']}: {row['params']:,} parameters, "
+                f"estimated peak {row['total_bytes'] / 2**20:,.1f} MiB; measured peak "
+                + (f"{measured / 2**20:,.1f} MiB ({row['measured_scope']})" if measured is not None
+                   else "not available (TF keeps no memory stats for this device)"))
     result = {"steps_run": log.step - start, "final_step": log.step,
               "val_loss": (log.history["evals"] or [{}])[-1].get("loss"),
               "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": workdir}

@@ -5,6 +5,7 @@ scaling of multi-worker training.
     python tools/bench.py --steps=4 --rounds=2 --config=configs/gpt_nano.py   # quick look
     python tools/bench.py --scaling             # 2 workers x 1 thread vs 1 x 1 thread, gpt_mini
     python tools/bench.py --scaling --ps        # parameter server: 2 workers + 1 ps vs 1 + 1
+    python tools/bench.py --pipeline            # 2 stages x M microbatches vs unsplit, gpt_mini
     python tools/bench.py --scaling --horovod   # Horovod: 2 ranks x 1 thread vs 1 x 1 thread
     python tools/bench.py --scaling --horovod --compression=fp16    # the same, gradients in fp16
 
@@ -26,6 +27,13 @@ the median over its steps after --warmup; scaling efficiency = tokens/s(2 worker
 (2 * tokens/s(1 worker)), per round and as the median of the rounds. Writes
 bench_results/scaling.json unless --out says otherwise.
 
+--pipeline runs `tfdist train` with the model in K=2 stages on 2 logical CPU devices and M in
+--microbatches, against the unsplit model on one device: each process has 1 intra-op thread
+(so one compute thread per device), the pipelined runs 2 inter-op threads so that the stages'
+ops can run at once. Per M: step time, speedup over unsplit, the GPipe ideal KM/(M+K-1), the
+fraction of it reached, and the measured bubble 1 - speedup/K; plus each stage's estimated peak
+memory. Writes bench_results/pipeline.json.
+
 --scaling --horovod does the same with `tfdist launch --strategy=horovod` (horovodrun, Gloo) for
 the 2 ranks, and --compression=fp16 sends their gradients as float16. Writes
 bench_results/scaling-horovod[-fp16].json.
@@ -38,6 +46,7 @@ Writes bench_results/scaling-ps.json.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,6 +75,8 @@ _HOROVOD = flags.DEFINE_bool("horovod", False, "--scaling: Horovod ranks instead
                               "multi_worker_mirrored workers.")
 _COMPRESSION = flags.DEFINE_enum("compression", "none", ["none", "fp16"],
                                  "--scaling --horovod: gradient compression.")
+_PIPELINE = flags.DEFINE_bool("pipeline", False, "Measure the GPipe pipeline instead (see above).")
+_MICROBATCHES = flags.DEFINE_list("microbatches", ["1", "2", "4", "8", "16"], "--pipeline: M values.")
 _INTER = flags.DEFINE_integer("inter_op_threads", 1, "--scaling: inter-op threads per process. With "
                               "TF's default (0: one per core) a process with 1 intra-op thread "
                               "still runs independent ops in parallel, on ~1.4 of 2 cores.")
@@ -85,8 +96,9 @@ def matmul_peak(n=2048, repeats=10):
     return 2 * n ** 3 / best
 
 
-def _train_run(workdir, workers, steps):
+def _train_run(workdir, workers, steps, inter=None, extra=()):
     """One `tfdist train` (workers=1, strategy single) or `tfdist launch` run; its per-step log."""
+    inter = _INTER.value if inter is None else inter
     config = config_flags_filename()
     per_worker = _CONFIG.value.train.batch_size
     train_flags = [f"--config={config}", f"--workdir={workdir}", "--overwrite",
@@ -94,7 +106,8 @@ def _train_run(workdir, workers, steps):
                    f"--config.train.batch_size={per_worker * workers}",
                    "--config.train.warmup_steps=1", "--config.train.eval_steps=1",
                    "--config.train.intra_op_threads=1",
-                   f"--config.train.inter_op_threads={_INTER.value}", "--config.backup.enabled=false"]
+                   f"--config.train.inter_op_threads={inter}", "--config.backup.enabled=false",
+                   *extra]
     if workers == 1:
         cmd = [sys.executable, "-m", "tfdist", "train", *train_flags, "--strategy=single"]
     elif _HOROVOD.value:
@@ -105,6 +118,7 @@ def _train_run(workdir, workers, steps):
         cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}",
                "--max_restarts=0", "--", *train_flags]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    _train_run.stdout = p.stdout
     if p.returncode:
         sys.exit(f"bench: {' '.join(cmd[2:5])} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n"
                  f"{p.stderr[-2000:]}")
@@ -201,8 +215,70 @@ def scaling_main():
                f"bench_results/scaling-horovod{'-fp16' if _COMPRESSION.value == 'fp16' else ''}.json")
 
 
+def pipeline_main():
+    """--pipeline: K=2 stages on 2 logical CPU devices, M microbatches, vs the unsplit model."""
+    import tempfile
+    import numpy as np
+
+    c = _CONFIG.value
+    k, steps = 2, _WARMUP.value + _STEPS.value
+    ms = [int(m) for m in _MICROBATCHES.value]
+    tmp = tempfile.mkdtemp(prefix="tfdist-pipeline-")
+    # Pipelined: 1 intra-op thread, and 2 inter-op threads so that the two stages' ops can run
+    # at once. Unsplit, on one device: the same threads (the reference); and with 1 inter-op
+    # thread, i.e. strictly one core (2 inter-op threads let independent ops, such as a
+    # matmul's two gradients, run at once even on one device).
+    variants = {"unsplit": (2, []), "unsplit-1": (1, [])}
+    for m in ms:
+        variants[f"M={m}"] = (2, [f"--config.pipeline.stages={k}", f"--config.pipeline.microbatches={m}"])
+    times, memory = {name: [] for name in variants}, {}
+    for r in range(_ROUNDS.value):
+        for name, (inter, extra) in variants.items():
+            log = _train_run(os.path.join(tmp, name.replace("=", "")), 1, steps, inter, extra)
+            t = float(np.median([s["step_time"] for s in log[_WARMUP.value:]]))
+            times[name].append(t)
+            print(f"round {r + 1}: {name:8s} {t:6.2f} s/step", flush=True)
+            if extra:  # the run's own report: estimated and measured peak memory per stage
+                memory[name] = re.findall(r"tfdist: (stage \d+ on .*)$", _train_run.stdout, re.M)
+    base = float(np.median(times["unsplit"]))
+    one = float(np.median(times["unsplit-1"]))
+    rows = [{"variant": "unsplit", "microbatches": None, "step_time_s": base, "speedup": 1.0},
+            {"variant": "unsplit-1", "microbatches": None, "step_time_s": one, "speedup": base / one}]
+    for m in ms:
+        t = float(np.median(times[f"M={m}"]))
+        speedup, ideal = base / t, k * m / (m + k - 1)
+        rows.append({"variant": f"K={k}, M={m}", "microbatches": m, "step_time_s": t,
+                     "speedup": speedup, "ideal_speedup": ideal, "of_ideal": speedup / ideal,
+                     "ideal_bubble": (k - 1) / (m + k - 1), "measured_bubble": 1 - speedup / k,
+                     "speedup_vs_1_inter_op_thread": one / t,
+                     "per_round_s": times[f"M={m}"]})
+    print(f"\n{os.path.basename(config_flags_filename())}: batch {c.train.batch_size} x "
+          f"{c.model.block_size}, K={k} stages on 2 logical CPU devices, 1 intra-op thread per "
+          f"device; median of {_ROUNDS.value} interleaved rounds")
+    print(f"{'variant':12s} {'s/step':>7s} {'speedup':>8s} {'ideal':>6s} {'of ideal':>9s} "
+          f"{'bubble':>7s} {'ideal bubble':>13s}")
+    for r in rows:
+        if r["microbatches"] is None:
+            print(f"{r['variant']:12s} {r['step_time_s']:7.2f} {r['speedup']:8.2f}")
+            continue
+        print(f"{r['variant']:12s} {r['step_time_s']:7.2f} {r['speedup']:8.2f} {r['ideal_speedup']:6.2f} "
+              f"{100 * r['of_ideal']:8.1f}% {100 * r['measured_bubble']:6.1f}% "
+              f"{100 * r['ideal_bubble']:12.1f}%")
+    print("target at M=8: >= 85% of ideal. unsplit: 1 intra + 2 inter-op threads (the reference); "
+          "unsplit-1: 1 intra + 1 inter-op thread")
+    print("\npeak memory per stage, as each run reported it:")
+    for name, lines in memory.items():
+        print(f"  {name}: " + "; ".join(lines))
+    write_json({"config": os.path.basename(config_flags_filename()), "stages": k,
+                "batch": c.train.batch_size, "context": c.model.block_size,
+                "threads": "unsplit: 1 intra + 1 inter; pipelined: 1 intra + 2 inter",
+                "rows": rows, "memory": memory}, "bench_results/pipeline.json")
+
+
 def main(argv):
     del argv
+    if _PIPELINE.value:
+        return pipeline_main()
     if _SCALING.value:
         return ps_scaling_main() if _PS_SCALING.value else scaling_main()
     import keras

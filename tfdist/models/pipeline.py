@@ -264,6 +264,21 @@ class Pipeline(keras.Model):
                         "total_bytes": int(state + acts)})
         return out
 
+    def memory_report(self, batch_size):
+        """Per stage: the estimate above, and the peak TF measured (`get_memory_info`) where it
+        keeps memory stats. A GPU's are its own; logical CPU devices share the host allocator, so
+        theirs is the whole process's peak (`measured_scope` says which)."""
+        rows = self.memory_estimate(batch_size)
+        for row in rows:
+            try:
+                row["measured_peak_bytes"] = int(
+                    tf.config.experimental.get_memory_info(row["device"])["peak"])
+            except (ValueError, tf.errors.InvalidArgumentError):
+                row["measured_peak_bytes"] = None
+            cpu = tf.DeviceSpec.from_string(row["device"]).device_type == "CPU"
+            row["measured_scope"] = "process (shared CPU allocator)" if cpu else "device"
+        return rows
+
     def get_config(self):
         return {**super().get_config(), "gpt": keras.saving.serialize_keras_object(self.gpt),
                 "stages": self.stages, "microbatches": self.microbatches,
