@@ -14,8 +14,10 @@ from absl import app, flags, logging  # noqa: E402
 from tfdist.errors import UsageError  # noqa: E402
 
 
-def fail(message):
+def fail(message, hard=False):
     print(f"tfdist: error: {message}", file=sys.stderr, flush=True)
+    if hard:  # a thread may still be blocked inside TensorFlow (e.g. connecting to a TPU)
+        os._exit(2)
     sys.exit(2)
 
 
@@ -55,6 +57,6 @@ def run(main, argv):
         try:
             return main(args)
         except UsageError as e:
-            fail(str(e))
+            fail(str(e), hard=getattr(e, "hard_exit", False))
 
     app.run(guarded, argv=argv, flags_parser=_parse_flags)

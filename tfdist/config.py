@@ -57,6 +57,7 @@ def default_config():
     c.train.eval_steps = 10  # validation batches per evaluation
     c.train.deterministic = False  # tf.config.experimental.enable_op_determinism()
     c.train.log_every_steps = 1
+    c.train.steps_per_execution = 1  # training steps per host round trip (Keras compile); TPU: 32
     c.train.intra_op_threads = 0  # TF's thread pools per process; 0 = TF's default (all cores)
     c.train.inter_op_threads = 0
 
@@ -66,6 +67,10 @@ def default_config():
     c.strategy.cross_device_ops = "auto"
     c.strategy.compression = "none"  # horovod: "fp16" sends the gradients as float16
     c.strategy.lr_scaling = "none"  # horovod: "linear" multiplies the learning rate by the ranks
+    c.strategy.tpu = "local"  # tpu: "local" (this TPU VM), a TPU name, or grpc://host:port
+    c.strategy.tpu_zone = ""  # tpu: zone and project of a named TPU
+    c.strategy.tpu_project = ""
+    c.strategy.tpu_timeout = 120.0  # tpu: seconds to find, reach and initialise the TPU system
 
     # Layer-split model parallelism (tfdist/models/pipeline.py): the GPT's blocks in `stages`
     # contiguous stages on as many devices, each batch in `microbatches` (GPipe).
@@ -125,6 +130,9 @@ _RULES = {
     "strategy.name": (lambda v: bool(v), "a strategy name"),
     "strategy.devices": (lambda v: isinstance(v, int) and 0 <= v <= 64, "an integer in [0, 64]"),
     "strategy.cross_device_ops": (lambda v: v in CROSS_DEVICE_OPS, "one of " + ", ".join(CROSS_DEVICE_OPS)),
+    "strategy.tpu": (lambda v: bool(v.strip()), "local, a TPU name or grpc://host:port"),
+    "strategy.tpu_timeout": (lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]"),
+    "train.steps_per_execution": (_positive_int, "an integer > 0"),
     "strategy.compression": (lambda v: v in ("none", "fp16"), "none or fp16"),
     "strategy.lr_scaling": (lambda v: v in ("none", "linear"), "none or linear"),
     "pipeline.stages": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
@@ -190,6 +198,9 @@ def validate(c):
     if p.devices and len(p.devices.split(",")) != p.stages:
         raise UsageError(f"pipeline.devices lists {len(p.devices.split(','))} device(s); "
                          f"pipeline.stages is {p.stages}")
+    if t.steps_per_epoch % t.steps_per_execution:
+        raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) must divide "
+                         f"train.steps_per_epoch ({t.steps_per_epoch})")
     if t.steps % t.steps_per_epoch:
         raise UsageError(f"train.steps ({t.steps}) must be a multiple of train.steps_per_epoch "
                          f"({t.steps_per_epoch})")

@@ -115,6 +115,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     from tfdist.optimizers import make_optimizer
 
     t = c.train
+    say = print if strategy.is_chief else (lambda *a, **k: None)
+    _apply_recommended(c, strategy, say)
     if t.jit_compile and not strategy.supports_jit_compile:
         raise UsageError(f"train.jit_compile=True does not work with strategy {strategy.name} on "
                          f"TF 2.21 (cross-device resource access); set it to False")
@@ -146,7 +148,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
                              recompute=p.recompute)
         model.build()
         optimizer = strategy.wrap_optimizer(make_optimizer(t, t.steps))
-        model.compile(optimizer=optimizer, loss=loss_fn(), jit_compile=t.jit_compile)
+        model.compile(optimizer=optimizer, loss=loss_fn(), jit_compile=t.jit_compile,
+                      steps_per_execution=t.steps_per_execution)
         optimizer.build(model.trainable_variables)
 
     backup_dir = c.backup.dir or os.path.join(workdir, "backup")
@@ -172,7 +175,6 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     log = cb.TrainingLog(workdir, tokens_per_step=t.batch_size * c.model.block_size,
                          initial_step=start, total_steps=t.steps, is_chief=strategy.is_chief,
                          log_every_steps=t.log_every_steps)
-    say = print if strategy.is_chief else (lambda *a, **k: None)
     say(f"tfdist: {strategy.describe()}")
     if pipelined:
         say(f"tfdist: {model.describe()}")
@@ -204,6 +206,21 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
             f"validation loss {result['val_loss']:.4f} nats/token, "
             f"{result['tokens_per_sec']:,.0f} tokens/s; model saved to {workdir}/model.keras")
     return result
+
+
+def _apply_recommended(c, strategy, say):
+    """The strategy's recommended config values (TPU: bfloat16, several steps per execution),
+    where the config still has tfdist's defaults."""
+    from tfdist import config as config_lib
+    defaults = config_lib.default_config()
+    for key, value in getattr(strategy, "recommended", {}).items():
+        section, name = key.split(".")
+        if c[section][name] != defaults[section][name]:
+            continue  # the user chose
+        if name == "steps_per_execution":  # must divide the epoch
+            value = max(d for d in range(1, value + 1) if c.train.steps_per_epoch % d == 0)
+        c[section][name] = value
+        say(f"tfdist: {strategy.name}: {key}={value} (recommended; set it to override)")
 
 
 def main(argv):

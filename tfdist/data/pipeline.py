@@ -46,6 +46,7 @@ class Windows:
         rows = self.offsets(step)[replica * b:(replica + 1) * b]
         span = tf.range(self.block_size + 1, dtype=tf.int64)
         w = tf.cast(tf.gather(tf.constant(self.tokens), rows[:, None] + span[None, :]), tf.int32)
+        w = tf.ensure_shape(w, [b, self.block_size + 1])  # static shapes, as XLA on TPUs needs
         return w[:, :-1], w[:, 1:]
 
     def dataset_fn(self, start_step, num_steps, repeat=False):

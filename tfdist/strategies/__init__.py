@@ -20,6 +20,7 @@ _PLUGINS = {
     "multi_worker_mirrored": "tfdist.strategies.multi_worker:MultiWorkerMirrored",
     "parameter_server": "tfdist.strategies.parameter_server:ParameterServer",
     "horovod": "tfdist.strategies.horovod:Horovod",
+    "tpu": "tfdist.strategies.tpu:TPU",
 }
 
 

@@ -22,8 +22,10 @@ Example (any registered strategy; see `tfdist.strategies.names()`):
     ds = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat()
     strategy.fit(model, ds, epochs=2, steps_per_epoch=5, verbose=0)
 """
+import keras
 import tensorflow as tf
 
+from tfdist.callbacks import STEPS_KEY
 from tfdist.errors import UsageError
 
 
@@ -91,6 +93,19 @@ def fix_distributed_apply(optimizer):
     optimizer._all_reduce_sum_gradients = all_reduce_then_fix
     optimizer._tfdist_fixed = True
     return optimizer
+
+
+class StepsPerCall(keras.callbacks.Callback):
+    """With `steps_per_execution` N, Keras calls `on_train_batch_end` once per N steps, with the
+    last step's index: this tells tfdist's callbacks (`tfdist.callbacks.steps_in`) how many."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.last = -1
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs is not None:
+            logs[STEPS_KEY] = batch - self.last
+        self.last = batch
 
 
 class Strategy:
@@ -168,6 +183,8 @@ class Strategy:
         """
         callbacks = self.callbacks() + list(callbacks or [])  # the strategy's first (Horovod's
         # broadcast must precede the first step; its log averaging, the loggers)
+        if getattr(model, "steps_per_execution", 1) > 1:  # Keras reports once per execution
+            callbacks.insert(0, StepsPerCall())
         if hasattr(data, "dataset_fn"):  # step-addressed data such as tfdist.data.Windows
             windows, total = data, epochs * (steps_per_epoch or 0)
             data = lambda start: windows.dataset_fn(start, total - start)  # noqa: E731
