@@ -67,12 +67,17 @@ def common(data_dir, **extra):
 
 
 @pytest.mark.slow
-def test_two_ranks_of_two_stages_stay_identical(tmp_path, data_dir):
-    o = common(data_dir, **{"strategy.name": "horovod", "pipeline.stages": 2,
+@pytest.mark.parametrize("strategy", ["horovod", "multi_worker_mirrored"])
+def test_two_processes_of_two_stages_stay_identical(tmp_path, data_dir, strategy):
+    o = common(data_dir, **{"strategy.name": strategy, "pipeline.stages": 2,
                             "pipeline.microbatches": 2, "backup.enabled": False})
-    p = run_group([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", "--network-interfaces",
-                   "lo", sys.executable, os.path.join(ROOT, "tools", "faulty_train.py"),
-                   str(tmp_path), json.dumps(o), "--dump-weights"], 300)
+    program = [sys.executable, os.path.join(ROOT, "tools", "faulty_train.py"), str(tmp_path),
+               json.dumps(o), "--dump-weights"]
+    if strategy == "horovod":
+        cmd = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", "--network-interfaces", "lo"]
+    else:
+        cmd = [sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0", "--"]
+    p = run_group(cmd + program, 300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert "pipeline of 2 stages, 2 microbatch(es)" in p.stdout
     assert max_diff(weights(tmp_path, 0), weights(tmp_path, 1)) == 0.0

@@ -88,6 +88,16 @@ def default_devices(stages):
                      f"(tfdist train does) or give pipeline.devices")
 
 
+def _with_device(grad, variable):
+    """The gradient as a tensor on its variable's device. (A sum over microbatches from several
+    devices has none, and tf.distribute's all-reduce needs one: "destinations can not be
+    empty" under MultiWorkerMirrored.)"""
+    if grad is None or isinstance(grad, tf.IndexedSlices):
+        return grad
+    with tf.device(variable.device):
+        return tf.identity(grad)
+
+
 def _update_where_the_variable_is(optimizer):
     """Runs each variable's optimizer update on that variable's device. Keras 3 (TF backend,
     default strategy) leaves the update math without a device, so TF would run every stage's
@@ -202,8 +212,9 @@ class Pipeline(keras.Model):
                   for xi, yi in zip(xs, ys)]
         loss = tf.add_n(losses) / m
         # tf.gradients, not GradientTape: it places each backward op with its forward op.
-        grads = tf.gradients(scale(loss), [v.value for v in self.trainable_weights])
-        return loss, grads
+        variables = [v.value for v in self.trainable_weights]
+        grads = tf.gradients(scale(loss), variables)
+        return loss, [_with_device(g, v) for g, v in zip(grads, variables)]
 
     def train_step(self, data):
         x, y = data[0], data[1]
