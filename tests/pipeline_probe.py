@@ -17,6 +17,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import tfdist.strategies  # noqa: E402
 from tfdist.models.gpt import GPT, loss_fn  # noqa: E402
 from tfdist.models.pipeline import Pipeline  # noqa: E402
 from tfdist.strategies.base import configure_logical_cpus  # noqa: E402
@@ -29,8 +30,9 @@ def models(k, m, recompute=False):
     plain = GPT(**SIZES)
     plain.build()
     keras.utils.set_random_seed(0)
-    piped = Pipeline(GPT(**SIZES), stages=k, microbatches=m, recompute=recompute)
-    piped.build()
+    with tfdist.strategies.get("single").scope():  # as `tfdist train` builds it
+        piped = Pipeline(GPT(**SIZES), stages=k, microbatches=m, recompute=recompute)
+        piped.build()
     return plain, piped
 
 

@@ -3,6 +3,7 @@ variables and ops are on its device, 2 Horovod ranks x 2 stages stay identical, 
 into another split (and is refused by the plain model), and bad pipeline configs are one line."""
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -97,6 +98,10 @@ def test_backup_restores_into_another_split_and_not_into_the_plain_model(tmp_pat
                     "--dump-weights")
     assert "resuming from" in p.stdout and "at step 5 of 12" in p.stdout
     assert res["steps_run"] == 7
+    # the run's memory report: every stage holds its own parameters
+    for s in range(4):
+        assert re.search(rf"stage {s} on \S+CPU:{s}: [1-9][\d,]* parameters, estimated peak",
+                         p.stdout), p.stdout[-2000:]
     assert max_diff(weights(tmp_path / "run", 0), weights(tmp_path / "ref", 0)) <= 1e-5
     # ... while the plain model refuses a pipeline's backup with one line.
     p, _ = driver(tmp_path / "run2", o, "--kill-at-step", "3", check=False)

@@ -1,4 +1,11 @@
-"""`single`: one replica on one device (the first GPU if there is one, else the CPU)."""
+"""`single`: one replica on one device (the first GPU if there is one, else the CPU).
+
+When the process has been given several devices for one replica (a pipeline's stages on logical
+CPUs, or several GPUs), TF's default strategy is used instead of `OneDeviceStrategy`: that one
+creates every variable on its own device, whatever `tf.device` the model asks for, and would
+put all of a pipeline's stages on one device. The default strategy leaves placement to the model
+(and puts unplaced ops on the first GPU, else the CPU, as `OneDeviceStrategy` would).
+"""
 import tensorflow as tf
 
 from tfdist.strategies.base import Strategy
@@ -7,6 +14,16 @@ from tfdist.strategies.base import Strategy
 class SingleDevice(Strategy):
     name = "single"
 
+    def describe(self):
+        if isinstance(self.tf_strategy, tf.distribute.OneDeviceStrategy):
+            return super().describe()
+        return f"{self.name}: 1 replica, placed by the model over this process's devices"
+
     def __init__(self, **unused_options):
-        device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
-        super().__init__(tf.distribute.OneDeviceStrategy(device))
+        gpus = tf.config.list_physical_devices("GPU")
+        # Reads the configuration only: TF's runtime is not started here.
+        split = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("CPU")[0])
+        if len(gpus) > 1 or (split and len(split) > 1):
+            super().__init__(tf.distribute.get_strategy())
+            return
+        super().__init__(tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0"))
