@@ -109,7 +109,6 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     import keras
     from tfdist import callbacks as cb
     from tfdist.data import Windows, load_corpus
-    from tfdist.errors import UsageError
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.models.pipeline import Pipeline
     from tfdist.optimizers import make_optimizer
