@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from launchers.local import horovodrun_argv
 from tests.conftest import DRIVER, ROOT, driver, executed_steps
 
 STEPS = 20
@@ -33,10 +34,8 @@ def run_group(cmd, timeout):
 
 
 def horovodrun(workdir, overrides, *extra, np_=2, timeout=300):
-    cmd = [HOROVODRUN, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-           "--network-interfaces", "lo", sys.executable, DRIVER, str(workdir),
-           json.dumps(overrides), *extra]
-    p = run_group(cmd, timeout)
+    p = run_group(horovodrun_argv(np_, [sys.executable, DRIVER, str(workdir),
+                                         json.dumps(overrides), *extra]), timeout)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     return p
 
@@ -192,8 +191,7 @@ def test_a_users_functional_model_fits_under_two_ranks(tmp_path):
     single = run_group([sys.executable, example, "--strategy=single"], 120)
     assert single.returncode == 0, single.stderr[-2000:]
     ref = json.loads(single.stdout.split("RESULT ", 1)[1])
-    p = run_group([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", "--network-interfaces",
-                   "lo", sys.executable, example, "--strategy=horovod"], 300)
+    p = run_group(horovodrun_argv(2, [sys.executable, example, "--strategy=horovod"]), 300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     found = {int(i): json.loads(r) for i, r in re.findall(r"^\[(\d)\]<stdout>:RESULT (.*)$", p.stdout, re.M)}
     assert set(found) == {0, 1}

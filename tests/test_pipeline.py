@@ -11,7 +11,8 @@ import pytest
 
 from tests.conftest import ROOT, driver, run, tfdist
 from tests.test_cli import _tf_noise
-from tests.test_horovod import HOROVODRUN, max_diff, run_group, weights
+from launchers.local import horovodrun_argv
+from tests.test_horovod import max_diff, run_group, weights
 
 PROBE = os.path.join(ROOT, "tests", "pipeline_probe.py")
 
@@ -75,10 +76,11 @@ def test_two_processes_of_two_stages_stay_identical(tmp_path, data_dir, strategy
     program = [sys.executable, os.path.join(ROOT, "tools", "faulty_train.py"), str(tmp_path),
                json.dumps(o), "--dump-weights"]
     if strategy == "horovod":
-        cmd = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", "--network-interfaces", "lo"]
+        cmd = horovodrun_argv(2, program)
     else:
-        cmd = [sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0", "--"]
-    p = run_group(cmd + program, 300)
+        cmd = [sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0", "--",
+               *program]
+    p = run_group(cmd, 300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert "pipeline of 2 stages, 2 microbatch(es)" in p.stdout
     assert max_diff(weights(tmp_path, 0), weights(tmp_path, 1)) == 0.0
