@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-pipeline chaos chaos-ps chaos-horovod clean
+        bench-allreduce bench-pipeline chaos chaos-ps chaos-horovod plan-validate plan-measured clean
 
 setup: $(STAMP)
 
@@ -74,3 +74,11 @@ bench-pipeline: $(STAMP)
 # allreduce bus bandwidth, 1-64 MB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
 bench-allreduce: $(HOROVOD)
 	$(BIN)/python tools/bench_allreduce.py
+
+# tfdist plan against the published runs (ZeRO Fig. 1, Megatron-LM 175B/1T, LLaMA-2 70B) and
+# against this machine's own benchmarks (run the bench-* targets first).
+plan-validate: $(STAMP)
+	$(BIN)/tfdist plan --validate
+
+plan-measured: $(STAMP)
+	$(BIN)/tfdist plan --measured --config=configs/gpt_mini.py

@@ -1,9 +1,10 @@
-"""`tfdist <command> [flags]`: train, sample, launch."""
+"""`tfdist <command> [flags]`: train, sample, launch, plan."""
 import importlib
 import sys
 
-COMMANDS = {"train": "tfdist.train", "sample": "tfdist.sample", "launch": "launchers.launch"}
-USAGE = "usage: tfdist {train,sample,launch} [--flags]   (tfdist <command> --help for its flags)"
+COMMANDS = {"train": "tfdist.train", "sample": "tfdist.sample", "launch": "launchers.launch",
+            "plan": "tfdist.plan"}
+USAGE = "usage: tfdist {train,sample,launch,plan} [--flags]   (tfdist <command> --help for its flags)"
 
 
 def main(argv=None):

@@ -378,7 +378,7 @@ def main(argv):
     keras_tps = next(r["tokens_per_sec"] for r in rows if r["variant"] == "keras")
     result = {"config": os.path.basename(config_flags_filename()), "params": model.num_params(),
               "batch": t.batch_size, "context": m.block_size, "flops_per_token": fpt,
-              "matmul_peak_flops": peak, "threads": "TF default (both cores)",
+              "matmul_peak_flops": peak, "cores": os.cpu_count(), "threads": "TF default (all cores)",
               "tfdist_overhead_vs_keras": 1 - rows[0]["tokens_per_sec"] / keras_tps, "rows": rows}
 
     print(f"\n{result['config']}: {result['params']:,} params, batch {t.batch_size} x {m.block_size}"

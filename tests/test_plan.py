@@ -1,0 +1,246 @@
+"""`tfdist plan`: the memory and step-time model against the papers it follows and the published
+runs it predicts, the search and its output, this machine's calibration, and bad input."""
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tfdist import config as tfdist_config
+from tfdist import plan
+
+GB = 1e9
+
+
+def tfdist_plan(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "tfdist", "plan", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+# --- the published figures (the issue's acceptance list) -----------------------------------------
+
+def test_zero_paper_figure_1():
+    """7.5B parameters, N_d = 64, mixed-precision Adam (K = 12): 120 / 31.4 / 16.6 / 1.9 GB."""
+    got = plan.zero_figure1()
+    exact = {0: 16 * 7.5, 1: 4 * 7.5 + 12 * 7.5 / 64, 2: 2 * 7.5 + 14 * 7.5 / 64, 3: 16 * 7.5 / 64}
+    paper = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}  # as printed in the figure, one decimal
+    for z in range(4):
+        assert got[z] == pytest.approx(exact[z], rel=1e-9)  # the paper's formulas
+        assert round(got[z], 1) == paper[z]  # ... and its printed figures
+    for z in range(3):
+        assert abs(got[z] / paper[z] - 1) <= 0.01
+    # ZeRO-3 is 1.875 GB: 1.3 % under the printed 1.9, which is 1.875 rounded to one decimal
+
+
+def test_zero_figure_1_from_the_command_line():
+    r = tfdist_plan("--params=7.5e9", "--devices=64", "--batch=64")
+    assert r.returncode == 0, r.stderr
+    assert [line.split(": ")[1].split(" GB")[0] for line in r.stdout.splitlines()] == \
+        ["120.00", "31.41", "16.64", "1.88"]
+
+
+def test_calibration_reproduces_megatron_175b():
+    rows = plan.validate()
+    assert rows[0]["role"] == "calibration" and abs(rows[0]["error"]) < 1e-3
+    assert 0.3 < plan.calibrated() < 0.9  # a plausible fraction of the A100's peak
+
+
+def test_predicts_megatron_1t_within_15_percent():
+    row = plan.validate()[1]
+    assert row["published"] == 163.0 and "megatron-1t" in row["run"]
+    assert abs(row["error"]) <= 0.15, row
+
+
+def test_predicts_llama2_70b_gpu_hours_within_15_percent():
+    row = plan.validate()[2]
+    assert row["published"] == 1_720_320 and row["metric"] == "GPU-hours"
+    assert abs(row["error"]) <= 0.15, row
+
+
+def test_validate_prints_the_table():
+    r = tfdist_plan("--validate")
+    assert r.returncode == 0, r.stderr
+    for text in ("published 138.0", "published 163.0", "published 1,720,320.0", "arXiv:2104.04473",
+                 "arXiv:2307.09288", "ZeRO Figure 1"):
+        assert text in r.stdout
+
+
+# --- the parts of the model ----------------------------------------------------------------------
+
+def test_parameter_counts_match_the_papers_and_tfdists_gpt():
+    assert plan.MODELS["megatron-1t"].params / 1e9 == pytest.approx(1008.0, abs=0.05)  # Table 1
+    assert plan.MODELS["gpt3-175b"].params / 1e9 == pytest.approx(174.6, abs=0.05)
+    assert plan.MODELS["llama2-70b"].params / 1e9 == pytest.approx(68.98, abs=0.01)  # released weights
+    from tfdist.models.gpt import GPT
+    for name in ("gpt_nano", "gpt_mini"):
+        c = plan._config(os.path.join(ROOT, "configs", f"{name}.py"))
+        gpt = GPT.from_model_config(c.model)
+        gpt.build()
+        assert plan.model_from_config(c, name).params == gpt.num_params()
+
+
+def test_activation_memory_is_korthikanti_equation():
+    """s b h (34 + 5 a s / h) without tensor parallelism; s b h (10 + 24/t + 5 a s / (h t)) with t."""
+    m = plan.MODELS["gpt3-175b"]
+    s, h, a, b = m.seq_len, m.n_embd, m.n_head, 2
+    for t in (1, 2, 8):
+        got = plan.activation_bytes_per_layer(m, plan.Layout(1, tp=t), b * s, "mixed")
+        assert got == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    flash = dataclasses.replace(m, flash_attention=True)
+    assert plan.activation_bytes_per_layer(flash, plan.Layout(1), s, "mixed") == pytest.approx(34 * s * h)
+
+
+def test_recomputation_and_1f1b_shrink_activations():
+    m, batch = plan.MODELS["gpt3-175b"], 64
+    full = plan.memory(m, plan.Layout(1, tp=8, pp=8), batch, plan.Options(schedule="1f1b"))
+    rc = plan.memory(m, plan.Layout(1, tp=8, pp=8, recompute=True), batch, plan.Options(schedule="1f1b"))
+    gpipe = plan.memory(m, plan.Layout(1, tp=8, pp=8), batch, plan.Options(schedule="gpipe"))
+    assert rc["activations"] < full["activations"] / 5
+    # GPipe keeps all 64 microbatches, 1F1B at most pp = 8 on the first stage
+    assert gpipe["activations"] > 7 * full["activations"]
+    assert full["weights"] == rc["weights"] == gpipe["weights"]
+
+
+def test_ring_allreduce_and_the_pipeline_bubble():
+    assert plan.allreduce_seconds(8e9, 4, 10e9) == pytest.approx(2 * 3 / 4 * 0.8)
+    assert plan.allreduce_seconds(8e9, 1, 10e9) == 0
+    # no communication and no element-wise term: the bubble is exactly (K-1)/(M+K-1)
+    dev = plan.Device("ideal", 1e12, 1e12, None, math.inf, math.inf, 64, "test")
+    m = dataclasses.replace(plan.MODELS["gpt3-175b"], n_layer=32, tied_embeddings=False)
+    for k, mbs in ((4, 1), (4, 8), (8, 16)):
+        lay = plan.Layout(1, pp=k, microbatch=64 // mbs)
+        t = plan.step_time(m, plan.Cluster(dev, k), lay, 64, plan.Options(efficiency=0.5))
+        assert t["bubble"] / t["total"] == pytest.approx((k - 1) / (mbs + k - 1), rel=0.02)
+
+
+def test_data_parallel_time_and_zero_traffic():
+    m, c, o = plan.MODELS["gpt3-175b"], plan.Cluster(plan.DEVICES["a100-80gb"], 64), plan.Options()
+    base = plan.step_time(m, c, plan.Layout(8, tp=8), 64, o)
+    z1 = plan.step_time(m, c, plan.Layout(8, tp=8, zero=1), 64, o)
+    z3 = plan.step_time(m, c, plan.Layout(8, tp=8, zero=3), 64, o)
+    grads = plan.stage_params(m, 1) / 8 * 2
+    dp = plan.allreduce_seconds(grads, 8, 25e9)  # the 8 replicas span 8 nodes: InfiniBand
+    assert base["network"] >= dp
+    assert z3["network"] - z1["network"] == pytest.approx(0.5 * dp, rel=1e-6)
+
+
+# --- the search and its output -------------------------------------------------------------------
+
+def test_search_ranks_feasible_layouts_and_explains_the_others():
+    m = plan.MODELS["gpt3-175b"]
+    plans = plan.search(m, plan.Cluster(plan.DEVICES["a100-80gb"], 64), 64)
+    fits = [p for p in plans if p.fits]
+    assert fits and [p.tokens_per_sec for p in fits] == sorted((p.tokens_per_sec for p in fits), reverse=True)
+    assert all(p.memory["total"] <= 0.95 * 80 * GB for p in fits)
+    over = [p for p in plans if not p.fits]
+    assert over and all(p.overflow.startswith("needs ") for p in over)
+    # pure data parallelism cannot hold 175B parameters' states (16 bytes each) on one 80 GB GPU
+    dp_only = next(p for p in over if p.layout == plan.Layout(64, microbatch=1))
+    assert "optimizer" in dp_only.overflow
+
+
+def test_the_recommended_command_is_valid_tfdist_flags():
+    m = plan._config(os.path.join(ROOT, "configs", "gpt2_xl.py"))
+    model = plan.model_from_config(m, "gpt2_xl")
+    cluster = plan.Cluster(plan.DEVICES["a100-40gb"], 8)
+    for lay in (plan.Layout(2, pp=4, microbatch=4, recompute=True), plan.Layout(8, microbatch=2)):
+        p = plan.evaluate(model, cluster, lay, 64)
+        assert plan.runnable(p, cluster)
+        cmd = plan.tfdist_command(p, cluster, 64, "--config=configs/gpt2_xl.py", "mixed")
+        c = plan._config(os.path.join(ROOT, "configs", "gpt2_xl.py"))
+        for arg in cmd.split():
+            if arg.startswith("--config."):
+                key, value = arg[len("--config."):].split("=")
+                section, name = key.split(".")
+                c[section][name] = type(c[section][name])(value == "True" if value in ("True", "False") else value)
+        tfdist_config.validate(c)  # every key exists and every value is valid
+        if lay.pp > 1:
+            assert "--config.pipeline.stages=4" in cmd and "--config.pipeline.microbatches=8" in cmd
+            assert cmd.startswith("tfdist launch --workers 2 ")
+        else:  # one microbatch at a time: gradient accumulation
+            assert "--config.train.batch_size=16" in cmd and "--config.train.grad_accum_steps=4" in cmd
+    assert not plan.runnable(plan.evaluate(model, cluster, plan.Layout(4, tp=2), 64), cluster)
+
+
+def test_command_line_writes_table_chart_and_json(tmp_path):
+    r = tfdist_plan("--config=configs/gpt2_xl.py", "--device=a100-40gb", "--devices=16", "--batch=256",
+                    f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert "bottleneck" in r.stdout and "best:" in r.stdout
+    assert "tfdist launch --workers" in r.stdout or "sbatch --nodes" in r.stdout
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+    out = json.loads((tmp_path / "plan.json").read_text())
+    assert out["batch"] == 256 and any(p["fits"] for p in out["plans"])
+    assert "do not fit" in r.stdout  # gpt2_xl's pipeline layouts with all 256 sequences in flight
+
+
+# --- this machine ------------------------------------------------------------------------------
+
+def _fake_bench(d, with_pipeline=True):
+    d.mkdir(exist_ok=True)
+    (d / "bench.json").write_text(json.dumps({"matmul_peak_flops": 300e9, "cores": 2}))
+    (d / "scaling.json").write_text(json.dumps({"batch_per_worker": 16, "tokens_per_sec_1": 1400.0,
+                                                "scaling_efficiency": 0.9}))
+    (d / "allreduce.json").write_text(json.dumps({"rows": [{"size_mb": 64.0, "tf ring (MWMS)": {
+        "busbw_GBps": 0.3}, "horovod/gloo": {"busbw_GBps": 0.8}}]}))
+    if with_pipeline:
+        (d / "pipeline.json").write_text(json.dumps({"stages": 2, "batch": 16, "rows": [
+            {"variant": "unsplit-1", "microbatches": None, "step_time_s": 2.8},
+            {"variant": "K=2, M=8", "microbatches": 8, "step_time_s": 1.4, "speedup": 1.44,
+             "speedup_vs_1_inter_op_thread": 2.0}]}))
+
+
+def test_measured_predicts_the_benches_from_their_inputs(tmp_path):
+    _fake_bench(tmp_path)
+    mini = plan.model_from_config(plan._config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
+    rows = {r["figure"]: r for r in plan.measured(str(tmp_path), mini)}
+    eff = rows["2-worker efficiency, multi_worker_mirrored"]
+    t1 = 16 * 256 / 1400.0
+    grads = mini.params * 4  # float32 gradients, 2 workers: the ring sends the buffer once
+    assert eff["predicted"] == pytest.approx(t1 / (t1 + grads / 0.3e9), rel=1e-3)
+    assert eff["measured"] == 0.9
+    assert rows["2-rank efficiency, horovod"]["missing"] == "make bench-scaling-horovod"
+    pipe = rows["pipeline K=2, M=8: speedup vs one core"]
+    assert 1.6 < pipe["predicted"] < 16 / 9 and pipe["measured"] == 2.0  # just under the ideal KM/(M+K-1)
+    r = tfdist_plan("--measured", "--config=configs/gpt_mini.py", f"--bench_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert "predicted" in r.stdout and "not measured here: run `make bench-scaling-horovod`" in r.stdout
+
+
+def test_cpu_device_without_a_bench_is_one_clear_line(tmp_path):
+    r = tfdist_plan("--device=cpu", "--devices=2", "--config=configs/gpt_mini.py", f"--bench_dir={tmp_path}")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"tfdist: error: this CPU has not been measured: no {tmp_path}/bench.json; run `make bench` "
+        f"first (or pick another --device)"]
+    _fake_bench(tmp_path, with_pipeline=False)
+    r = tfdist_plan("--device=cpu", "--devices=2", "--config=configs/gpt_mini.py", f"--bench_dir={tmp_path}",
+                    f"--out={tmp_path / 'out'}")
+    assert r.returncode == 0, r.stderr
+    assert "x cpu" in r.stdout
+    assert "tfdist train --config=configs/gpt_mini.py" in r.stdout or "tfdist launch --workers 2" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model=gpt3-175b", "--device=b200"], "unknown --device 'b200'; choose one of a100-40gb"),
+    (["--model=gpt3-175b", "--devices=-8"], "--devices=-8 must be > 0"),
+    (["--model=gpt3-175b", "--devices=64", "--batch=100", "--dp=8"],
+     "--batch=100 does not split into 8 data-parallel replicas"),
+    (["--model=gpt3-175b", "--devices=64", "--batch=97", "--tp=8", "--pp=4"],
+     "--batch=97 does not split into 2 data-parallel replicas x microbatches of 1"),
+    (["--model=gpt4"], "unknown --model 'gpt4'"),
+    (["--model=gpt3-175b", "--tp=5"], "--tp=5 must divide the 96 attention heads"),
+    (["--model=gpt3-175b", "--devices=12", "--pp=8"], "--devices=12 is not a multiple of tp x pp = 8"),
+    (["--devices=8"], "say which model"),
+    (["--config=configs/nope.py"], "config file 'configs/nope.py' not found"),
+    (["--model=gpt3-175b", "--efficiency=1.5"], "--efficiency=1.5 is a fraction of peak"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    r = tfdist_plan(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tfdist: error: ") and message in lines[0], r.stderr
