@@ -64,6 +64,8 @@ def test_predicts_llama2_70b_gpu_hours_within_15_percent():
 def test_validate_prints_the_table():
     r = tfdist_plan("--validate")
     assert r.returncode == 0, r.stderr
+    for row in plan.validate():
+        assert f"published {row['published']:,.1f}, predicted {row['predicted']:,.1f} ({row['error']:+.1%})" in r.stdout
     for text in ("published 138.0", "published 163.0", "published 1,720,320.0", "arXiv:2104.04473",
                  "arXiv:2307.09288", "ZeRO Figure 1"):
         assert text in r.stdout
@@ -124,8 +126,19 @@ def test_data_parallel_time_and_zero_traffic():
     z3 = plan.step_time(m, c, plan.Layout(8, tp=8, zero=3), 64, o)
     grads = plan.stage_params(m, 1) / 8 * 2
     dp = plan.allreduce_seconds(grads, 8, 25e9)  # the 8 replicas span 8 nodes: InfiniBand
-    assert base["network"] >= dp
+    tp = 96 * 4 * plan.allreduce_seconds(2048 * 12288 * 2, 8, 300e9)  # 4 per layer, within a node
+    assert base["network"] == pytest.approx(8 * tp + dp, rel=1e-9)  # 8 microbatches of 1, then the ring
     assert z3["network"] - z1["network"] == pytest.approx(0.5 * dp, rel=1e-6)
+
+
+def test_float32_runs_at_the_float32_rate():
+    m, c = plan.MODELS["gpt3-175b"], plan.Cluster(plan.DEVICES["a100-80gb"], 8)
+    lay = plan.Layout(1, tp=8)
+    mixed = plan.step_time(m, c, lay, 8, plan.Options(precision="mixed", efficiency=0.5))
+    fp32 = plan.step_time(m, c, lay, 8, plan.Options(precision="float32", efficiency=0.5))
+    assert fp32["compute"] == pytest.approx(2 * mixed["compute"])  # TF32 156 vs bf16 312 TFLOP/s
+    assert plan.memory(m, lay, 8, plan.Options(precision="float32"))["weights"] == \
+        2 * plan.memory(m, lay, 8, plan.Options(precision="mixed"))["weights"]
 
 
 # --- the search and its output -------------------------------------------------------------------
@@ -135,7 +148,7 @@ def test_search_ranks_feasible_layouts_and_explains_the_others():
     plans = plan.search(m, plan.Cluster(plan.DEVICES["a100-80gb"], 64), 64)
     fits = [p for p in plans if p.fits]
     assert fits and [p.tokens_per_sec for p in fits] == sorted((p.tokens_per_sec for p in fits), reverse=True)
-    assert all(p.memory["total"] <= 0.95 * 80 * GB for p in fits)
+    assert all(p.memory["total"] <= 0.95 * plan.DEVICES["a100-80gb"].memory for p in fits)
     over = [p for p in plans if not p.fits]
     assert over and all(p.overflow.startswith("needs ") for p in over)
     # pure data parallelism cannot hold 175B parameters' states (16 bytes each) on one 80 GB GPU
@@ -180,6 +193,18 @@ def test_command_line_writes_table_chart_and_json(tmp_path):
 
 # --- this machine ------------------------------------------------------------------------------
 
+def test_the_command_keeps_the_users_model_changes_and_pinned_dims(tmp_path):
+    r = tfdist_plan("--config=configs/gpt_mini.py", "--config.model.n_layer=4", "--n_embd=192", "--devices=2",
+                    "--batch=32", "--device=a100-40gb", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    cmd = next(line for line in r.stdout.splitlines() if "tfdist launch" in line or "tfdist train" in line)
+    assert "--config=configs/gpt_mini.py --config.model.n_layer=4 --config.model.n_embd=192" in cmd
+    # a pinned tensor-parallel degree larger than a node is evaluated, over the network
+    r = tfdist_plan("--model=gpt3-175b", "--devices=64", "--tp=16", "--batch=64", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert "tp=16" in r.stdout and "bound by network" in r.stdout
+
+
 def _fake_bench(d, with_pipeline=True):
     d.mkdir(exist_ok=True)
     (d / "bench.json").write_text(json.dumps({"matmul_peak_flops": 300e9, "cores": 2}))
@@ -218,11 +243,11 @@ def test_cpu_device_without_a_bench_is_one_clear_line(tmp_path):
         f"tfdist: error: this CPU has not been measured: no {tmp_path}/bench.json; run `make bench` "
         f"first (or pick another --device)"]
     _fake_bench(tmp_path, with_pipeline=False)
-    r = tfdist_plan("--device=cpu", "--devices=2", "--config=configs/gpt_mini.py", f"--bench_dir={tmp_path}",
-                    f"--out={tmp_path / 'out'}")
+    r = tfdist_plan("--device=cpu", "--devices=2", f"--config={ROOT}/configs/gpt_mini.py",
+                    f"--bench_dir={tmp_path}", f"--out={tmp_path / 'out'}", cwd=tmp_path)  # outside the repo
     assert r.returncode == 0, r.stderr
     assert "x cpu" in r.stdout
-    assert "tfdist train --config=configs/gpt_mini.py" in r.stdout or "tfdist launch --workers 2" in r.stdout
+    assert "tfdist train --config=" in r.stdout or "tfdist launch --workers 2" in r.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -238,6 +263,7 @@ def test_cpu_device_without_a_bench_is_one_clear_line(tmp_path):
     (["--devices=8"], "say which model"),
     (["--config=configs/nope.py"], "config file 'configs/nope.py' not found"),
     (["--model=gpt3-175b", "--efficiency=1.5"], "--efficiency=1.5 is a fraction of peak"),
+    (["--model=gpt3-175b", "--devices=64", "--pp=2", "--zero=3"], "--zero=3 with --pp=2: ZeRO-2/3 shard"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     r = tfdist_plan(*args)

@@ -31,11 +31,14 @@ import sys
 from tfdist.errors import UsageError
 
 GB = 1e9
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (configs/)
 
 # ---------------------------------------------------------------------------------------------
-# Devices. Peak = dense bf16/fp16 matrix FLOP/s; memory and bandwidths in bytes and bytes/s;
-# intra = one direction of the device's link inside a node (NVLink, ICI), inter = its share of
-# the node's network (per device, one direction).
+# Devices. Peak = dense bf16/fp16 matrix FLOP/s, and for float32 training the rate float32
+# matmuls run at (TF uses TF32 on NVIDIA GPUs since Ampere; TPUs, at XLA's default precision,
+# multiply float32 in bf16 passes); memory as the runtime reports it (nvidia-smi's MiB for GPUs);
+# bandwidths in bytes/s: intra = one direction of the device's link inside a node (NVLink, ICI),
+# inter = its share of the node's network (per device, one direction).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +51,26 @@ class Device:
     inter_bw: float
     per_node: int
     source: str
+    fp32_flops: float = 0.0  # 0: same as peak_flops
+
+    def peak(self, precision):
+        return self.peak_flops if precision == "mixed" else (self.fp32_flops or self.peak_flops)
 
 
-_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, {mem}, NVLink 600 GB/s "
-         "bidirectional; DGX A100 user guide: 8 x 200 Gb/s HDR InfiniBand for 8 GPUs (25 GB/s each)")
+MiB = 2**20
+_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, 156 TF32, {mem}, NVLink "
+         "600 GB/s bidirectional; DGX A100 user guide: 8 x 200 Gb/s HDR InfiniBand for 8 GPUs (25 GB/s each)")
+_H = ("NVIDIA {name} datasheet (SXM): 989 TFLOP/s bf16 dense, 494 TF32, {mem}, NVLink 900 GB/s "
+      "bidirectional; DGX H100: 8 x 400 Gb/s NDR for 8 GPUs (50 GB/s each)")
 DEVICES = {
-    "a100-40gb": Device("a100-40gb", 312e12, 40 * GB, 1.555e12, 300 * GB, 25 * GB, 8,
-                        _A100.format(mem="40 GB HBM2 at 1,555 GB/s")),
-    "a100-80gb": Device("a100-80gb", 312e12, 80 * GB, 2.039e12, 300 * GB, 25 * GB, 8,
-                        _A100.format(mem="80 GB HBM2e at 2,039 GB/s (SXM)")),
-    "h100": Device("h100", 989e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB, 8,
-                   "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink "
-                   "900 GB/s bidirectional; DGX H100: 8 x 400 Gb/s NDR for 8 GPUs (50 GB/s each)"),
-    "h200": Device("h200", 989e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB, 8,
-                   "NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s, NVLink "
-                   "900 GB/s bidirectional; network as DGX H100"),
+    "a100-40gb": Device("a100-40gb", 312e12, 40960 * MiB, 1.555e12, 300 * GB, 25 * GB, 8,
+                        _A100.format(mem="40 GB HBM2 (40,960 MiB) at 1,555 GB/s"), 156e12),
+    "a100-80gb": Device("a100-80gb", 312e12, 81920 * MiB, 2.039e12, 300 * GB, 25 * GB, 8,
+                        _A100.format(mem="80 GB HBM2e (81,920 MiB) at 2,039 GB/s"), 156e12),
+    "h100": Device("h100", 989e12, 81559 * MiB, 3.35e12, 450 * GB, 50 * GB, 8,
+                   _H.format(name="H100", mem="80 GB HBM3 (81,559 MiB) at 3.35 TB/s"), 494e12),
+    "h200": Device("h200", 989e12, 143771 * MiB, 4.8e12, 450 * GB, 50 * GB, 8,
+                   _H.format(name="H200", mem="141 GB HBM3e (143,771 MiB) at 4.8 TB/s"), 494e12),
     "tpu-v4": Device("tpu-v4", 275e12, 32 * 2**30, 1.2e12, 150 * GB, 150 * GB, 4,
                      "Cloud TPU v4 docs (cloud.google.com/tpu/docs/v4): 275 TFLOP/s bf16, 32 GiB HBM2 at "
                      "1,200 GB/s, 4 chips per host; ICI 2,400 Gb/s per chip (half each way). A slice is all "
@@ -244,12 +252,13 @@ def activation_bytes_per_layer(model, layout, tokens, precision):
     bytes per value, of which 24 + 5as/h are split by tensor parallelism. Generalised here to
     grouped-query attention, gated MLPs, no dropout and FlashAttention (no s x s matrices)."""
     h, t = model.n_embd, layout.tp
-    masks = 2 if model.dropout else 0  # attention-output and MLP-output dropout masks
-    unsplit = 8 + masks  # two norms' inputs 4, attention and MLP inputs 4
-    split = 4 + 4 * model.kv / h + (8 if model.gated_mlp else 4) * model.ffn_width / h
-    scores = 0 if model.flash_attention else (5 if model.dropout else 2) * model.n_head * model.seq_len / h
-    per_token = h * (unsplit + (split + scores) / t)
-    return tokens * per_token * (2 if precision == "float32" else 1)
+    value = 2 if precision == "float32" else 1  # in units of the paper's 2-byte values
+    masks = 2 if model.dropout else 0  # attention-output and MLP-output dropout masks, 1 byte each
+    unsplit = 8 * value + masks  # two norms' inputs 4, attention and MLP inputs 4
+    split = (4 + 4 * model.kv / h + (8 if model.gated_mlp else 4) * model.ffn_width / h) * value
+    scores = 0 if model.flash_attention else (
+        (4 * value + 1) if model.dropout else 2 * value) * model.n_head * model.seq_len / h
+    return tokens * h * (unsplit + (split + scores) / t)
 
 
 def memory(model, layout, batch, opts=Options()):
@@ -308,7 +317,7 @@ def step_time(model, cluster, layout, batch, opts=Options()):
     value = 4 if opts.precision == "float32" else 2
 
     matmul = layers * passes * model.layer_flops() * tokens / t + 3 * model.head_flops() * tokens / t
-    compute = matmul / (eff * dev.peak_flops)
+    compute = matmul / (eff * dev.peak(opts.precision))
     if dev.hbm_bw:
         moved = layers * activation_bytes_per_layer(model, layout, tokens, opts.precision)
         moved += tokens * model.vocab_size * 4 / t  # fp32 logits and their softmax gradient
@@ -364,7 +373,8 @@ def evaluate(model, cluster, layout, batch, opts=Options()):
         + ", ".join(f"{k} {v / GB:.1f}" for k, v in sorted(
             ((k, v) for k, v in mem.items() if k != "total"), key=lambda kv: -kv[1])[:2]))
     return Plan(layout, mem, tm, fits, tokens / tm["total"],
-                model.model_flops_per_token() * tokens / (tm["total"] * cluster.count * cluster.device.peak_flops),
+                model.model_flops_per_token() * tokens
+                / (tm["total"] * cluster.count * cluster.device.peak(opts.precision)),
                 hw / (tm["total"] * cluster.count) / 1e12, overflow)
 
 
@@ -384,8 +394,9 @@ def layouts(model, cluster, batch, fixed=None):
     `fixed` pins dimensions: {"tp": 8, "pp": 16, ...}."""
     fixed = fixed or {}
     g = cluster.count
-    for tp in _powers_of_two(min(cluster.node(), model.n_head)):
-        if model.n_head % tp or g % tp or fixed.get("tp", tp) != tp:
+    tps = [fixed["tp"]] if "tp" in fixed else _powers_of_two(min(cluster.node(), model.n_head))
+    for tp in tps:  # searched: powers of two within a node; pinned: as given
+        if model.n_head % tp or g % tp:
             continue
         for pp in range(1, model.n_layer + 1):
             if g % (tp * pp) or fixed.get("pp", pp) != pp:
@@ -393,8 +404,9 @@ def layouts(model, cluster, batch, fixed=None):
             dp = g // (tp * pp)
             if fixed.get("dp", dp) != dp or batch % dp:
                 continue
-            for mb in _powers_of_two(batch // dp):
-                if batch % (dp * mb) or fixed.get("microbatch", mb) != mb:
+            mbs = [fixed["microbatch"]] if "microbatch" in fixed else _powers_of_two(batch // dp)
+            for mb in mbs:
+                if batch % (dp * mb):
                     continue
                 for zero in (0, 1, 2, 3):
                     if fixed.get("zero", zero) != zero or (zero and dp == 1) or (zero >= 2 and pp > 1):
@@ -563,6 +575,8 @@ def measured(bench_dir, model):
         batch = p["batch"]
         base = {r["variant"]: r["step_time_s"] for r in p["rows"]}
         one = base.get("unsplit-1")  # the unsplit model on one core: one device's compute
+        if one is None:
+            return rows + [{"figure": "2-stage pipeline speedup", "missing": BENCH_HINT["pipeline.json"]}]
         f = _fit_efficiency(model, Cluster(dev, 1), Layout(1), batch, one, opts)
         o = dataclasses.replace(opts, efficiency=f)
         for r in p["rows"]:
@@ -701,6 +715,14 @@ def _positive(name, value):
         raise UsageError(f"--{name}={value} must be > 0")
 
 
+_SET_BY_PLAN = ("train.batch_size", "train.precision", "train.grad_accum_steps", "pipeline.stages",
+                "pipeline.microbatches", "pipeline.recompute")
+
+
+def _model_overrides(model, keys):
+    return " ".join(f"--config.model.{'block_size' if k == 'seq_len' else k}={getattr(model, k)}" for k in keys)
+
+
 def _model_from_flags(F):
     from ml_collections import config_flags
     if F.model and F.config:
@@ -732,14 +754,14 @@ def _model_from_flags(F):
         model = Model("custom", n_layer=sizes.get("n_layer", 0), n_embd=sizes.get("n_embd", 0),
                       n_head=sizes.get("n_head", 1), vocab_size=sizes.get("vocab_size", 50257),
                       seq_len=sizes.get("seq_len", 2048))
-        config_arg = "--config=configs/gpt2.py " + " ".join(
-            f"--config.model.{'block_size' if k == 'seq_len' else k}={v}" for k, v in sizes.items())
     else:
         model = dataclasses.replace(model, **sizes)
-        if F.model and config_arg is None:  # tfdist's GPT (GELU, full attention) of the same sizes
-            config_arg = ("--config=configs/gpt2.py " + " ".join(
-                f"--config.model.{k}={getattr(model, k)}" for k in ("n_layer", "n_embd", "n_head", "vocab_size"))
-                + f" --config.model.block_size={model.seq_len}")
+    if config_arg is None:  # tfdist's GPT (GELU, full attention) of the same sizes
+        config_arg = "--config=configs/gpt2.py " + _model_overrides(model, ("n_layer", "n_embd", "n_head",
+                                                                            "vocab_size", "seq_len"))
+    else:  # the config file, the user's own overrides, then the sizes given directly
+        own = [a for a in sys.argv if a.startswith("--config.") and a.split("=")[0][9:] not in _SET_BY_PLAN]
+        config_arg = " ".join([config_arg, *own, _model_overrides(model, sizes)]).strip()
     if F.params is not None:
         _positive("params", F.params)
         model = dataclasses.replace(model, params_override=F.params)
@@ -792,7 +814,7 @@ def main(argv):
     if F.device == CPU and not eff:
         s = read_bench(F.bench_dir, "scaling.json")
         if s and model.n_layer:
-            mini = model_from_config(_config("configs/gpt_mini.py"), "gpt_mini")
+            mini = model_from_config(_config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
             per = s["batch_per_worker"]
             eff = _fit_efficiency(mini, Cluster(device, 1), Layout(1), per,
                                   per * mini.seq_len / s["tokens_per_sec_1"], Options(precision="float32"))
@@ -834,6 +856,11 @@ def _check_fixed(model, cluster, batch, fixed):
         raise UsageError(f"dp x tp x pp = {fixed['dp'] * tp * pp} but --devices={g}; make them equal")
     if g % (tp * pp):
         raise UsageError(f"--devices={g} is not a multiple of tp x pp = {tp * pp}")
+    if fixed.get("zero", 0) >= 2 and pp > 1:
+        raise UsageError(f"--zero={fixed['zero']} with --pp={pp}: ZeRO-2/3 shard the gradients that each "
+                         f"pipeline stage accumulates over its microbatches; use --zero=1 or --pp=1")
+    if fixed.get("zero", 0) and fixed.get("dp") == 1:
+        raise UsageError("ZeRO shards over data-parallel replicas and --dp=1 has none; drop --zero")
     dp = fixed.get("dp", g // (tp * pp) if ("tp" in fixed or "pp" in fixed) else None)
     if dp:
         mb = fixed.get("microbatch", 1)
@@ -846,7 +873,7 @@ def _report(model, cluster, batch, plans, opts, config_arg, F):
     feasible = [p for p in plans if p.fits]
     print(f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.seq_len} tokens per sequence; "
           f"batch {batch} sequences; {cluster.count} x {cluster.device.name} "
-          f"({cluster.device.memory / GB:.0f} GB, {cluster.device.peak_flops / 1e12:,.1f} TFLOP/s peak, "
+          f"({cluster.device.memory / GB:.1f} GB, {cluster.device.peak(opts.precision) / 1e12:,.1f} TFLOP/s peak ({opts.precision}), "
           f"{cluster.node()} per node); matmuls at {(opts.efficiency or calibrated()):.1%} of peak; "
           f"{len(plans)} layouts, {len(feasible)} fit")
     if feasible:
