@@ -90,30 +90,39 @@ def test_trains_as_well_as_the_collective_mode(tmp_path, data_dir):
 
 @pytest.mark.slow
 def test_a_paused_worker_does_not_stop_the_other(tmp_path, data_dir):
-    run = Launch("parameter_server", flags(tmp_path, data_dir, 1200, 1200, **{"backup.every_steps": 0}))
+    """Worker 1 is SIGSTOPped 3 times for 3 s; worker 0 keeps its speed through every pause.
+    (Before the step functions stopped returning a tensor, about 1 pause in 15 stalled both.)"""
+    run = Launch("parameter_server", flags(tmp_path, data_dir, 1500, 1500, **{"backup.every_steps": 0}))
     run.wait_for("[c0] Epoch 1/1")
     time.sleep(6)
     w1 = run.pid_of("worker", 1)
-    t_stop = time.time()
-    os.kill(w1, signal.SIGSTOP)
-    time.sleep(6)
-    t_cont = time.time()
-    os.kill(w1, signal.SIGCONT)
+    pauses = []
+    for _ in range(3):
+        t_stop = time.time()
+        os.kill(w1, signal.SIGSTOP)
+        time.sleep(3)
+        t_cont = time.time()
+        os.kill(w1, signal.SIGCONT)
+        pauses.append((t_stop, t_cont))
+        time.sleep(2)
     assert run.finish() == 0, run.out[-3000:]
     steps = [r for r in metrics(tmp_path)["steps"] if "worker_steps" in r]
 
     def rate(t0, t1):  # worker 0's steps per second between t0 and t1
         inside = [r for r in steps if t0 <= r["time"] <= t1]
-        assert len(inside) >= 2, (t0, t1, [(r["step"], round(r["time"] - t0, 2)) for r in steps])
+        near = [(r["step"], round(r["time"] - t0, 2)) for r in steps if t0 - 3 <= r["time"] <= t1 + 3]
+        assert len(inside) >= 2, f"worker 0 logged no steps between t0 and t0 + {t1 - t0:.1f} s: {near}"
         return ((inside[-1]["worker_steps"][0] - inside[0]["worker_steps"][0])
                 / (inside[-1]["time"] - inside[0]["time"]))
 
-    before, during = rate(t_stop - 4, t_stop), rate(t_stop + 1, t_cont)
-    print(f"worker 0: {before:.1f} steps/s before the pause, {during:.1f} during")
-    paused = [r["worker_steps"][1] for r in steps if t_stop + 1 <= r["time"] <= t_cont]
-    assert paused[-1] - paused[0] <= 1  # worker 1 really stood still
-    assert during >= 0.8 * before, (before, during)
-    assert steps[-1]["step"] == 1200 and sum(steps[-1]["worker_steps"]) == 1200
+    before = rate(pauses[0][0] - 4, pauses[0][0])
+    for t_stop, t_cont in pauses:
+        during = rate(t_stop + 1, t_cont)
+        print(f"worker 0: {before:.1f} steps/s before the pauses, {during:.1f} during one")
+        paused = [r["worker_steps"][1] for r in steps if t_stop + 1 <= r["time"] <= t_cont]
+        assert paused[-1] - paused[0] <= 1  # worker 1 really stood still
+        assert during >= 0.8 * before, (before, during)
+    assert steps[-1]["step"] == 1500 and sum(steps[-1]["worker_steps"]) == 1500
 
 
 @pytest.mark.slow
