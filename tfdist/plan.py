@@ -647,16 +647,16 @@ def chart(plans, cluster, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [str(p.layout) for p in plans][::-1]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 0.45 * len(plans) + 2), sharey=True)
+    names = [f"{p.layout}{' *' if runnable(p, cluster) else ''}" for p in plans][::-1]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 0.45 * len(plans) + 3), sharey=True)
     left = [0.0] * len(plans)
     for part, color in (("compute", "tab:blue"), ("memory", "tab:orange"), ("network", "tab:green"),
                         ("bubble", "tab:gray")):
         v = [p.time[part] for p in plans][::-1]
         a.barh(names, v, left=left, color=color, label=part)
         left = [x + y for x, y in zip(left, v)]
-    a.set_xlabel("seconds per step")
-    a.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, frameon=False)
+    a.set_title("seconds per step, by part")
+    a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=2, frameon=False)
     left = [0.0] * len(plans)
     for part, color in (("weights", "tab:purple"), ("gradients", "tab:red"), ("optimizer", "tab:olive"),
                         ("activations", "tab:cyan")):
@@ -664,9 +664,9 @@ def chart(plans, cluster, path, title):
         b.barh(names, v, left=left, color=color, label=part)
         left = [x + y for x, y in zip(left, v)]
     b.axvline(cluster.device.memory / GB, color="k", linestyle="--", label="device memory")
-    b.set_xlabel("GB per device")
-    b.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=5, frameon=False)
-    fig.suptitle(title)
+    b.set_title("GB per device, by part")
+    b.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=3, frameon=False)
+    fig.suptitle(f"{title}   (* runs in tfdist today)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
