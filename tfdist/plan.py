@@ -443,18 +443,33 @@ PUBLISHED = {
 MEGATRON_OPTIONS = Options(schedule="1f1b")
 
 
+def _fit_efficiency(model, cluster, layout, batch, seconds, opts):
+    """The fraction of peak at which the model's step takes `seconds` (time falls as it grows)."""
+    lo, hi = 1e-3, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        t = step_time(model, cluster, layout, batch, dataclasses.replace(opts, efficiency=mid))["total"]
+        lo, hi = (mid, hi) if t > seconds else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _fit_to_one_process(dev, model, bench, opts):
+    """The fraction of peak that reproduces a scaling bench's 1-process step time, and that time."""
+    per = bench["batch_per_worker"]
+    t1 = per * model.seq_len / bench["tokens_per_sec_1"]
+    return _fit_efficiency(model, Cluster(dev, 1), Layout(1), per, t1, opts), t1
+
+
 def calibrated(_cache={}):
-    """The fraction of peak FLOP/s that makes the model reproduce Megatron-LM's 175B run."""
+    """The fraction of peak that makes the model reproduce Megatron-LM's 175B run."""
     if "f" not in _cache:
         run = PUBLISHED["calibration"]
         model, cluster = MODELS[run["model"]], Cluster(DEVICES[run["device"]], run["devices"])
-        lo, hi = 0.05, 1.0
-        for _ in range(60):  # predicted TFLOP/s grows with the efficiency: bisect
-            mid = (lo + hi) / 2
-            opts = dataclasses.replace(MEGATRON_OPTIONS, efficiency=mid)
-            got = evaluate(model, cluster, run["layout"], run["batch"], opts).tflops_per_device
-            lo, hi = (mid, hi) if got < run["tflops"] else (lo, mid)
-        _cache["f"] = (lo + hi) / 2
+        p = evaluate(model, cluster, run["layout"], run["batch"],
+                     dataclasses.replace(MEGATRON_OPTIONS, efficiency=0.5))
+        flops = p.tflops_per_device * 1e12 * p.time["total"]  # per device per step, any efficiency
+        _cache["f"] = _fit_efficiency(model, cluster, run["layout"], run["batch"],
+                                      flops / (run["tflops"] * 1e12), MEGATRON_OPTIONS)
     return _cache["f"]
 
 
@@ -531,15 +546,6 @@ def cpu_device(bench_dir):
                   f"{bench_dir}/bench.json (fp32 2048^3 matmul peak / {cores} cores) and allreduce.json")
 
 
-def _fit_efficiency(model, cluster, layout, batch, seconds, opts):
-    lo, hi = 1e-3, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        t = step_time(model, cluster, layout, batch, dataclasses.replace(opts, efficiency=mid))["total"]
-        lo, hi = (mid, hi) if t > seconds else (lo, mid)
-    return (lo + hi) / 2
-
-
 def measured(bench_dir, model):
     """Predicted against measured on this machine. The fraction of peak is fitted to the
     1-process step time of `make bench-scaling` (gpt_mini, 1 thread per process); then the 2-process
@@ -548,24 +554,21 @@ def measured(bench_dir, model):
     has not been run say which make target to run."""
     dev = cpu_device(bench_dir)
     opts = Options(precision="float32", schedule="gpipe")
-    rows, fits = [], {}
+    rows = []
     for name, impl, label in (("scaling.json", "tf ring (MWMS)", "2-worker efficiency, multi_worker_mirrored"),
                               ("scaling-horovod.json", "horovod/gloo", "2-rank efficiency, horovod")):
         s = read_bench(bench_dir, name)
         if not s:
             rows.append({"figure": label, "missing": BENCH_HINT[name]})
             continue
-        per = s["batch_per_worker"]
         bw = allreduce_bandwidth(bench_dir, impl)
         if bw is None:
             rows.append({"figure": label, "missing": BENCH_HINT["allreduce.json"]})
             continue
-        cluster = Cluster(dev, 2, intra_bw=bw, inter_bw=bw)
-        t1 = per * model.seq_len / s["tokens_per_sec_1"]
-        f = _fit_efficiency(model, Cluster(dev, 1), Layout(1), per, t1, opts)
-        fits[name] = f
+        f, t1 = _fit_to_one_process(dev, model, s, opts)
         o = dataclasses.replace(opts, efficiency=f)
-        t2 = step_time(model, cluster, Layout(2), 2 * per, o)["total"]
+        t2 = step_time(model, Cluster(dev, 2, intra_bw=bw, inter_bw=bw), Layout(2),
+                       2 * s["batch_per_worker"], o)["total"]
         rows.append({"figure": label, "predicted": t1 / t2, "measured": s["scaling_efficiency"],
                      "note": f"fitted {f:.1%} of the per-core peak; all-reduce at {bw / GB:.2f} GB/s"})
     p = read_bench(bench_dir, "pipeline.json")
@@ -815,9 +818,7 @@ def main(argv):
         s = read_bench(F.bench_dir, "scaling.json")
         if s and model.n_layer:
             mini = model_from_config(_config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
-            per = s["batch_per_worker"]
-            eff = _fit_efficiency(mini, Cluster(device, 1), Layout(1), per,
-                                  per * mini.seq_len / s["tokens_per_sec_1"], Options(precision="float32"))
+            eff, _ = _fit_to_one_process(device, mini, s, Options(precision="float32"))
         else:
             eff = 0.5
     opts = Options(precision=precision, schedule=F.schedule, efficiency=eff)
