@@ -17,7 +17,7 @@ def test_default_config_is_valid():
     (lambda c: c.train.__setattr__("warmup_steps", 500), "warmup_steps"),
     (lambda c: c.train.__setattr__("min_learning_rate", 1.0), "min_learning_rate"),
     (lambda c: c.strategy.__setattr__("cross_device_ops", "nccl2"), "cross_device_ops"),
-    (lambda c: c.model.__setattr__("vocab_size", 100), "model.vocab_size"),
+    (lambda c: c.model.__setattr__("vocab_size", -1), "model.vocab_size"),
     (lambda c: c.data.__setattr__("val_fraction", 0.0), "data.val_fraction"),
 ])
 def test_bad_values_name_the_key(mutate, needle):

@@ -1,10 +1,10 @@
-"""`tfdist <command> [flags]`: train, sample, launch, plan."""
+"""`tfdist <command> [flags]`: prepare, train, sample, launch, plan."""
 import importlib
 import sys
 
-COMMANDS = {"train": "tfdist.train", "sample": "tfdist.sample", "launch": "launchers.launch",
+COMMANDS = {"prepare": "tfdist.prepare", "train": "tfdist.train", "sample": "tfdist.sample", "launch": "launchers.launch",
             "plan": "tfdist.plan"}
-USAGE = "usage: tfdist {train,sample,launch,plan} [--flags]   (tfdist <command> --help for its flags)"
+USAGE = "usage: tfdist {prepare,train,sample,launch,plan} [--flags]   (tfdist <command> --help for its flags)"
 
 
 def main(argv=None):

@@ -11,6 +11,7 @@ Example:
                                                    initial_step=start)])
 """
 import json
+import math
 import os
 import time
 
@@ -182,6 +183,10 @@ class TrainingLog(keras.callbacks.Callback):
     """Per-step loss, learning rate and tokens/s: on the progress bar, in TensorBoard and in
     `metrics.json`; a loss-curve PNG at the end. Files are written by the chief only.
 
+    The validation loss is also reported in bits per byte (`val_bits_per_byte`), which compares
+    across tokenizers: nats/token / ln 2 / (UTF-8 bytes per token of the validation split), given
+    `val_bytes_per_token`.
+
     Keras reports a running mean of the loss over the epoch; this callback resets the metrics
     before each step so that every logged value (and the progress bar) is that step's own loss.
     Keras's TensorBoard callback numbers its steps from 0 at every `fit` call, which is wrong after
@@ -189,11 +194,13 @@ class TrainingLog(keras.callbacks.Callback):
     """
 
     def __init__(self, workdir, *, tokens_per_step, initial_step=0, total_steps=None,
-                 is_chief=True, log_every_steps=1, tensorboard=True, plot=True):
+                 is_chief=True, log_every_steps=1, tensorboard=True, plot=True,
+                 val_bytes_per_token=None):
         super().__init__()
         self.workdir, self.tokens_per_step = workdir, tokens_per_step
         self.step, self.total_steps, self.is_chief = initial_step, total_steps, is_chief
         self.log_every_steps, self.plot = log_every_steps, plot
+        self.val_bytes_per_token = val_bytes_per_token
         self.metrics_path = os.path.join(workdir, "metrics.json")
         self.history = {"steps": [], "evals": []}
         if is_chief and initial_step and tf.io.gfile.exists(self.metrics_path):
@@ -231,6 +238,8 @@ class TrainingLog(keras.callbacks.Callback):
                     tf.summary.scalar("train/" + k, record[k])
 
     def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and "val_loss" in logs and self.val_bytes_per_token:
+            logs["val_bits_per_byte"] = float(logs["val_loss"]) / math.log(2) / self.val_bytes_per_token
         evals = {k[4:]: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
         if evals:
             self.history["evals"].append({"step": self.step, "epoch": epoch + 1, **evals})

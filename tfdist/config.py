@@ -24,7 +24,7 @@ def default_config():
     c.seed = 1337
 
     c.model = ml_collections.ConfigDict()
-    c.model.vocab_size = 256  # byte-level tokenizer; larger values leave unused rows
+    c.model.vocab_size = 0  # 0: the tokenizer's; larger values leave unused rows (padding)
     c.model.block_size = 64  # context length
     c.model.n_layer = 2
     c.model.n_head = 2
@@ -34,9 +34,15 @@ def default_config():
 
     c.data = ml_collections.ConfigDict()
     # "stdlib" (this Python's standard-library source), a comma-separated list of text files or
-    # directories, or "tfds:<name>[/<config>]" for a TFDS dataset already prepared in data_dir.
+    # directories, "tfds:<name>[/<config>]" for a TFDS dataset already prepared in data_dir,
+    # "nanogpt:<dir>" (train.bin/val.bin), or "store:<dir>" (a store from `tfdist prepare`).
     c.data.source = "stdlib"
-    c.data.data_dir = ""  # TFDS data_dir; "" means ~/tensorflow_datasets
+    c.data.data_dir = ""  # TFDS data_dir and home of prepared stores; "" means ~/tensorflow_datasets
+    # "byte", "bpe" (trained on the corpus), or a tokenizer file: GPT-2 vocab.json (merges.txt
+    # beside it), a Hugging Face tokenizer.json, or a SentencePiece .model.
+    c.data.tokenizer = "byte"
+    c.data.vocab_size = 0  # bpe: tokens to train (0: 8192); nanogpt: the ids' vocabulary (required)
+    c.data.shard_tokens = 1 << 20  # tokens per store shard (2 MiB at uint16)
     c.data.text_key = "text"  # feature holding the text in a TFDS dataset
     c.data.val_fraction = 0.05  # tail of the corpus kept for validation (if no validation split)
 
@@ -103,13 +109,20 @@ def _positive_int(v):
 # key -> (check, what a valid value is)
 _RULES = {
     "seed": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    "model.vocab_size": (lambda v: _positive_int(v) and v >= 256, "an integer >= 256 (byte tokenizer)"),
+    "model.vocab_size": (lambda v: isinstance(v, int) and v >= 0,
+                         "0 (the tokenizer's) or an integer >= the tokenizer's vocabulary"),
+    "data.tokenizer": (lambda v: bool(v.strip()), "byte, bpe, or a tokenizer file"),
+    "data.vocab_size": (lambda v: isinstance(v, int) and (v == 0 or 2 <= v <= 1 << 31),
+                        "0 or an integer in [2, 2**31]"),
+    "data.shard_tokens": (lambda v: isinstance(v, int) and 1024 <= v <= 1 << 28,
+                          "an integer in [1024, 2**28]"),
     "model.block_size": (_positive_int, "an integer > 0"),
     "model.n_layer": (_positive_int, "an integer > 0"),
     "model.n_head": (_positive_int, "an integer > 0"),
     "model.n_embd": (_positive_int, "an integer > 0"),
     "model.dropout": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
-    "data.source": (lambda v: bool(v.strip()), "'stdlib', paths, or 'tfds:<name>'"),
+    "data.source": (lambda v: bool(v.strip()), "'stdlib', paths, 'tfds:<name>', 'nanogpt:<dir>' "
+                                               "or 'store:<dir>'"),
     "data.val_fraction": (lambda v: 0.0 < v < 0.5, "a number in (0, 0.5)"),
     "train.batch_size": (_positive_int, "an integer > 0"),
     "train.steps": (_positive_int, "an integer > 0"),
@@ -205,6 +218,19 @@ def validate(c):
         raise UsageError(f"train.steps ({t.steps}) must be a multiple of train.steps_per_epoch "
                          f"({t.steps_per_epoch})")
     return c
+
+
+def vocab_size(c):
+    """The model's vocabulary as far as the config alone tells: model.vocab_size, else the
+    tokenizer's (byte: 256; bpe: data.vocab_size or 8192; nanogpt: data.vocab_size). None when
+    only the tokenizer's files know (the token store records it)."""
+    if c.model.vocab_size:
+        return c.model.vocab_size
+    if c.data.tokenizer == "byte":
+        return c.data.vocab_size if c.data.source.startswith("nanogpt:") else 256
+    if c.data.tokenizer == "bpe":
+        return c.data.vocab_size or 8192
+    return None
 
 
 def gpt2_config(n_layer, n_head, n_embd):

@@ -168,9 +168,10 @@ MODELS = {
 
 def model_from_config(c, name):
     """A Model from a tfdist config (the `model` section of configs/*.py)."""
+    from tfdist import config as config_lib
     m = c.model
     return Model(name=name, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head,
-                 vocab_size=m.vocab_size, seq_len=m.block_size, bias=m.bias, dropout=m.dropout > 0)
+                 vocab_size=config_lib.vocab_size(c) or 256, seq_len=m.block_size, bias=m.bias, dropout=m.dropout > 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from tfdist import cli
 
 _MODEL = flags.DEFINE_string("model", None, "A .keras file written by `tfdist train`.")
 _PROMPT = flags.DEFINE_string("prompt", "\n", "Text to continue.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens (bytes) to generate.", lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature (> 0).", lower_bound=1e-6)
 _TOP_K = flags.DEFINE_integer("top_k", 40, "Sample from the k most likely tokens (0: all).",
                               lower_bound=0)
@@ -38,12 +38,33 @@ def load_model(path):
     return model
 
 
+def load_tokenizer(model_path, model):
+    """The tokenizer saved beside the model (`<workdir>/tokenizer/`, written by `tfdist train`);
+    bytes for an older run without one, if the model's vocabulary is the byte tokenizer's."""
+    import json
+    import tensorflow as tf
+    from tfdist.data import tokenizer
+    from tfdist.errors import UsageError
+
+    directory = os.path.join(os.path.dirname(model_path), "tokenizer")
+    config_path = os.path.join(directory, "config.json")
+    if not tf.io.gfile.exists(config_path):
+        if model.vocab_size == 256:
+            return tokenizer.ByteTokenizer()
+        raise UsageError(f"no tokenizer beside {model_path} ({config_path} is missing); sample from "
+                         f"a model in the workdir `tfdist train` wrote, with its tokenizer/")
+    with tf.io.gfile.GFile(config_path) as f:
+        config = json.load(f)
+    if config["kind"] == "ids":
+        raise UsageError(f"the run in {os.path.dirname(model_path)} was trained on token ids "
+                         f"without a tokenizer; give its data's tokenizer files in data.tokenizer")
+    return tokenizer.load(directory, config)
+
+
 def main(argv):
     del argv
-    from tfdist.data import ByteTokenizer
-
     model = load_model(_MODEL.value)
-    tok = ByteTokenizer()
+    tok = load_tokenizer(_MODEL.value, model)
     prompt = tok.encode(_PROMPT.value)
     for i in range(_NUM.value):
         out = model.generate(prompt, _MAX_NEW.value, temperature=_TEMPERATURE.value,

@@ -5,8 +5,9 @@
                  --config.train.steps=400 --config.model.dropout=0.1
 
 A run writes into --workdir: `backup/` while it trains (removed at the end), `tensorboard/`,
-`metrics.json` (per-step loss, lr, tokens/s; validation loss per epoch), `loss.png` and
-`model.keras`. Run the same command again after a crash and it resumes at the exact step.
+`metrics.json` (per-step loss, lr, tokens/s; validation loss per epoch in nats/token and bits per
+byte), `loss.png`, `tokenizer/` and `model.keras`. The data comes from a token store, prepared on
+first use (`tfdist prepare` does it beforehand, in parallel). Run the same command again after a crash and it resumes at the exact step.
 """
 import os
 import sys
@@ -30,7 +31,7 @@ _PREPARE_ONLY = flags.DEFINE_bool(
     "--overwrite), then exit without training. `tfdist launch` runs this once before it starts "
     "the workers.")
 
-_OUTPUTS = ("model.keras", "metrics.json", "loss.png", "tensorboard", "backup")
+_OUTPUTS = ("model.keras", "metrics.json", "loss.png", "tensorboard", "backup", "tokenizer")
 
 
 def resolve_config():
@@ -71,10 +72,10 @@ def prepare(c, workdir, overwrite=False):
     """What must happen once per run, before any worker starts: the config and the strategy name
     are checked, the dataset is prepared, and `--overwrite` clears the workdir."""
     from tfdist import strategies
-    from tfdist.data import load_corpus
+    from tfdist.data import open_store
 
     strategies.get_class(c.strategy.name)
-    load_corpus(c.data)
+    model_vocab(c, open_store(c.data))
     prepare_workdir(workdir, c.backup.dir or os.path.join(workdir, "backup"), overwrite)
 
 
@@ -108,7 +109,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
 
     import keras
     from tfdist import callbacks as cb
-    from tfdist.data import Windows, load_corpus
+    from tfdist.data import Windows, open_store
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.models.pipeline import Pipeline
     from tfdist.optimizers import make_optimizer
@@ -127,9 +128,10 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     keras.utils.set_random_seed(c.seed)
     keras.mixed_precision.set_dtype_policy(t.precision)
 
-    corpus = load_corpus(c.data)
-    train_windows = Windows(corpus.train, c.model.block_size, t.batch_size, seed=c.seed)
-    val_windows = Windows(corpus.val, c.model.block_size, t.batch_size, seed=c.seed + 1)
+    data = open_store(c.data, progress=strategy.is_chief)
+    model_vocab(c, data)
+    train_windows = Windows(data.split("train"), c.model.block_size, t.batch_size, seed=c.seed)
+    val_windows = Windows(data.split("val"), c.model.block_size, t.batch_size, seed=c.seed + 1)
 
     per_replica = t.batch_size // strategy.num_replicas
     if per_replica % p.microbatches:
@@ -159,7 +161,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
         delete_on_success=c.backup.delete_on_success, is_chief=strategy.is_chief,
         worker_index=strategy.worker_index, collective=strategy.collective_checkpoints,
         signature={"model": c.model.to_dict(), "data": {
-            "corpus": corpus.name, "fingerprint": corpus.fingerprint, "seed": c.seed,
+            "store": data.manifest["source"], "fingerprint": data.fingerprint, "seed": c.seed,
             "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps},
         # A split restores into another split (same variables); a pipeline's backup does not
         # restore into the plain model or back (the checkpoint nests the GPT one level deeper).
@@ -173,12 +175,14 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
                          f"raise train.steps or remove the backup")
     log = cb.TrainingLog(workdir, tokens_per_step=t.batch_size * c.model.block_size,
                          initial_step=start, total_steps=t.steps, is_chief=strategy.is_chief,
-                         log_every_steps=t.log_every_steps)
+                         log_every_steps=t.log_every_steps,
+                         val_bytes_per_token=data.split("val").bytes_per_token)
+    if strategy.is_chief:
+        save_tokenizer(data, workdir)
     say(f"tfdist: {strategy.describe()}")
     if pipelined:
         say(f"tfdist: {model.describe()}")
-    say(f"tfdist: model {model.num_params():,} parameters; corpus {corpus.name}: "
-        f"{len(corpus.train):,} train / {len(corpus.val):,} validation tokens")
+    say(f"tfdist: model {model.num_params():,} parameters; {data.describe()}")
     if start:
         say(f"tfdist: resuming from {backup_dir} at step {start} of {t.steps}")
 
@@ -195,16 +199,51 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
                 f"estimated peak {row['total_bytes'] / 2**20:,.1f} MiB; measured peak "
                 + (f"{measured / 2**20:,.1f} MiB ({row['measured_scope']})" if measured is not None
                    else "not available (TF keeps no memory stats for this device)"))
+    last_eval = (log.history["evals"] or [{}])[-1]
     result = {"steps_run": log.step - start, "final_step": log.step,
-              "val_loss": (log.history["evals"] or [{}])[-1].get("loss"),
+              "val_loss": last_eval.get("loss"), "val_bits_per_byte": last_eval.get("bits_per_byte"),
               "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": workdir}
     if strategy.is_chief:
         # The GPT itself (a pipeline's variables are its GPT's): it samples on any device.
         (model.gpt if pipelined else model).save(os.path.join(workdir, "model.keras"))
         say(f"tfdist: done: {result['steps_run']} steps run (step {log.step} of {t.steps}), "
-            f"validation loss {result['val_loss']:.4f} nats/token, "
+            f"validation loss {result['val_loss']:.4f} nats/token"
+            + (f" ({result['val_bits_per_byte']:.4f} bits/byte), "
+               if result["val_bits_per_byte"] is not None else " (bits/byte unknown), ") +
+            f"peak RSS {peak_rss_mib():,.0f} MiB, "
             f"{result['tokens_per_sec']:,.0f} tokens/s; model saved to {workdir}/model.keras")
     return result
+
+
+def model_vocab(c, data):
+    """Sets model.vocab_size from the store's tokenizer when it is 0; a smaller one contradicts
+    the tokenizer (its ids would fall outside the embedding)."""
+    if c.model.vocab_size == 0:
+        c.model.vocab_size = data.vocab_size
+    elif c.model.vocab_size < data.vocab_size:
+        from tfdist.errors import UsageError
+        raise UsageError(f"model.vocab_size ({c.model.vocab_size}) is smaller than the tokenizer's "
+                         f"vocabulary ({data.vocab_size}, {data.tokenizer_config['kind']}); set it "
+                         f"to 0 (follow the tokenizer) or at least {data.vocab_size}")
+
+
+def save_tokenizer(data, workdir):
+    """Copies the store's tokenizer into <workdir>/tokenizer, so `tfdist sample` can decode."""
+    import json
+    import tensorflow as tf
+    from tfdist.data import store
+    out = os.path.join(workdir, "tokenizer")
+    tf.io.gfile.makedirs(out)
+    config = data.tokenizer_config
+    if config.get("file"):
+        tf.io.gfile.copy(os.path.join(data.dir, config["file"]), os.path.join(out, config["file"]),
+                         overwrite=True)
+    store.write_atomic(os.path.join(out, "config.json"), json.dumps(config))
+
+
+def peak_rss_mib():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _apply_recommended(c, strategy, say):

@@ -1,4 +1,5 @@
-"""Data: byte tokenizer, corpus sources (through TFDS), and the windowed tf.data pipeline."""
+"""Data: tokenizers, corpus sources, the on-disk token store, and the windowed tf.data pipeline."""
 from tfdist.data.pipeline import Windows  # noqa: F401
-from tfdist.data.sources import Corpus, load_corpus  # noqa: F401
+from tfdist.data.prepare import open_store  # noqa: F401
+from tfdist.data.store import TokenStore  # noqa: F401
 from tfdist.data.tokenizer import ByteTokenizer  # noqa: F401

@@ -1,4 +1,5 @@
-"""tf.data pipeline of fixed-length windows: deterministic, sharded per replica, resumable.
+"""tf.data pipeline of fixed-length windows read from a token store: deterministic, sharded per
+replica, resumable, and independent of the corpus size.
 
 Batch contents are a pure function of (seed, step): the start offsets of global step `s` are
 `stateless_uniform([global_batch], seed=(seed, s))`. So
@@ -10,26 +11,34 @@ Batch contents are a pure function of (seed, step): the start offsets of global 
   (global replica id = input pipeline id * replicas per pipeline + local index), so one global
   step's examples across all replicas are exactly the global batch, without duplicates.
 
+The windows are read from the store's shard files by TF ops (`tfdist.data.store.Split.windows`):
+no token is held in memory or embedded in the graph, so the same `batch(step)` runs in any input
+pipeline and inside the functions a parameter-server coordinator schedules on its workers.
+
 Example:
 
     import numpy as np
+    from tfdist.data import store
     from tfdist.data.pipeline import Windows
-    w = Windows(np.frombuffer(b"hello world " * 100, np.uint8), block_size=8, global_batch=4, seed=0)
+    s = store.from_arrays("/tmp/hello-store", train=np.frombuffer(b"hello world " * 100, np.uint8),
+                          val=np.frombuffer(b"hello there " * 10, np.uint8))
+    w = Windows(s.split("train"), block_size=8, global_batch=4, seed=0)
     x, y = next(iter(w.dataset_fn(start_step=0, num_steps=10)(None)))   # (4, 8) each; y is x shifted
 """
-import numpy as np
 import tensorflow as tf
+
+from tfdist.errors import UsageError
 
 
 class Windows:
-    """Random windows of `block_size + 1` bytes from one token stream."""
+    """Random windows of `block_size + 1` tokens from one split of a token store."""
 
-    def __init__(self, tokens, block_size, global_batch, seed):
-        tokens = np.asarray(tokens, dtype=np.uint8)
-        if len(tokens) < block_size + 2:
-            raise ValueError(f"corpus of {len(tokens)} tokens is shorter than one window of "
-                             f"{block_size + 1}; use more text or a smaller model.block_size")
-        self.tokens, self.block_size = tokens, block_size
+    def __init__(self, split, block_size, global_batch, seed):
+        if split.num_tokens < block_size + 2:
+            raise UsageError(f"the {split.name} split has {split.num_tokens:,} tokens, shorter than "
+                             f"one window of {block_size + 1}; use more text or a smaller "
+                             f"model.block_size")
+        self.split, self.num_tokens, self.block_size = split, split.num_tokens, block_size
         self.global_batch, self.seed = global_batch, seed
 
     def offsets(self, step):
@@ -37,16 +46,14 @@ class Windows:
         return tf.random.stateless_uniform(
             [self.global_batch], seed=tf.stack([tf.cast(self.seed, tf.int64),
                                                 tf.cast(step, tf.int64)]),
-            minval=0, maxval=len(self.tokens) - self.block_size - 1, dtype=tf.int64)
+            minval=0, maxval=self.num_tokens - self.block_size - 1, dtype=tf.int64)
 
     def batch(self, step, replica=0, replicas=1):
         """(x, y) of global step `step` (int64 tensor or int), or of one replica's share of it.
         Graph-friendly: the parameter-server loop calls it inside the step it schedules."""
         b = self.global_batch // replicas
         rows = self.offsets(step)[replica * b:(replica + 1) * b]
-        span = tf.range(self.block_size + 1, dtype=tf.int64)
-        w = tf.cast(tf.gather(tf.constant(self.tokens), rows[:, None] + span[None, :]), tf.int32)
-        w = tf.ensure_shape(w, [b, self.block_size + 1])  # static shapes, as XLA on TPUs needs
+        w = tf.ensure_shape(self.split.windows(rows, self.block_size + 1), [b, self.block_size + 1])  # static shapes, as XLA on TPUs needs
         return w[:, :-1], w[:, 1:]
 
     def dataset_fn(self, start_step, num_steps, repeat=False):

@@ -1,34 +1,40 @@
-"""Corpus sources, all read through TensorFlow Datasets (TFDS).
+"""Corpus sources, as lists of work units that `tfdist prepare` tokenizes in parallel.
 
-* `stdlib`: the running Python's standard-library source (about 13 MB of .py files on 3.11, tests
-  left out). Every machine has it, so nothing is downloaded.
-* local text: files or directories the user names (comma-separated). Binary files are skipped.
-* `tfds:<name>[/<config>]`: any TFDS dataset already prepared in `data_dir` (e.g. prepared with
-  `tfds build` on a machine that has network access).
+`data.source` is one of:
 
-Local text is exposed as the TFDS builder `tfdist_text`, so once it has been prepared (tfdist does
-that on first use, offline, in a second or two) `tfds.load` reads it like any other dataset:
+* `stdlib` (the default): the running Python's standard-library source (about 12 MB of .py
+  files on 3.11, test suites and site-packages left out). Every machine has it.
+* text files or directories, comma-separated (binary files are skipped); `gs://` paths too;
+* `tfds:<name>[/<config>]`: a TensorFlow Datasets dataset already prepared in `data.data_dir`
+  (feature `data.text_key`); its `validation` split if it has one;
+* `nanogpt:<dir>`: nanoGPT's `train.bin` / `val.bin` (see `tfdist.data.store.import_nanogpt`);
+* `store:<dir>`: a token store that `tfdist prepare` wrote.
 
-    import tensorflow_datasets as tfds
-    import tfdist.data.sources  # registers the builder
-    ds = tfds.load("tfdist_text/python_stdlib", split="train", data_dir="/tmp/tfds")
+Text is cut into units of about `UNIT_BYTES` at line boundaries, so one file of any size is
+tokenized in parallel and memory stays bounded. Each file is a document, each TFDS example too.
+Without a validation split, the last `data.val_fraction` of the text (by bytes, at a line
+boundary; for TFDS by examples) is kept for validation.
 
-`load_corpus(config.data)` turns any source into a `Corpus`: the train and validation byte streams.
+Example:
+
+    from tfdist import config
+    from tfdist.data import sources
+    c = config.default_config()
+    src = sources.resolve(c.data)                 # stdlib: ~1,900 files
+    docs = list(sources.read_unit(src.units["val"][0]))
 """
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import os
 import sysconfig
 
-import numpy as np
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
 from tfdist.errors import UsageError
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+UNIT_BYTES = 4 << 20
+SCHEMES = ("stdlib", "tfds", "nanogpt", "store")
 
 
 def stdlib_files():
@@ -66,124 +72,71 @@ def text_files(paths):
     return out
 
 
-class TextCorpusConfig(tfds.core.BuilderConfig):
-    """A set of local text files. `files` is resolved when the config is made."""
-
-    def __init__(self, *, files, **kwargs):
-        super().__init__(**kwargs)
-        self.files = tuple(files)
-
-
-class TfdistText(tfds.core.GeneratorBasedBuilder):
-    """Local text files as a TFDS dataset: one example per file, features `text` and `path`."""
-
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "One example per file."}
-    BUILDER_CONFIGS = [TextCorpusConfig(
-        name="python_stdlib", files=(), version="1.0.0",
-        description="Source of the running Python's standard library (tests excluded).")]
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        if self.builder_config.name == "python_stdlib" and not self.builder_config.files:
-            self.builder_config.files = tuple(stdlib_files())  # resolved lazily: import stays cheap
-
-    def _info(self):
-        return self.dataset_info_from_configs(
-            features=tfds.features.FeaturesDict({"text": tfds.features.Text(),
-                                                 "path": tfds.features.Text()}),
-            homepage="https://github.com/tfdist/tfdist")
-
-    def _split_generators(self, dl_manager):
-        del dl_manager  # nothing is downloaded
-        return {"train": self._generate_examples(self.builder_config.files)}
-
-    def _generate_examples(self, files):
-        for path in files:
-            with tf.io.gfile.GFile(path, "rb") as f:
-                text = f.read().decode("utf-8", errors="replace")
-            yield path, {"text": text, "path": path}
-
-
-def local_text_config(paths):
-    """A builder config named by a hash of the files' paths, sizes and modification times."""
-    files = text_files(paths)
-    h = hashlib.sha1()
-    for f in files:
-        st = tf.io.gfile.stat(f)
-        h.update(f"{os.path.abspath(f)}:{st.length}:{st.mtime_nsec}\n".encode())
-    return TextCorpusConfig(name="files_" + h.hexdigest()[:12], files=files, version="1.0.0",
-                            description="Local text files: " + ", ".join(paths)[:200])
+def scheme(source):
+    """(scheme, rest) of `data.source`: a known scheme, or ('files', source). An unknown
+    `word:` prefix (not a path, not a URL such as gs://) is a UsageError."""
+    source = source.strip()
+    if source == "stdlib":
+        return "stdlib", ""
+    head, sep, rest = source.partition(":")
+    if sep and not rest.startswith("//") and "/" not in head and "," not in head and len(head) > 1:
+        if head not in SCHEMES:
+            raise UsageError(f"unknown data source scheme '{head}:'; use stdlib, text paths, "
+                             f"tfds:<name>, nanogpt:<dir> or store:<dir>")
+        return head, rest
+    return "files", source
 
 
 @dataclasses.dataclass
-class Corpus:
-    """A tokenized corpus: train and validation byte streams (uint8) and a content fingerprint."""
+class Source:
+    """What a corpus is made of: a name, a key (changes when its content may have), the work
+    units of each split, and the total bytes to read (for progress)."""
     name: str
-    train: np.ndarray
-    val: np.ndarray
-
-    @property
-    def fingerprint(self):
-        h = hashlib.sha1(self.train.tobytes())
-        h.update(self.val.tobytes())
-        return h.hexdigest()[:16]
+    key: str
+    units: dict
+    total_bytes: int
 
 
-def _data_dir(data_config):
-    return data_config.data_dir or os.path.expanduser("~/tensorflow_datasets")
-
-
-@contextlib.contextmanager
-def _prepare_lock(data_dir):
-    """Serialises dataset preparation between processes sharing `data_dir` (several workers of one
-    host, or of a cluster on a shared filesystem): TFDS itself does not guard concurrent
-    `download_and_prepare` calls, and two writers can leave a half-written dataset. The first
-    process prepares; the others wait, then find it prepared. (Remote data_dirs such as gs://
-    are not locked: prepare those once, beforehand.)"""
-    if "://" in data_dir:
-        yield
-        return
-    os.makedirs(data_dir, exist_ok=True)
-    with open(os.path.join(data_dir, ".tfdist-prepare.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _join(ds, key):
-    """Concatenates the text feature `key` of every example, newline-separated, as uint8."""
-    parts = [ex[key] for ex in tfds.as_numpy(ds)]
-    return np.frombuffer(b"\n".join(p if isinstance(p, bytes) else p.encode() for p in parts),
-                         dtype=np.uint8).copy()
-
-
-def _split(data, val_fraction):
-    n_val = int(len(data) * val_fraction)
-    return data[:len(data) - n_val], data[len(data) - n_val:]
-
-
-def load_corpus(data_config):
-    """Loads `data_config.source` (see module doc) into a Corpus, preparing local text if needed."""
-    source = data_config.source.strip()
-    data_dir = _data_dir(data_config)
-    if source.startswith("tfds:"):
-        return _load_tfds(source[len("tfds:"):], data_dir, data_config)
-    if source == "stdlib":
-        builder = TfdistText(config="python_stdlib", data_dir=data_dir)
+def resolve(data_config):
+    """The `Source` for stdlib, text paths or tfds:<name> (nanogpt: and store: are not text)."""
+    kind, rest = scheme(data_config.source)
+    if kind == "tfds":
+        return _tfds(rest, data_config)
+    if kind == "stdlib":
+        files, name = stdlib_files(), "python_stdlib"
+    elif kind == "files":
+        files = text_files([p.strip() for p in rest.split(",") if p.strip()])
+        name = "files"
     else:
-        paths = [p.strip() for p in source.split(",") if p.strip()]
-        builder = TfdistText(config=local_text_config(paths), data_dir=data_dir)
-    with _prepare_lock(data_dir):
-        builder.download_and_prepare()
-    data = _join(builder.as_dataset(split="train", shuffle_files=False), "text")
-    train, val = _split(data, data_config.val_fraction)
-    return Corpus(name=f"tfdist_text/{builder.builder_config.name}", train=train, val=val)
+        raise ValueError(kind)
+    return _files(files, name, data_config.val_fraction)
 
 
-def _load_tfds(name, data_dir, data_config):
+def _files(files, name, val_fraction):
+    """Units over the concatenation of `files`: (path, start, end, last-of-file) byte ranges."""
+    sizes, h = [], hashlib.sha256()
+    for f in files:
+        st = tf.io.gfile.stat(f)
+        sizes.append(st.length)
+        h.update(f"{os.path.abspath(f) if '://' not in f else f}:{st.length}:{st.mtime_nsec}\n".encode())
+    total = sum(sizes)
+    cut = total - int(total * val_fraction)  # the validation text starts at the first line start >= cut
+    units = {"train": [], "val": []}
+    pos = 0
+    for f, size in zip(files, sizes):
+        for split, lo, hi in (("train", 0, cut), ("val", cut, total)):
+            a, b = max(lo - pos, 0), min(hi - pos, size)
+            while a < b:
+                e = min(a + UNIT_BYTES, b)
+                units[split].append(("file", f, a, e, size, e == size))
+                a = e
+        pos += size
+    return Source(name, h.hexdigest()[:16], units, total)
+
+
+def _tfds(name, data_config):
+    import tensorflow_datasets as tfds
+    data_dir = data_dir_of(data_config)
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # DatasetNotFoundError, bad config name, ...
@@ -196,9 +149,59 @@ def _load_tfds(name, data_dir, data_config):
     if key not in builder.info.features:
         raise UsageError(f"TFDS dataset '{name}' has no feature '{key}' (it has "
                          f"{', '.join(builder.info.features)}); set --config.data.text_key")
-    train = _join(builder.as_dataset(split="train", shuffle_files=False), key)
-    if "validation" in builder.info.splits:
-        val = _join(builder.as_dataset(split="validation", shuffle_files=False), key)
+    splits = builder.info.splits
+    n = splits["train"].num_examples
+    if "validation" in splits:
+        ranges = {"train": ("train", 0, n), "val": ("validation", 0, splits["validation"].num_examples)}
     else:
-        train, val = _split(train, data_config.val_fraction)
-    return Corpus(name=name, train=train, val=val)
+        k = max(1, int(n * data_config.val_fraction))
+        ranges = {"train": ("train", 0, n - k), "val": ("train", n - k, n)}
+    total = sum(splits[s].num_bytes for s in set(r[0] for r in ranges.values()))
+    per_unit = max(1, int(n * UNIT_BYTES / max(total, 1)))
+    units = {}
+    for split, (tfds_split, a, b) in ranges.items():
+        units[split] = [("tfds", name, data_dir, tfds_split, i, min(i + per_unit, b), key)
+                        for i in range(a, b, per_unit)]
+    ident = f"tfds:{name}:{builder.info.version}:{key}:{[(s, splits[s].num_examples) for s in splits]}"
+    return Source(name.replace("/", "_"), hashlib.sha256(ident.encode()).hexdigest()[:16], units, total)
+
+
+def data_dir_of(data_config):
+    return data_config.data_dir or os.path.expanduser("~/tensorflow_datasets")
+
+
+def _line_start(f, pos):
+    """The first position >= pos that starts a line (0, or just after a newline)."""
+    if pos == 0:
+        return 0
+    f.seek(pos - 1)
+    while True:
+        block = f.read(1 << 16)
+        if not block:
+            return f.tell()
+        i = block.find(b"\n")
+        if i >= 0:
+            return f.tell() - len(block) + i + 1
+
+
+def read_unit(unit):
+    """Yields (text, its UTF-8 bytes in the source, ends a document) for one work unit."""
+    if unit[0] == "file":
+        _, path, a, b, size, last = unit
+        with tf.io.gfile.GFile(path, "rb") as f:
+            start, end = _line_start(f, a), _line_start(f, b) if b < size else size
+            if end > start:
+                f.seek(start)
+                data = f.read(end - start)
+                yield data.decode("utf-8", errors="replace"), len(data), last
+            elif last:
+                yield "", 0, True
+        return
+    _, name, data_dir, split, a, b, key = unit
+    import tensorflow_datasets as tfds
+    ds = tfds.builder(name, data_dir=data_dir).as_dataset(split=f"{split}[{a}:{b}]",
+                                                          shuffle_files=False)
+    for ex in tfds.as_numpy(ds):
+        v = ex[key]
+        text = v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+        yield text, len(v), True
