@@ -15,14 +15,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-    """A TFDS data_dir with the default corpus (this Python's stdlib) prepared in it."""
+    """A data_dir with the default corpus (this Python's stdlib) prepared in it as a token store."""
     d = str(tmp_path_factory.mktemp("tfds"))
     from tfdist import config
-    from tfdist.data import sources
+    from tfdist.data import open_store
 
     c = config.default_config()
     c.data.data_dir = d
-    sources.load_corpus(c.data)
+    open_store(c.data, progress=False)
     return d
 
 

@@ -1,4 +1,7 @@
-"""Data: tokenizer, TFDS sources, deterministic / resumable / sharded windows."""
+"""Data: tokenizers, sources, the token store and its reader, deterministic / resumable / sharded
+windows."""
+import io
+import json
 import os
 
 import numpy as np
@@ -7,8 +10,16 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from tfdist import config
-from tfdist.data import ByteTokenizer, Windows, load_corpus, sources
+from tfdist.data import ByteTokenizer, Windows, open_store, sources, store, tokenizer
+from tfdist.data import prepare as prep
 from tfdist.errors import UsageError
+
+
+def data_config(tmp_path, **kw):
+    c = config.default_config()
+    c.data.data_dir = str(tmp_path / "data")
+    c.data.update(kw)
+    return c.data
 
 
 def test_byte_tokenizer_round_trips_any_text():
@@ -21,42 +32,56 @@ def test_byte_tokenizer_round_trips_any_text():
         tok.decode([300])
 
 
-def test_default_corpus_is_the_stdlib_through_tfds(data_dir):
+def test_default_corpus_is_the_stdlib_as_a_token_store(data_dir):
     c = config.default_config()
     c.data.data_dir = data_dir
-    corpus = load_corpus(c.data)
-    assert corpus.name == "tfdist_text/python_stdlib"
-    assert len(corpus.train) > 5_000_000  # ~12 MB of Python on 3.11
-    assert 0.04 < len(corpus.val) / (len(corpus.train) + len(corpus.val)) < 0.06
-    # tfds.load works on it once the builder is imported
-    ds = tfds.load("tfdist_text/python_stdlib", split="train", data_dir=data_dir)
-    paths = {ex["path"].numpy().decode() for ex in ds.take(2000)}
-    assert any(p.endswith("/json/decoder.py") for p in paths)
-    assert not any("/test/" in p or "site-packages" in p for p in paths)
+    s = open_store(c.data, progress=False)
+    train, val = s.manifest["splits"]["train"], s.manifest["splits"]["val"]
+    assert s.manifest["source"] == "stdlib" and s.dtype == "uint16" and s.vocab_size == 256
+    assert train["tokens"] > 5_000_000  # ~12 MB of Python on 3.11
+    assert 0.04 < val["tokens"] / (train["tokens"] + val["tokens"]) < 0.06
+    assert train["bytes"] == train["tokens"]  # bytes: one token per byte, newline separators
+    assert train["documents"] + val["documents"] == sum(os.path.getsize(f) > 0 for f in sources.stdlib_files())
+    # the shards hold the files' bytes: the first file's text starts the train split
+    first = open(sources.stdlib_files()[0], "rb").read()
+    x = s.split("train").windows([0], min(len(first), 500)).numpy()[0]
+    assert bytes(x.astype(np.uint8)) == first[:len(x)]
 
 
 def test_user_text_files_and_directories(tmp_path):
     d = tmp_path / "docs"
     d.mkdir()
-    (d / "a.txt").write_text("alpha " * 500)
-    (d / "b.md").write_text("beta " * 500)
+    (d / "a.txt").write_text("alpha\n" * 500)
+    (d / "b.md").write_text("beta\n" * 500)
     (d / "blob.bin").write_bytes(b"\0\1\2" * 100)  # binary: skipped
     one = tmp_path / "c.txt"
-    one.write_text("gamma " * 500)
-    c = config.default_config()
-    c.data.data_dir = str(tmp_path / "tfds")
-    c.data.source = f"{d},{one}"
-    corpus = load_corpus(c.data)
-    text = (corpus.train.tobytes() + corpus.val.tobytes()).decode()
-    assert "alpha" in text and "beta" in text and "gamma" in text and "\0" not in text
-    assert corpus.name.startswith("tfdist_text/files_")
+    one.write_text("gamma\n" * 500)
+    s = open_store(data_config(tmp_path, source=f"{d},{one}"), progress=False)
+    text = "".join(bytes(s.split(n).windows([0], s.split(n).num_tokens).numpy()[0].astype(np.uint8)
+                           ).decode() for n in ("train", "val"))
+    # each file is a document followed by a newline; validation is the tail, at a line start
+    assert text == "alpha\n" * 500 + "\n" + "beta\n" * 500 + "\n" + "gamma\n" * 500 + "\n"
+    assert 0.045 < s.split("val").num_tokens / len(text) < 0.055
+
+
+def test_unit_boundaries_fall_on_lines_and_lose_nothing(tmp_path, monkeypatch):
+    """A big file is cut into units at line starts: the units' text is the file, exactly once."""
+    monkeypatch.setattr(sources, "UNIT_BYTES", 1000)
+    lines = [f"line {i} " + "x" * (i % 97) + "\n" for i in range(2000)]
+    (tmp_path / "big.txt").write_text("".join(lines))
+    src = sources.resolve(data_config(tmp_path, source=str(tmp_path / "big.txt")))
+    assert len(src.units["train"]) > 50
+    parts = [t for split in ("train", "val") for u in src.units[split]
+             for t, _, _ in sources.read_unit(u)]
+    assert "".join(parts) == "".join(lines)
+    assert all(p.endswith("\n") for p in parts)
 
 
 def test_missing_path_is_a_usage_error(tmp_path):
-    c = config.default_config()
-    c.data.source = str(tmp_path / "nope")
     with pytest.raises(UsageError, match="does not exist"):
-        load_corpus(c.data)
+        open_store(data_config(tmp_path, source=str(tmp_path / "nope")))
+    with pytest.raises(UsageError, match="unknown data source scheme 'hdfs:'"):
+        open_store(data_config(tmp_path, source="hdfs:corpus"))
 
 
 class TinyCorpus(tfds.core.GeneratorBasedBuilder):
@@ -76,42 +101,72 @@ class TinyCorpus(tfds.core.GeneratorBasedBuilder):
 
 
 def test_prepared_tfds_dataset_uses_its_validation_split(tmp_path):
-    TinyCorpus(data_dir=str(tmp_path)).download_and_prepare()
-    c = config.default_config()
-    c.data.data_dir, c.data.source, c.data.text_key = str(tmp_path), "tfds:tiny_corpus", "content"
-    corpus = load_corpus(c.data)
-    assert b"train" in corpus.train.tobytes() and b"train" not in corpus.val.tobytes()
-    assert b"valid" in corpus.val.tobytes()
-    c.data.text_key = "text"
+    TinyCorpus(data_dir=str(tmp_path / "data")).download_and_prepare()
+    c = data_config(tmp_path, source="tfds:tiny_corpus", text_key="content")
+    s = open_store(c, progress=False)
+    read = {n: bytes(s.split(n).windows([0], s.split(n).num_tokens).numpy()[0].astype(np.uint8))
+            for n in ("train", "val")}
+    assert b"train" in read["train"] and b"train" not in read["val"] and b"valid" in read["val"]
+    assert s.manifest["splits"]["train"]["documents"] == 3
+    c.text_key = "text"
     with pytest.raises(UsageError, match="no feature 'text'"):
-        load_corpus(c.data)
-    c.data.source = "tfds:no_such_dataset_xyz"
+        open_store(c)
+    c.source = "tfds:no_such_dataset_xyz"
     with pytest.raises(UsageError, match="not found"):
-        load_corpus(c.data)
+        open_store(c)
+
+
+# -- the store and its reader ------------------------------------------------------------------
+TOKENS = np.frombuffer(bytes(range(256)) * 200, np.uint8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A byte store of TOKENS in 4 Ki-token shards (so windows cross shard boundaries)."""
+    return store.from_arrays(str(tmp_path_factory.mktemp("tiny")), train=TOKENS, val=TOKENS[:3000],
+                             shard_tokens=4096)
+
+
+@pytest.mark.parametrize("vocab", [256, 50257, 100_000])
+def test_windows_read_the_ids_at_their_offsets_across_shards(tmp_path, vocab):
+    ids = (np.arange(30_000, dtype=np.int64) * 7919) % vocab
+    s = store.from_arrays(str(tmp_path), train=ids, val=ids[:2000], vocab_size=vocab,
+                          shard_tokens=1024)
+    assert s.dtype == ("uint16" if vocab <= 65536 else "uint32")
+    assert s.manifest["splits"]["train"]["shards"] == 30
+    offsets = [0, 1000, 1023, 1024, 2040, 30_000 - 65]
+    got = s.split("train").windows(offsets, 65).numpy()
+    np.testing.assert_array_equal(got, np.stack([ids[o:o + 65] for o in offsets]))
+
+
+def test_no_token_is_embedded_in_the_graph(tiny):
+    """The batch function's graph holds paths, not the corpus: its size does not grow with it."""
+    w = Windows(tiny.split("train"), block_size=16, global_batch=8, seed=0)
+    graph = tf.function(w.batch).get_concrete_function(tf.constant(3, tf.int64)).graph.as_graph_def()
+    consts = [n for n in graph.node if n.op == "Const"]
+    assert max(len(n.attr["value"].tensor.tensor_content) for n in consts) < 1000
+    assert graph.ByteSize() < 100_000
 
 
 def _batches(ds, n):
     return [(x.numpy(), y.numpy()) for x, y in ds.take(n)]
 
 
-TOKENS = np.frombuffer(bytes(range(256)) * 200, np.uint8)
-
-
-def test_windows_are_targets_shifted_and_deterministic():
-    w = Windows(TOKENS, block_size=16, global_batch=8, seed=5)
+def test_windows_are_targets_shifted_and_deterministic(tiny):
+    w = Windows(tiny.split("train"), block_size=16, global_batch=8, seed=5)
     a = _batches(w.dataset_fn(0, 5)(None), 5)
-    b = _batches(Windows(TOKENS, 16, 8, seed=5).dataset_fn(0, 5)(None), 5)
+    b = _batches(Windows(tiny.split("train"), 16, 8, seed=5).dataset_fn(0, 5)(None), 5)
     for (x, y), (x2, y2) in zip(a, b):
         assert x.shape == (8, 16) and x.dtype == np.int32
         np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
         np.testing.assert_array_equal((x[:, 0] + 1) % 256, y[:, 0])
         np.testing.assert_array_equal(x, x2)
-    other = _batches(Windows(TOKENS, 16, 8, seed=6).dataset_fn(0, 1)(None), 1)
+    other = _batches(Windows(tiny.split("train"), 16, 8, seed=6).dataset_fn(0, 1)(None), 1)
     assert not np.array_equal(other[0][0], a[0][0])
 
 
-def test_resume_at_step_reads_exactly_the_remaining_batches():
-    w = Windows(TOKENS, block_size=16, global_batch=8, seed=1)
+def test_resume_at_step_reads_exactly_the_remaining_batches(tiny):
+    w = Windows(tiny.split("train"), block_size=16, global_batch=8, seed=1)
     full = _batches(w.dataset_fn(0, 10)(None), 10)
     tail = _batches(w.dataset_fn(6, 4)(None), 10)
     assert len(tail) == 4
@@ -120,9 +175,9 @@ def test_resume_at_step_reads_exactly_the_remaining_batches():
 
 
 @pytest.mark.parametrize("pipelines,replicas", [(1, 2), (2, 2), (2, 4), (1, 4)])
-def test_shards_across_replicas_make_up_the_global_batch(pipelines, replicas):
+def test_shards_across_replicas_make_up_the_global_batch(tiny, pipelines, replicas):
     """One global step's rows across all replicas are the single-replica global batch, no dups."""
-    w = Windows(TOKENS, block_size=16, global_batch=8, seed=2)
+    w = Windows(tiny.split("train"), block_size=16, global_batch=8, seed=2)
     whole = _batches(w.dataset_fn(3, 2)(None), 2)
     local = replicas // pipelines
     for step in range(2):
@@ -137,12 +192,111 @@ def test_shards_across_replicas_make_up_the_global_batch(pipelines, replicas):
         assert len({r.tobytes() for r in np.concatenate(rows)}) == 8
 
 
-def test_too_short_corpus_is_refused():
-    with pytest.raises(ValueError, match="shorter than one window"):
-        Windows(np.zeros(10, np.uint8), block_size=16, global_batch=2, seed=0)
+def test_too_short_corpus_is_refused(tmp_path):
+    s = store.from_arrays(str(tmp_path), train=np.zeros(10, np.uint8), val=np.zeros(10, np.uint8))
+    with pytest.raises(UsageError, match="shorter than one window"):
+        Windows(s.split("train"), block_size=16, global_batch=2, seed=0)
 
 
 def test_stdlib_file_list_skips_tests_and_site_packages():
     files = sources.stdlib_files()
     assert len(files) > 100 and all(f.endswith(".py") for f in files)
     assert not any(os.sep + "test" + os.sep in f or "site-packages" in f for f in files)
+
+
+# -- nanoGPT's format --------------------------------------------------------------------------
+def write_nanogpt(directory, n_train=200_000, n_val=20_000, vocab=50257, seed=0):
+    """train.bin / val.bin as nanoGPT's prepare.py writes them: np.memmap of uint16 ids."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    out = {}
+    for name, n in (("train", n_train), ("val", n_val)):
+        ids = rng.integers(0, vocab, n, dtype=np.uint16)
+        arr = np.memmap(os.path.join(directory, f"{name}.bin"), dtype=np.uint16, mode="w+", shape=(n,))
+        arr[:] = ids
+        arr.flush()
+        out[name] = ids
+    return out
+
+
+def test_nanogpt_batches_are_the_windows_of_the_bin_file(tmp_path):
+    write_nanogpt(tmp_path / "owt")
+    c = data_config(tmp_path, source=f"nanogpt:{tmp_path / 'owt'}", vocab_size=50257)
+    s = open_store(c)
+    assert s.vocab_size == 50257 and s.manifest["splits"]["train"]["tokens"] == 200_000
+    data = np.memmap(tmp_path / "owt" / "train.bin", dtype=np.uint16, mode="r")  # nanoGPT's read
+    w = Windows(s.split("train"), block_size=64, global_batch=8, seed=3)
+    for step, (x, y) in enumerate(w.dataset_fn(0, 3)(None)):
+        rows = w.offsets(step).numpy()
+        np.testing.assert_array_equal(x.numpy(), np.stack([data[o:o + 64] for o in rows]))
+        np.testing.assert_array_equal(y.numpy(), np.stack([data[o + 1:o + 65] for o in rows]))
+    assert open_store(c).fingerprint == s.fingerprint  # found again, not re-imported
+
+
+# -- tokenizers --------------------------------------------------------------------------------
+SAMPLE = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "héllo wörld ✓ 日本\n\n\t  x"]
+
+
+def test_bpe_round_trips_and_its_gpt2_files_load_identically(tmp_path):
+    bpe = tokenizer.train_bpe(SAMPLE * 50, vocab_size=400)
+    assert bpe.vocab_size <= 400 and bpe.eot is not None
+    for text in SAMPLE + ["unseen: ∑ 🙂 \r\n  "]:
+        assert bpe.decode(bpe.encode(text)) == text
+    bpe.tok.model.save(str(tmp_path))  # GPT-2's format: vocab.json + merges.txt (#version line)
+    assert (tmp_path / "vocab.json").exists() and (tmp_path / "merges.txt").exists()
+    gpt2 = tokenizer.from_file(str(tmp_path / "vocab.json"))
+    assert gpt2.kind == "gpt2"
+    for text in SAMPLE:
+        np.testing.assert_array_equal(gpt2.encode(text), bpe.encode(text))
+        assert gpt2.decode(gpt2.encode(text)) == text
+    saved = gpt2.save(str(tmp_path))
+    again = tokenizer.load(str(tmp_path), saved)
+    np.testing.assert_array_equal(again.encode(SAMPLE[0]), gpt2.encode(SAMPLE[0]))
+
+
+def test_sentencepiece_model_loads_and_round_trips(tmp_path):
+    import sentencepiece as spm
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SAMPLE * 30), model_writer=model,
+                                   vocab_size=320, model_type="bpe", byte_fallback=True,
+                                   normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, minloglevel=2)
+    (tmp_path / "sp.model").write_bytes(model.getvalue())
+    sp = tokenizer.from_file(str(tmp_path / "sp.model"))
+    assert sp.kind == "sentencepiece" and sp.vocab_size == 320
+    for text in ["def f(x):", "return x + 1", "héllo wörld"]:
+        assert sp.decode(sp.encode(text)) == text
+    again = tokenizer.load(str(tmp_path), sp.save(str(tmp_path)))
+    np.testing.assert_array_equal(again.encode("class A"), sp.encode("class A"))
+
+
+def test_bad_tokenizer_files_are_one_line_errors(tmp_path):
+    with pytest.raises(UsageError, match="not found"):
+        tokenizer.from_file(str(tmp_path / "nope.json"))
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0}))
+    with pytest.raises(UsageError, match="no merges.txt"):
+        tokenizer.from_file(str(tmp_path / "vocab.json"))
+    (tmp_path / "x.model").write_bytes(b"not a model")
+    with pytest.raises(UsageError, match="cannot load tokenizer"):
+        tokenizer.from_file(str(tmp_path / "x.model"))
+
+
+@pytest.fixture(scope="module")
+def stdlib_bpe(tmp_path_factory):
+    """The stdlib prepared with a BPE of 8,192 tokens (as `tfdist prepare` does)."""
+    c = config.default_config()
+    c.data.data_dir = str(tmp_path_factory.mktemp("bpe"))
+    c.data.tokenizer, c.data.vocab_size = "bpe", 8192
+    return prep.prepare(c.data, progress=False)
+
+
+@pytest.mark.slow
+def test_bpe_8192_on_the_stdlib_round_trips_every_file(stdlib_bpe):
+    tok = stdlib_bpe.tokenizer()
+    assert tok.vocab_size == 8192 and stdlib_bpe.vocab_size == 8192
+    train = stdlib_bpe.manifest["splits"]["train"]
+    assert 2.5 < train["bytes"] / train["tokens"] < 6  # bytes per token: well above the byte's 1
+    files = sources.stdlib_files()
+    texts = [open(f, "rb").read().decode("utf-8") for f in files]
+    for f, text, ids in zip(files, texts, tok.tok.encode_batch(texts, add_special_tokens=False)):
+        assert tok.decode(ids.ids) == text, f

@@ -202,14 +202,14 @@ def test_one_global_step_across_workers_is_the_global_batch(uninterrupted, data_
     """Each worker's pipeline (built with the InputContext MWMS gave it) holds its own rows; the
     rows of both workers at a step are exactly that step's global batch, none twice."""
     import importlib.util
-    from tfdist.data import Windows, load_corpus
+    from tfdist.data import Windows, open_store
 
     spec = importlib.util.spec_from_file_location("gpt_nano", os.path.join(ROOT, "configs", "gpt_nano.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     c = module.get_config()
     c.data.data_dir = data_dir
-    windows = Windows(load_corpus(c.data).train, c.model.block_size, 16, seed=c.seed)
+    windows = Windows(open_store(c.data).split("train"), c.model.block_size, 16, seed=c.seed)
     global_batches = [x.numpy() for x, _ in windows.dataset_fn(0, 4)(None)]
     parts = [np.load(uninterrupted["dir"] / f"inputs-w{i}.npy") for i in (0, 1)]
     assert parts[0].shape == parts[1].shape == (4, 8, c.model.block_size)

@@ -286,15 +286,17 @@ def main(argv):
     import tensorflow as tf
     from tfdist import config as config_lib
     from tfdist import strategies
-    from tfdist.data import Windows, load_corpus
+    from tfdist.data import Windows, open_store
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
 
     c = config_lib.validate(_CONFIG.value)
     t, m = c.train, c.model
     strategy = strategies.get("single")
-    corpus = load_corpus(c.data)
-    windows = Windows(corpus.train, m.block_size, t.batch_size, seed=c.seed)
+    data = open_store(c.data)
+    if not m.vocab_size:
+        m.vocab_size = data.vocab_size
+    windows = Windows(data.split("train"), m.block_size, t.batch_size, seed=c.seed)
     tokens_per_step = t.batch_size * m.block_size
     total = _WARMUP.value + _STEPS.value * _ROUNDS.value
 

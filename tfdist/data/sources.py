@@ -20,7 +20,7 @@ Example:
     from tfdist import config
     from tfdist.data import sources
     c = config.default_config()
-    src = sources.resolve(c.data)                 # stdlib: ~1,900 files
+    src = sources.resolve(c.data)                 # stdlib: ~730 files in ~12 MB
     docs = list(sources.read_unit(src.units["val"][0]))
 """
 import dataclasses

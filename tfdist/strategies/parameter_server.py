@@ -201,9 +201,10 @@ class ParameterServer(Strategy):
             epoch_logs = {"loss": (last_loss_sum - epoch_loss_sum) / max(last_runs - epoch_runs, 1)}
             if validation_data is not None:
                 epoch_logs["val_loss"] = self._validate(model, validation_data, validation_steps)
-                if bar:
-                    print(f"val_loss: {epoch_logs['val_loss']:.4f}", flush=True)
-            cbs.on_epoch_end(epoch, epoch_logs)
+            cbs.on_epoch_end(epoch, epoch_logs)  # tfdist's log adds val_bits_per_byte
+            if bar and validation_data is not None:
+                print(" - ".join(f"{k}: {v:.4f}" for k, v in epoch_logs.items()
+                                 if k.startswith("val_")), flush=True)
             if model.stop_training:
                 break
         cbs.on_train_end()
