@@ -242,8 +242,15 @@ def save_tokenizer(data, workdir):
 
 
 def peak_rss_mib():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory (MiB): VmHWM of its own address space. (ru_maxrss
+    would also count the parent it was forked from: Linux keeps that high-water mark across
+    exec.)"""
+    try:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError, ValueError):  # not Linux
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _apply_recommended(c, strategy, say):

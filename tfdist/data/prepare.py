@@ -43,7 +43,11 @@ def tokenizer_spec(data_config):
     if t == "byte":
         return "byte"
     if t == "bpe":
-        return f"bpe-{data_config.vocab_size or DEFAULT_BPE_VOCAB}"
+        vocab = data_config.vocab_size or DEFAULT_BPE_VOCAB
+        if vocab < 257:
+            raise UsageError(f"data.vocab_size ({vocab}) must be at least 257 for a byte-level "
+                             f"BPE (256 bytes and the end-of-text token)")
+        return f"bpe-{vocab}"
     if not tf.io.gfile.exists(t):
         tokenizers.from_file(t)  # raises the one-line error
     h = hashlib.sha256()
@@ -101,12 +105,12 @@ def _lock(out):
         return
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    with open(os.path.join(parent, f".{os.path.basename(out)}.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    fd = os.open(parent, os.O_RDONLY)  # a lock on the directory itself: no lock file is left
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def prepare(data_config, out=None, workers=0, progress=True):
@@ -124,6 +128,7 @@ def prepare(data_config, out=None, workers=0, progress=True):
              f"{data_config.shard_tokens}:{sources.UNIT_BYTES}")
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     out = out or default_out(data_config, f"{src.name}-{spec}", key[:12])
+    _check_target(out, key)  # before the lock: a refused target is left untouched
     with _lock(out):
         _check_target(out, key)
         if store.read_manifest(out) is None:

@@ -263,7 +263,17 @@ def import_nanogpt(src, out, vocab_size, tokenizer=None, shard_tokens=SHARD_TOKE
     tok_config["vocab_size"] = vocab_size
     if vocab_size > 1 << 16:
         raise UsageError(f"data.vocab_size {vocab_size} does not fit nanoGPT's uint16 ids")
+    created = not tf.io.gfile.exists(out)
     tf.io.gfile.makedirs(out)
+    try:
+        return _import_nanogpt(paths, src, out, vocab_size, tokenizer, tok_config, shard_tokens, chunk)
+    except BaseException:
+        if created:  # leave nothing behind that we made
+            tf.io.gfile.rmtree(out)
+        raise
+
+
+def _import_nanogpt(paths, src, out, vocab_size, tokenizer, tok_config, shard_tokens, chunk):
     if tokenizer is not None:
         tok_config = {**tokenizer.save(out), "vocab_size": vocab_size}
     splits, h = {}, hashlib.sha256()

@@ -1,0 +1,167 @@
+"""The token store end to end through the CLI: prepare survives kills, nanoGPT's files train
+unchanged, memory does not grow with the corpus, and bad data is one line with exit 2."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, tfdist
+from tests.test_cli import tree_digest
+from tests.test_data import write_nanogpt
+
+NANO = ["--config.train.steps=4", "--config.train.steps_per_epoch=2", "--config.train.warmup_steps=1",
+        "--config.train.eval_steps=2"]
+
+
+def store_of(tmp_path, name, n_train, seed=0, **kw):
+    """A byte store of `n_train` random tokens (uint16 shards), written directly."""
+    from tfdist.data import store
+    rng = np.random.default_rng(seed)
+    return store.from_arrays(str(tmp_path / name), train=rng.integers(0, 256, n_train, np.uint8),
+                             val=rng.integers(0, 256, 100_000, np.uint8), **kw)
+
+
+def one_line_exit_2(p, expected):
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("tfdist: error:")]
+    assert len(lines) == 1 and expected in lines[0], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+def test_bad_data_is_one_line_and_exit_2_with_nothing_touched(tmp_path, data_dir):
+    from tfdist.data import store
+    good = store_of(tmp_path, "good", 50_000).dir
+    bad = {}
+    for name in ("no-manifest", "corrupt-manifest", "truncated-shard"):
+        bad[name] = store_of(tmp_path, name, 50_000, shard_tokens=16_384).dir
+    os.remove(os.path.join(bad["no-manifest"], store.MANIFEST))
+    with open(os.path.join(bad["corrupt-manifest"], store.MANIFEST), "w") as f:
+        f.write('{"format": "tfdist-token-store", "vers')
+    shard = store.shard_path(bad["truncated-shard"], "train", 1)
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    write_nanogpt(tmp_path / "odd", n_train=1000, n_val=100)
+    with open(tmp_path / "odd" / "train.bin", "ab") as f:
+        f.write(b"\0")  # half a token
+    write_nanogpt(tmp_path / "big-ids", n_train=1000, n_val=100, vocab=50257)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("hello world\n" * 2000)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a store")
+    wd = tmp_path / "wd"
+    train = ["train", f"--workdir={wd}", f"--config.data.data_dir={tmp_path / 'dd'}"]
+    cases = [
+        (train + [f"--config.data.source=store:{bad['no-manifest']}"], "not a prepared token store"),
+        (train + [f"--config.data.source=store:{bad['corrupt-manifest']}"], "manifest"),
+        (train + [f"--config.data.source=store:{bad['truncated-shard']}"], "000001.bin is 1,000 bytes"),
+        (train + [f"--config.data.source=store:{good}", "--config.model.vocab_size=100"],
+         "smaller than the tokenizer's vocabulary (256"),
+        (train + ["--config.data.tokenizer=/no/such/vocab.json"], "tokenizer file '/no/such/vocab.json' not found"),
+        (train + ["--config.data.source=hdfs:corpus"], "unknown data source scheme 'hdfs:'"),
+        (["prepare", f"--out={good}", f"--config.data.source={tmp_path / 'text'}"],
+         "holds the token store of another corpus"),
+        (["prepare", f"--out={tmp_path / 'other'}", f"--config.data.source={tmp_path / 'text'}"],
+         "is not empty and holds no token store"),
+        (train + [f"--config.data.source=nanogpt:{tmp_path / 'odd'}", "--config.data.vocab_size=50257"],
+         "not a whole number of uint16 tokens"),
+        (train + [f"--config.data.source=nanogpt:{tmp_path / 'big-ids'}", "--config.data.vocab_size=1000"],
+         "not below the stated vocabulary size 1000"),
+        (train + [f"--config.data.source=nanogpt:{tmp_path / 'big-ids'}"], "needs its vocabulary size"),
+        (train + [f"--config.data.source={tmp_path / 'text'}", "--config.data.tokenizer=bpe",
+                  "--config.data.vocab_size=100"], "at least 257"),
+    ]
+    before = tree_digest(str(tmp_path))
+    for args, expected in cases:
+        one_line_exit_2(tfdist(*args, check=False, timeout=120), expected)
+        assert tree_digest(str(tmp_path)) == before, args  # nothing written, nothing removed
+
+
+def prepare_cmd(out, corpus):
+    return [sys.executable, "-m", "tfdist", "prepare", f"--out={out}", f"--config.data.source={corpus}",
+            "--config.data.tokenizer=bpe", "--config.data.vocab_size=2048", "--workers=2"]
+
+
+def fingerprint(p):
+    return [x for x in p.stdout.splitlines() if "fingerprint" in x][-1].split()[-1]
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_finishes_on_rerun_with_the_same_store(tmp_path):
+    """SIGKILL the prepare (with its tokenizer processes) at 3 random points; each rerun goes on,
+    and the finished store has the fingerprint of an uninterrupted prepare."""
+    from tfdist.data import sources, store
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = random.Random(0)
+    words = [w for w in open(sources.stdlib_files()[0]).read().split() if w.isidentifier()] or ["x"]
+    for i in range(12):  # ~24 MB of text in 12 files: 13 work units
+        lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(40_000)]
+        (corpus / f"part{i:02d}.txt").write_text("\n".join(lines) + "\n")
+    env = dict(os.environ)
+    t0 = time.monotonic()
+    ref = subprocess.run(prepare_cmd(tmp_path / "ref", corpus), capture_output=True, text=True,
+                         timeout=600, cwd=ROOT, env=env)
+    full = time.monotonic() - t0
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out, killed_while_running = tmp_path / "store", 0
+    for trial in range(3):
+        p = subprocess.Popen(prepare_cmd(out, corpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=ROOT, env=env, start_new_session=True)
+        time.sleep(rng.uniform(0.2, 0.8) * full)
+        killed_while_running += p.poll() is None
+        os.killpg(p.pid, signal.SIGKILL)  # the prepare and the tokenizer processes it started
+        p.communicate(timeout=60)
+        if killed_while_running > trial:
+            assert store.read_manifest(str(out)) is None  # an unfinished store is never complete
+    assert killed_while_running == 3
+    done = subprocess.run(prepare_cmd(out, corpus), capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done before" in done.stdout
+    assert fingerprint(done) == fingerprint(ref)
+    assert not os.path.exists(out / ".work")
+    for name in ("train", "val"):  # the same shards, byte for byte
+        for f in sorted(os.listdir(tmp_path / "ref" / name)):
+            assert open(out / name / f, "rb").read() == open(tmp_path / "ref" / name / f, "rb").read()
+
+
+@pytest.mark.slow
+def test_nanogpt_bins_train_unchanged_and_sample(tmp_path):
+    ids = write_nanogpt(tmp_path / "owt", n_train=100_000, n_val=10_000, vocab=50257)
+    before = tree_digest(str(tmp_path / "owt"))
+    wd = tmp_path / "run"
+    p = tfdist("train", f"--workdir={wd}", f"--config.data.data_dir={tmp_path / 'dd'}",
+               f"--config.data.source=nanogpt:{tmp_path / 'owt'}", "--config.data.vocab_size=50257",
+               *NANO)
+    assert "100,000 train / 10,000 validation tokens" in p.stdout
+    assert "bits/byte unknown" in p.stdout  # ids only: the text's size is not known
+    m = json.load(open(wd / "metrics.json"))
+    assert abs(m["evals"][-1]["loss"] - np.log(50257)) < 1.0  # random ids: about ln(vocab)
+    assert tree_digest(str(tmp_path / "owt")) == before
+    assert ids["train"].max() < 50257
+
+
+def peak_rss(p):
+    line = [x for x in p.stdout.splitlines() if x.startswith("tfdist: done:")][-1]
+    return float(line.split("peak RSS ")[1].split(" MiB")[0].replace(",", ""))
+
+
+@pytest.mark.slow
+def test_memory_does_not_grow_with_the_corpus(tmp_path):
+    """gpt_nano from a 30 MB and a 300 MB store: the same peak RSS (a corpus in memory, or as a
+    graph constant, adds at least its size)."""
+    rss = {}
+    for mb in (30, 300):
+        s = store_of(tmp_path, f"s{mb}", mb * (1 << 20) // 2, seed=mb)  # uint16: 2 bytes a token
+        p = tfdist("train", f"--workdir={tmp_path / f'run{mb}'}", f"--config.data.source=store:{s.dir}",
+                   "--config.train.steps=10", "--config.train.steps_per_epoch=10",
+                   "--config.train.warmup_steps=1", "--config.train.eval_steps=2", timeout=300)
+        rss[mb] = peak_rss(p)
+    assert abs(rss[300] - rss[30]) < 60, rss
