@@ -77,9 +77,11 @@ def test_parameter_counts_match_the_papers_and_tfdists_gpt():
     assert plan.MODELS["megatron-1t"].params / 1e9 == pytest.approx(1008.0, abs=0.05)  # Table 1
     assert plan.MODELS["gpt3-175b"].params / 1e9 == pytest.approx(174.6, abs=0.05)
     assert plan.MODELS["llama2-70b"].params / 1e9 == pytest.approx(68.98, abs=0.01)  # released weights
+    from tfdist import config as config_lib
     from tfdist.models.gpt import GPT
     for name in ("gpt_nano", "gpt_mini"):
         c = plan._config(os.path.join(ROOT, "configs", f"{name}.py"))
+        c.model.vocab_size = config_lib.vocab_size(c)  # the byte tokenizer's 256
         gpt = GPT.from_model_config(c.model)
         gpt.build()
         assert plan.model_from_config(c, name).params == gpt.num_params()

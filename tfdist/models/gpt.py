@@ -106,7 +106,11 @@ class GPT(keras.Model):
 
     @classmethod
     def from_model_config(cls, model_config, **kwargs):
-        """Builds from the `model` section of a tfdist config."""
+        """Builds from the `model` section of a tfdist config (its vocab_size resolved: 0 means
+        "the tokenizer's", which the token store knows; `tfdist.train.model_vocab` sets it)."""
+        if not model_config["vocab_size"]:
+            raise ValueError("model.vocab_size is 0 (the tokenizer's): set it from the token store "
+                             "first (tfdist.train.model_vocab) or give it")
         return cls(**{k: model_config[k] for k in
                       ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")},
                    **kwargs)
