@@ -133,7 +133,7 @@ def test_a_killed_prepare_finishes_on_rerun_with_the_same_store(tmp_path):
 
 
 @pytest.mark.slow
-def test_nanogpt_bins_train_unchanged_and_sample(tmp_path):
+def test_nanogpt_bins_train_unchanged(tmp_path):
     ids = write_nanogpt(tmp_path / "owt", n_train=100_000, n_val=10_000, vocab=50257)
     before = tree_digest(str(tmp_path / "owt"))
     wd = tmp_path / "run"
@@ -165,3 +165,23 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
                    "--config.train.warmup_steps=1", "--config.train.eval_steps=2", timeout=300)
         rss[mb] = peak_rss(p)
     assert abs(rss[300] - rss[30]) < 60, rss
+
+
+@pytest.mark.slow
+def test_a_bpe_run_follows_its_vocabulary_and_samples_text(tmp_path):
+    """model.vocab_size follows the trained BPE; the tokenizer is saved with the run, and
+    `tfdist sample` decodes with it."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(3000)))
+    wd = tmp_path / "run"
+    p = tfdist("train", f"--workdir={wd}", f"--config.data.data_dir={tmp_path / 'dd'}",
+               f"--config.data.source={corpus}", "--config.data.tokenizer=bpe",
+               "--config.data.vocab_size=300", *NANO)
+    assert "bpe (300 tokens)" in p.stdout and "bits/byte)" in p.stdout
+    config = json.load(open(wd / "tokenizer" / "config.json"))
+    assert config["kind"] == "bpe" and config["vocab_size"] == 300
+    m = json.load(open(wd / "metrics.json"))
+    assert m["evals"][-1]["bits_per_byte"] > 0
+    s = tfdist("sample", f"--model={wd}/model.keras", "--prompt=def function_", "--max_new_tokens=20")
+    text = s.stdout.split("---\n", 1)[1]
+    assert text.startswith("def function_") and len(text) > len("def function_") + 5

@@ -68,7 +68,8 @@ def main(argv):
     prompt = tok.encode(_PROMPT.value)
     for i in range(_NUM.value):
         out = model.generate(prompt, _MAX_NEW.value, temperature=_TEMPERATURE.value,
-                             top_k=_TOP_K.value or None, seed=_SEED.value + i)
+                             top_k=_TOP_K.value or None, seed=_SEED.value + i,
+                             vocab_size=tok.vocab_size)
         print(f"--- sample {i + 1} ({os.path.basename(_MODEL.value)}) ---")
         print(tok.decode(out[0]))
 

@@ -157,11 +157,12 @@ class GPT(keras.Model):
         T = seq_len or self.block_size
         return 6 * self.num_params(non_embedding=True) + 12 * self.n_layer * self.n_embd * T
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, vocab_size=None):
         """Samples `max_new_tokens` after the prompt `idx` (int array (B, T) or (T,)).
 
-        temperature scales the logits; top_k keeps only the k most likely tokens (None/0: all).
-        Returns a numpy int32 array (B, T + max_new_tokens).
+        temperature scales the logits; top_k keeps only the k most likely tokens (None/0: all);
+        vocab_size, if the embedding is padded beyond the tokenizer's vocabulary, keeps the ids
+        below it. Returns a numpy int32 array (B, T + max_new_tokens).
         """
         idx = np.asarray(idx, dtype="int32")
         if idx.ndim == 1:
@@ -177,6 +178,8 @@ class GPT(keras.Model):
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.block_size:]
             logits = next_logits(tf.constant(ctx)) / temperature
+            if vocab_size and vocab_size < logits.shape[-1]:
+                logits = logits[:, :vocab_size]  # the ids keep their values
             if top_k:
                 kth = tf.math.top_k(logits, k=min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = tf.where(logits < kth, tf.fill(tf.shape(logits), -np.inf), logits)
