@@ -42,7 +42,7 @@ def default_config():
     # beside it), a Hugging Face tokenizer.json, or a SentencePiece .model.
     c.data.tokenizer = "byte"
     c.data.vocab_size = 0  # bpe: tokens to train (0: 8192); nanogpt: the ids' vocabulary (required)
-    c.data.shard_tokens = 1 << 20  # tokens per store shard (2 MiB at uint16)
+    c.data.shard_tokens = 1 << 17  # tokens per store shard (256 KiB at uint16)
     c.data.text_key = "text"  # feature holding the text in a TFDS dataset
     c.data.val_fraction = 0.05  # tail of the corpus kept for validation (if no validation split)
 

@@ -241,7 +241,8 @@ def input_main():
         for name, make in variants.items():
             timer = Timer()
             timer.times = []
-            model.fit(make(), epochs=1, steps_per_epoch=steps, callbacks=[timer], verbose=0)
+            model.fit(make(), epochs=1, steps_per_epoch=steps, callbacks=[timer], verbose=0,
+                      shuffle=False)
             if r:  # round 0 warms up (tracing)
                 times[name] += timer.times[2:]
     med = {k: float(np.median(v)) for k, v in times.items()}

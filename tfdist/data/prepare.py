@@ -123,6 +123,10 @@ def prepare(data_config, out=None, workers=0, progress=True):
         raise UsageError(f"data.source {data_config.source} is already tokenized; `tfdist prepare "
                          f"--out` takes text: stdlib, text paths or tfds:<name>")
     src = sources.resolve(data_config)
+    for split in store.SPLITS:
+        if not src.units[split]:
+            raise UsageError(f"the {split} split of {src.name} would be empty; use more text or "
+                             f"another data.val_fraction")
     spec = tokenizer_spec(data_config)
     ident = (f"{store.VERSION}:{src.key}:{spec}:{data_config.val_fraction}:"
              f"{data_config.shard_tokens}:{sources.UNIT_BYTES}")
@@ -164,14 +168,14 @@ def _build(src, data_config, out, key, workers, progress):
     say = print if progress else (lambda *a, **k: None)
     tok_config = _tokenizer(src, data_config, out, work, say)
     jobs = [(split, k, unit) for split in store.SPLITS for k, unit in enumerate(src.units[split])]
-    todo = [j for j in jobs if not tf.io.gfile.exists(_piece(work, j[0], j[1]) + ".json")]
+    done = {j[:2] for j in jobs if tf.io.gfile.exists(_piece(work, j[0], j[1]) + ".json")}
+    todo = [j for j in jobs if j[:2] not in done]
     say(f"tfdist prepare: {src.name} ({src.total_bytes / 1e6:,.1f} MB, {len(jobs)} units, "
         f"{len(jobs) - len(todo)} done before) -> {out} with {tokenizers.describe(tok_config)}, "
         f"{min(workers, max(len(todo), 1))} process(es)")
     bar = _Progress(src.total_bytes, progress)
-    for job in jobs:
-        if job not in todo:
-            bar.add(_stats(work, *job[:2]), done_before=True)
+    for split, k in sorted(done):
+        bar.add(_stats(work, split, k), done_before=True)
     if todo:
         args = [(out, tok_config, *job) for job in todo]
         if workers > 1 and len(todo) > 1:
@@ -195,9 +199,6 @@ def _build(src, data_config, out, key, workers, progress):
             with tf.io.gfile.GFile(_piece(work, split, k) + ".bin", "rb") as f:
                 w.write(np.frombuffer(f.read(), dtype=np.uint32))
         splits[split] = {**w.close(), **totals}
-        if splits[split]["tokens"] == 0:
-            raise UsageError(f"the {split} split of {src.name} is empty; use more text or another "
-                             f"data.val_fraction")
     m = store.write_manifest(out, source=data_config.source, key=key, tokenizer=tok_config,
                              splits=splits, shard_tokens=data_config.shard_tokens)
     tf.io.gfile.rmtree(work)

@@ -43,7 +43,9 @@ from tfdist.errors import UsageError
 
 FORMAT, VERSION = "tfdist-token-store", 1
 MANIFEST = "manifest.json"
-SHARD_TOKENS = 1 << 20  # 1 Mi tokens: 2 MiB shards at uint16
+# 128 Ki tokens (256 KiB at uint16): a window reads its whole shard (TF has no ranged read), so
+# smaller shards read less per window; 2 MiB shards cost 4.4 ms a window here, 4 % of a gpt_mini step.
+SHARD_TOKENS = 1 << 17
 SPLITS = ("train", "val")
 
 
