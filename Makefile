@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-pipeline chaos chaos-ps chaos-horovod plan-validate plan-measured clean
+        bench-allreduce bench-pipeline bench-data chaos chaos-ps chaos-horovod plan-validate plan-measured clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ bench-scaling: $(STAMP)
 # parameter server: 2 workers + 1 ps vs 1 worker + 1 ps, 1 thread each, gpt_mini.
 bench-scaling-ps: $(STAMP)
 	$(BIN)/python tools/bench.py --scaling --ps
+
+# The data path: peak RSS against corpus size (a generated 2.6 G-token store, ~5 GB in /tmp) under
+# single / MWMS / parameter server; input cost in the step; byte vs BPE-8192 on gpt_mini.
+bench-data: $(STAMP)
+	$(BIN)/python tools/bench_data.py --memory --input --tokenizers
 
 # 5 trials: SIGKILL a worker of a 2-worker run at a random step; the launcher restarts, the run
 # must end with the exact steps and bitwise the weights of an uninterrupted run.

@@ -7,7 +7,8 @@
 A run writes into --workdir: `backup/` while it trains (removed at the end), `tensorboard/`,
 `metrics.json` (per-step loss, lr, tokens/s; validation loss per epoch in nats/token and bits per
 byte), `loss.png`, `tokenizer/` and `model.keras`. The data comes from a token store, prepared on
-first use (`tfdist prepare` does it beforehand, in parallel). Run the same command again after a crash and it resumes at the exact step.
+first use (`tfdist prepare` does it beforehand, in parallel). Run the same command again after a
+crash and it resumes at the exact step.
 """
 import os
 import sys
