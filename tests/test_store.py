@@ -1,8 +1,10 @@
 """The token store end to end through the CLI: prepare survives kills, nanoGPT's files train
 unchanged, memory does not grow with the corpus, and bad data is one line with exit 2."""
+import glob
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -94,8 +96,8 @@ def fingerprint(p):
 
 @pytest.mark.slow
 def test_a_killed_prepare_finishes_on_rerun_with_the_same_store(tmp_path):
-    """SIGKILL the prepare (with its tokenizer processes) at 3 random points; each rerun goes on,
-    and the finished store has the fingerprint of an uninterrupted prepare."""
+    """SIGKILL the prepare (with its tokenizer processes) at 3 random points of its progress; each
+    rerun goes on, and the finished store has the fingerprint of an uninterrupted prepare."""
     from tfdist.data import sources, store
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -104,25 +106,28 @@ def test_a_killed_prepare_finishes_on_rerun_with_the_same_store(tmp_path):
     for i in range(12):  # ~24 MB of text in 12 files: 13 work units
         lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(40_000)]
         (corpus / f"part{i:02d}.txt").write_text("\n".join(lines) + "\n")
-    env = dict(os.environ)
-    t0 = time.monotonic()
     ref = subprocess.run(prepare_cmd(tmp_path / "ref", corpus), capture_output=True, text=True,
-                         timeout=600, cwd=ROOT, env=env)
-    full = time.monotonic() - t0
+                         timeout=600, cwd=ROOT)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    out, killed_while_running = tmp_path / "store", 0
-    for trial in range(3):
+    units = int(re.search(r"MB, (\d+) units", ref.stdout).group(1))
+    # The kill points: once a random number of units are done (-1: as soon as the prepare has
+    # started, while the BPE trains), at most units - 2, so that every run is killed with work left.
+    points = sorted(rng.sample(range(-1, units - 1), 3))
+    out = tmp_path / "store"
+    for point in points:
         p = subprocess.Popen(prepare_cmd(out, corpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             cwd=ROOT, env=env, start_new_session=True)
-        time.sleep(rng.uniform(0.2, 0.8) * full)
-        killed_while_running += p.poll() is None
+                             cwd=ROOT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(out / ".work" / "key") or \
+                len(glob.glob(str(out / ".work" / "*-*.json"))) < point:  # units: <split>-<k>.json
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-2000:]
+            time.sleep(0.05)
         os.killpg(p.pid, signal.SIGKILL)  # the prepare and the tokenizer processes it started
         p.communicate(timeout=60)
-        if killed_while_running > trial:
-            assert store.read_manifest(str(out)) is None  # an unfinished store is never complete
-    assert killed_while_running == 3
+        assert p.returncode == -signal.SIGKILL, point
+        assert store.read_manifest(str(out)) is None  # an unfinished store is never complete
     done = subprocess.run(prepare_cmd(out, corpus), capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env=env)
+                          cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done before" in done.stdout
     assert fingerprint(done) == fingerprint(ref)
