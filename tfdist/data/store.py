@@ -73,23 +73,24 @@ class ShardWriter:
     def __init__(self, directory, split, dtype, shard_tokens=SHARD_TOKENS):
         self.dir, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
         tf.io.gfile.makedirs(os.path.join(directory, split))
-        self.buffer, self.shards, self.tokens = [], 0, 0
+        self.buffer, self.buffered, self.shards, self.tokens = [], 0, 0, 0
         self.hash = hashlib.sha256()
 
     def write(self, ids):
         ids = np.asarray(ids).astype(f"<{self.dtype[0]}{np.dtype(self.dtype).itemsize}", copy=False)
         while ids.size:
-            room = self.shard_tokens - sum(len(b) for b in self.buffer)
-            self.buffer.append(ids[:room])
-            ids = ids[room:]
-            if sum(len(b) for b in self.buffer) == self.shard_tokens:
+            part = ids[:self.shard_tokens - self.buffered]
+            self.buffer.append(part)
+            self.buffered += len(part)
+            ids = ids[len(part):]
+            if self.buffered == self.shard_tokens:
                 self._flush()
 
     def _flush(self):
-        data = np.concatenate(self.buffer).tobytes() if self.buffer else b""
-        self.buffer = []
-        if not data:
+        if not self.buffered:
             return
+        data = np.concatenate(self.buffer).tobytes()
+        self.buffer, self.buffered = [], 0
         write_atomic(shard_path(self.dir, self.split, self.shards), data)
         self.hash.update(data)
         self.shards += 1
