@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from launchers.local import children, task_of  # noqa: F401  (re-exported for tests)
+from tfdist.launch.local import children, task_of  # noqa: F401  (re-exported for tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(ROOT, "tools", "faulty_train.py")

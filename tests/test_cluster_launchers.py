@@ -17,7 +17,7 @@ import sys
 import pytest
 import yaml
 
-from launchers.local import loopback_shim
+from tfdist.launch.local import loopback_shim
 from tests.conftest import ROOT
 from tfdist import cluster
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import ROOT, driver, run, tfdist
 from tests.test_cli import _tf_noise
-from launchers.local import horovodrun_argv
+from tfdist.launch.local import horovodrun_argv
 from tests.test_horovod import max_diff, run_group, weights
 
 PROBE = os.path.join(ROOT, "tests", "pipeline_probe.py")

@@ -2,7 +2,7 @@
 import importlib
 import sys
 
-COMMANDS = {"prepare": "tfdist.prepare", "train": "tfdist.train", "sample": "tfdist.sample", "launch": "launchers.launch",
+COMMANDS = {"prepare": "tfdist.prepare", "train": "tfdist.train", "sample": "tfdist.sample", "launch": "tfdist.launch.cli",
             "plan": "tfdist.plan"}
 USAGE = "usage: tfdist {prepare,train,sample,launch,plan} [--flags]   (tfdist <command> --help for its flags)"
 

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from launchers.local import children, task_of  # noqa: E402
+from tfdist.launch.local import children, task_of  # noqa: E402
 
 _MEMORY = flags.DEFINE_bool("memory", False, "Peak RSS per process, big store vs small store.")
 _INPUT = flags.DEFINE_bool("input", False, "Input cost in the step, and reader windows/s.")

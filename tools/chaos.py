@@ -141,7 +141,7 @@ def report(args, table, rows):
 
 
 def ps_trials(args):
-    from launchers.local import children, task_of
+    from tfdist.launch.local import children, task_of
 
     args.out = args.out or os.path.join(ROOT, "bench_results", "chaos-ps.json")
     steps = args.steps if args.steps != 30 else 600

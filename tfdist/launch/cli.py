@@ -1,11 +1,11 @@
-"""`tfdist launch`: the command line of the local launcher (`launchers.local` does the work).
+"""`tfdist launch`: the command line of the local launcher (`tfdist.launch.local` does the work).
 
     tfdist launch --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/nano-2w
     tfdist launch --strategy=parameter_server --workers 2 --ps 1 -- --config=configs/gpt_nano.py
     tfdist launch --strategy=horovod --workers 2 -- --config=configs/gpt_nano.py
     tfdist launch --workers 2 -- python my_keras_program.py --its --flags
 
-See `launchers/local.py` for what it does, and its exit status.
+See `tfdist/launch/local.py` for what it does, and its exit status.
 """
 import os
 import shutil
@@ -14,7 +14,7 @@ import sys
 
 from absl import flags
 
-from launchers.local import STRATEGIES, Supervisor, horovodrun_argv, loopback_shim
+from tfdist.launch.local import STRATEGIES, Supervisor, horovodrun_argv, loopback_shim
 from tfdist import cli
 from tfdist.errors import UsageError
 

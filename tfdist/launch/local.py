@@ -1,4 +1,4 @@
-"""The local launcher behind `tfdist launch` (its flags: `launchers/launch.py`): N worker processes
+"""The local launcher behind `tfdist launch` (its flags: `tfdist/launch/cli.py`): N worker processes
 on 127.0.0.1 with their TF_CONFIG, supervised.
 
     tfdist launch --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/nano-2w
@@ -47,6 +47,7 @@ from tfdist.errors import UsageError
 
 STRATEGIES = ("multi_worker_mirrored", "parameter_server", "horovod")
 MAX_BACKOFF = 60.0
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def free_ports(n):
     """n distinct ports free on 127.0.0.1 right now."""
@@ -90,7 +91,10 @@ def task_of(pid):
 
 def loopback_shim():
     """Path of the compiled loopback-bind shim, built on first use (cached by source hash)."""
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loopback_bind.c")
+    src = os.path.join(_REPO, "launchers", "loopback_bind.c")
+    if not os.path.exists(src):
+        raise UsageError(f"--bind=loopback needs {src} (tfdist's repository checkout); "
+                         f"pass --bind=all (workers then listen on every interface)")
     with open(src, "rb") as f:
         digest = hashlib.sha1(f.read()).hexdigest()[:12]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tfdist")
@@ -221,7 +225,7 @@ class Supervisor:
 
     Example (any program that reads TF_CONFIG):
 
-        from launchers.local import Supervisor
+        from tfdist.launch.local import Supervisor
         code = Supervisor(["python", "-c", "import os; print(os.environ['TF_CONFIG'])"],
                           n=2, max_restarts=0).run()
     """
