@@ -9,7 +9,7 @@ import pytest
 from tfdist.launch.local import children, task_of  # noqa: F401  (re-exported for tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(ROOT, "tools", "faulty_train.py")
+DRIVER = os.path.join(ROOT, "tests", "faulty_train.py")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -41,7 +41,7 @@ def tfdist(*args, timeout=300, check=True):
 
 
 def driver(workdir, overrides, *extra, timeout=300, check=True):
-    """Runs tools/faulty_train.py; returns (CompletedProcess, result dict or None)."""
+    """Runs tests/faulty_train.py; returns (CompletedProcess, result dict or None)."""
     p = run([sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra],
             timeout=timeout, check=check)
     line = [x for x in p.stdout.splitlines() if x.startswith("DRIVER_RESULT ")]

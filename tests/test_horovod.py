@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from tfdist.launch.local import horovodrun_argv
+from tfdist.strategies.horovod import horovodrun_argv
 from tests.conftest import DRIVER, ROOT, driver, executed_steps
 
 STEPS = 20

@@ -67,11 +67,11 @@ def test_user_functional_model_fits_under_strategy(name, replicas):
 
 
 SPARSE_MODEL = r"""
-import sys, numpy as np, tensorflow as tf, keras, tfdist.strategies, tfdist.strategies.base as base
+import sys, numpy as np, tensorflow as tf, keras, tfdist.strategies, tfdist.compat as compat
 name, mode, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
 strategy = tfdist.strategies.get(name, devices=2)
 if mode == "no_dedupe":
-    base._sum_duplicates = lambda g: g
+    compat._sum_duplicates = lambda g: g
 
 class Positions(keras.layers.Layer):   # a learned position embedding, as in a GPT
     def __init__(self, rows):
@@ -107,7 +107,7 @@ model.fit(ds, epochs=1, steps_per_epoch=6, verbose=0, callbacks=[Losses()])
 ])
 def test_optimizer_corrections_make_mirrored_equal_single(mode, rows, equal):
     """Keras 3 AdamW with global_clipnorm and a position embedding: mirrored (2 logical CPUs) vs
-    single. Each correction in fix_distributed_apply is needed; with them the two agree. (On one
+    single. Each correction in compat.set_gradient_reduction is needed; with them the two agree. (On one
     device the 16 slices are distinct; the all-reduce concatenates 2 x 16 with each index twice.)"""
     def losses(name):
         p = run([sys.executable, "-c", SPARSE_MODEL, name, mode, str(rows)], timeout=300)

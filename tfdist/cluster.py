@@ -106,8 +106,8 @@ def from_slurm(port_base=8888, env=None, ps=0):
     old = {k: os.environ.get(k) for k in env if k.startswith("SLURM_")}
     os.environ.update({k: v for k, v in env.items() if k.startswith("SLURM_")})
     try:
-        from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm
-        per_node = max(slurm.expand_tasks_per_node(
+        from tfdist import compat
+        per_node = max(compat.slurm_tasks_per_node(
             env.get("SLURM_STEP_TASKS_PER_NODE") or env["SLURM_TASKS_PER_NODE"]))
         # TF's resolver zips each node's task ports with a range over its GPUs, so on CPU-only
         # nodes (gpus_per_node=0) it lists no tasks at all. Give it one "GPU" slot per task and

@@ -16,7 +16,6 @@ import ml_collections
 from tfdist.errors import UsageError
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
-CROSS_DEVICE_OPS = ("auto", "ring", "reduce_to_one", "hierarchical")
 
 
 def default_config():
@@ -67,16 +66,12 @@ def default_config():
     c.train.intra_op_threads = 0  # TF's thread pools per process; 0 = TF's default (all cores)
     c.train.inter_op_threads = 0
 
+    # The strategy's name, and every plugin's own options with their defaults (declared and
+    # checked by the plugins: `options` in tfdist/strategies/<name>.py).
+    from tfdist import strategies
     c.strategy = ml_collections.ConfigDict()
     c.strategy.name = "single"
-    c.strategy.devices = 0  # mirrored on CPU: split the CPU into N logical devices (0 = as found)
-    c.strategy.cross_device_ops = "auto"
-    c.strategy.compression = "none"  # horovod: "fp16" sends the gradients as float16
-    c.strategy.lr_scaling = "none"  # horovod: "linear" multiplies the learning rate by the ranks
-    c.strategy.tpu = "local"  # tpu: "local" (this TPU VM), a TPU name, or grpc://host:port
-    c.strategy.tpu_zone = ""  # tpu: zone and project of a named TPU
-    c.strategy.tpu_project = ""
-    c.strategy.tpu_timeout = 120.0  # tpu: seconds to find, reach and initialise the TPU system
+    c.strategy.update(strategies.default_options())
 
     # Layer-split model parallelism (tfdist/models/pipeline.py): the GPT's blocks in `stages`
     # contiguous stages on as many devices, each batch in `microbatches` (GPipe).
@@ -141,13 +136,7 @@ _RULES = {
     "train.intra_op_threads": (lambda v: 0 <= v <= 1024, "an integer >= 0 (0: TF's default)"),
     "train.inter_op_threads": (lambda v: 0 <= v <= 1024, "an integer >= 0 (0: TF's default)"),
     "strategy.name": (lambda v: bool(v), "a strategy name"),
-    "strategy.devices": (lambda v: isinstance(v, int) and 0 <= v <= 64, "an integer in [0, 64]"),
-    "strategy.cross_device_ops": (lambda v: v in CROSS_DEVICE_OPS, "one of " + ", ".join(CROSS_DEVICE_OPS)),
-    "strategy.tpu": (lambda v: bool(v.strip()), "local, a TPU name or grpc://host:port"),
-    "strategy.tpu_timeout": (lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]"),
     "train.steps_per_execution": (_positive_int, "an integer > 0"),
-    "strategy.compression": (lambda v: v in ("none", "fp16"), "none or fp16"),
-    "strategy.lr_scaling": (lambda v: v in ("none", "linear"), "none or linear"),
     "pipeline.stages": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
     "pipeline.microbatches": (lambda v: isinstance(v, int) and 1 <= v <= 4096, "an integer in [1, 4096]"),
     "pipeline.layers_per_stage": (lambda v: v == "" or all(p.strip().isdigit() for p in v.split(",")),
@@ -191,6 +180,8 @@ def validate(c):
             ok = False
         if not ok:
             raise UsageError(f"config key '{path}' must be {what}, got {value!r}")
+    from tfdist import strategies
+    strategies.check_config(c.strategy)
     m, t = c.model, c.train
     if m.n_embd % m.n_head:
         raise UsageError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")

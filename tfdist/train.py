@@ -80,15 +80,54 @@ def prepare(c, workdir, overwrite=False):
     prepare_workdir(workdir, c.backup.dir or os.path.join(workdir, "backup"), overwrite)
 
 
-def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
+class Hooks:
+    """The points where a test driver may change a run on purpose (`tests/faulty_train.py`
+    injects faults and leaves out corrections through them). The defaults change nothing.
+
+    Example:
+
+        class NoBroadcast(Hooks):
+            def strategy_callbacks(self, callbacks):
+                return [cb for cb in callbacks if "Broadcast" not in type(cb).__name__]
+        train(c, "runs/x", hooks=NoBroadcast())
+    """
+
+    #: names of `tfdist.compat.PATCHES` not to apply
+    disable_patches = ()
+
+    def model_seed(self, seed, strategy):
+        """The seed of the model's initialisation (the data keeps the config's)."""
+        return seed
+
+    def wrap_optimizer(self, optimizer, strategy):
+        return strategy.wrap_optimizer(optimizer)
+
+    def strategy_callbacks(self, callbacks):
+        return callbacks
+
+    def on_input(self, windows, input_context):
+        """Called with each training input pipeline's `Windows` and `InputContext`."""
+
+    def save_checkpoint(self, manager, step):
+        """Writes backup `step` with its `tf.train.CheckpointManager`."""
+        manager.save(checkpoint_number=step)
+
+
+def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks=None):
     """Runs training for config `c` into `workdir`. Returns a dict of results.
 
     `extra_callbacks` run after tfdist's own (after the backup of a step has been written).
+    `hooks`: a `Hooks` (tests).
     """
     import tensorflow as tf
     from tfdist import strategies
     from tfdist.errors import UsageError
     from tfdist.strategies.base import configure_logical_cpus
+
+    hooks = hooks or Hooks()
+    if hooks.disable_patches:
+        from tfdist import compat
+        compat.disable(*hooks.disable_patches)
 
     # Before anything initialises TF's runtime: thread pools, then the strategy (which may split
     # the CPU into logical devices).
@@ -97,16 +136,14 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     p = c.pipeline
     pipelined = p.stages > 1 or p.microbatches > 1
     if p.stages > 1 and not p.devices and len(tf.config.list_physical_devices("GPU")) < p.stages:
-        if c.strategy.name == "mirrored":
-            raise UsageError("pipeline stages and the mirrored strategy both want this machine's "
-                             "devices; combine a pipeline with one replica per process "
-                             "(horovod or multi_worker_mirrored)")
+        plugin = strategies.get_class(c.strategy.name)
+        if plugin.uses_local_devices:
+            raise UsageError(f"pipeline stages and the {plugin.name} strategy both want this "
+                             f"machine's devices; combine a pipeline with one replica per process "
+                             f"(horovod or multi_worker_mirrored)")
         configure_logical_cpus(p.stages)  # one logical CPU device per stage
     strategy = strategies.from_config(c)
-    if strategy.is_server:  # a parameter server's worker or ps task: the chief trains
-        strategy.serve()
-        sys.stdout.flush()
-        os._exit(0)  # TF's server threads would keep the process alive
+    strategy.serve()  # a task that only serves others (parameter server) ends here
 
     import keras
     from tfdist import callbacks as cb
@@ -126,12 +163,13 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
                          f"{strategy.num_replicas} replicas of strategy {strategy.name}")
     if t.deterministic:
         tf.config.experimental.enable_op_determinism()
-    keras.utils.set_random_seed(c.seed)
+    keras.utils.set_random_seed(hooks.model_seed(c.seed, strategy))
     keras.mixed_precision.set_dtype_policy(t.precision)
 
     data = open_store(c.data, progress=strategy.is_chief)
     model_vocab(c, data)
-    train_windows = Windows(data.split("train"), c.model.block_size, t.batch_size, seed=c.seed)
+    train_windows = Windows(data.split("train"), c.model.block_size, t.batch_size, seed=c.seed,
+                            on_input=hooks.on_input)
     val_windows = Windows(data.split("val"), c.model.block_size, t.batch_size, seed=c.seed + 1)
 
     per_replica = t.batch_size // strategy.num_replicas
@@ -149,7 +187,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
                              devices=p.devices.split(",") if p.devices else None,
                              recompute=p.recompute)
         model.build()
-        optimizer = strategy.wrap_optimizer(make_optimizer(t, t.steps))
+        optimizer = hooks.wrap_optimizer(make_optimizer(t, t.steps), strategy)
         model.compile(optimizer=optimizer, loss=loss_fn(), jit_compile=t.jit_compile,
                       steps_per_execution=t.steps_per_execution)
         optimizer.build(model.trainable_variables)
@@ -160,6 +198,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     backup = cb.BackupAndRestore(
         backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps, keep=c.backup.keep,
         delete_on_success=c.backup.delete_on_success, is_chief=strategy.is_chief,
+        save_checkpoint=hooks.save_checkpoint,
         worker_index=strategy.worker_index, collective=strategy.collective_checkpoints,
         signature={"model": c.model.to_dict(), "data": {
             "store": data.manifest["source"], "fingerprint": data.fingerprint, "seed": c.seed,
@@ -191,7 +230,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=()):
     strategy.fit(model, train_windows, epochs=t.steps // t.steps_per_epoch,
                  steps_per_epoch=t.steps_per_epoch, initial_step=start, callbacks=callbacks,
                  validation_data=val_windows, validation_steps=t.eval_steps,
-                 verbose=verbose if strategy.is_chief else 0)  # one progress bar per cluster
+                 verbose=verbose if strategy.is_chief else 0,  # one progress bar per cluster
+                 strategy_callbacks=hooks.strategy_callbacks(strategy.callbacks()))
 
     if pipelined:
         for row in model.memory_report(per_replica):
@@ -259,7 +299,7 @@ def _apply_recommended(c, strategy, say):
     where the config still has tfdist's defaults."""
     from tfdist import config as config_lib
     defaults = config_lib.default_config()
-    for key, value in getattr(strategy, "recommended", {}).items():
+    for key, value in strategy.recommended.items():
         section, name = key.split(".")
         if c[section][name] != defaults[section][name]:
             continue  # the user chose

@@ -104,7 +104,7 @@ def main(argv):
     if _WORKER.value:
         return run_worker()
     import numpy as np
-    from tfdist.launch.local import horovodrun_argv
+    from tfdist.strategies.horovod import horovodrun_argv
     me = [sys.executable, os.path.abspath(__file__), f"--sizes_mb={','.join(_SIZES.value)}",
           f"--iters={_ITERS.value}", f"--warmup={_WARMUP.value}"]
     variants = {

@@ -7,7 +7,7 @@
 
 multi_worker_mirrored and horovod (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
-and a worker in turn (worker 0, the chief, first). That worker SIGKILLs itself right after the step (tools/faulty_train.py), the launcher
+and a worker in turn (worker 0, the chief, first). That worker SIGKILLs itself right after the step (tests/faulty_train.py), the launcher
 stops the group and restarts it, and training resumes from the backup. A backup is written after
 every step, with op determinism and dropout on. A trial passes when the launcher exits 0 after
 exactly one restart, every worker executed exactly the planned steps (none lost, none repeated),
@@ -33,7 +33,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(ROOT, "tools", "faulty_train.py")
+DRIVER = os.path.join(ROOT, "tests", "faulty_train.py")
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

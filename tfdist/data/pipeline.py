@@ -31,15 +31,18 @@ from tfdist.errors import UsageError
 
 
 class Windows:
-    """Random windows of `block_size + 1` tokens from one split of a token store."""
+    """Random windows of `block_size + 1` tokens from one split of a token store.
 
-    def __init__(self, split, block_size, global_batch, seed):
+    `on_input(windows, input_context)`, if given, is called as each input pipeline is built.
+    """
+
+    def __init__(self, split, block_size, global_batch, seed, on_input=None):
         if split.num_tokens < block_size + 2:
             raise UsageError(f"the {split.name} split has {split.num_tokens:,} tokens, shorter than "
                              f"one window of {block_size + 1}; use more text or a smaller "
                              f"model.block_size")
         self.split, self.num_tokens, self.block_size = split, split.num_tokens, block_size
-        self.global_batch, self.seed = global_batch, seed
+        self.global_batch, self.seed, self.on_input = global_batch, seed, on_input
 
     def offsets(self, step):
         """Start offsets (int64, global_batch) of the windows of global step `step`."""
@@ -64,6 +67,8 @@ class Windows:
         validation batches).
         """
         def fn(input_context=None):
+            if self.on_input and not repeat:
+                self.on_input(self, input_context)
             if input_context is None:
                 replicas, pipelines, pipeline_id = 1, 1, 0
             else:

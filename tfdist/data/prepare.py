@@ -308,5 +308,5 @@ class _Progress:
                                                       ("tokens", int(self.tokens))])
 
     def close(self):
-        if self.bar and self.bar._seen_so_far < self.bar.target:
+        if self.bar and self.bytes / 1e6 < self.bar.target:  # the bar is at self.bytes
             self.bar.update(self.bar.target, finalize=True)

@@ -14,15 +14,16 @@ import sys
 
 from absl import flags
 
-from tfdist.launch.local import STRATEGIES, Supervisor, horovodrun_argv, loopback_shim
-from tfdist import cli
+from tfdist import cli, strategies
+from tfdist.launch.local import Supervisor, loopback_shim
 from tfdist.errors import UsageError
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Number of worker processes.")
 _STRATEGY = flags.DEFINE_string("strategy", "multi_worker_mirrored",
-                                "Strategy of the workers: " + ", ".join(STRATEGIES) + ".")
-_PS = flags.DEFINE_integer("ps", 1, "parameter_server: number of ps tasks (a chief, the "
-                           "coordinator, is started too).")
+                                "Strategy of the workers (one whose plugin declares `launch`: "
+                                "multi_worker_mirrored, parameter_server, horovod).")
+_PS = flags.DEFINE_integer("ps", 1, "Number of ps tasks, for a strategy with ps tasks "
+                           "(parameter_server; a chief, the coordinator, is started too).")
 _MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3,
                                      "Restarts of the whole group before giving up.")
 _BACKOFF = flags.DEFINE_float("backoff", 2.0,
@@ -46,10 +47,12 @@ def main(argv):
                          "e.g. tfdist launch --workers 2 -- --config=configs/gpt_nano.py")
     if not 1 <= n <= 64:
         raise UsageError(f"--workers must be between 1 and 64, got {n}")
-    if strategy not in STRATEGIES:
+    spec = strategies.get_class(strategy).launch
+    if spec is None:
+        launchable = [s for s in strategies.names() if strategies.get_class(s).launch]
         raise UsageError(f"tfdist launch cannot start strategy '{strategy}'; it starts: "
-                         f"{', '.join(STRATEGIES)}")
-    if strategy == "parameter_server" and not 1 <= _PS.value <= 16:
+                         f"{', '.join(launchable)}")
+    if "ps" in spec.roles and not 1 <= _PS.value <= 16:
         raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
     if _MAX_RESTARTS.value < 0 or _BACKOFF.value < 0:
         raise UsageError("--max_restarts and --backoff must be >= 0")
@@ -71,12 +74,14 @@ def main(argv):
                              f"start with -, e.g. --config=...)")
         argv = rest
 
-    horovod = strategy == "horovod"  # one horovodrun, which starts and stops the ranks itself
-    if horovod:
-        argv = horovodrun_argv(n, argv)
-    code = Supervisor(argv, 1 if horovod else n, ps=_PS.value if strategy == "parameter_server" else 0,
+    counts = {"chief": 1, "worker": n, "ps": _PS.value}
+    if spec.wrapper:  # one process (e.g. horovodrun) that starts and stops the ranks itself
+        argv, roles = spec.wrapper(n, argv), [("worker", 0)]
+    else:
+        roles = [(role, i) for role in spec.roles for i in range(counts[role])]
+    code = Supervisor(argv, roles, restart_alone=spec.restart_alone, servers=spec.servers,
                       max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
-                      env=env, log_dir=_LOG_DIR.value, tf_config=not horovod).run()
+                      env=env, log_dir=_LOG_DIR.value, tf_config=not spec.wrapper).run()
     sys.exit(code)
 
 

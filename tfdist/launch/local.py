@@ -45,7 +45,6 @@ import time
 
 from tfdist.errors import UsageError
 
-STRATEGIES = ("multi_worker_mirrored", "parameter_server", "horovod")
 MAX_BACKOFF = 60.0
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -114,17 +113,6 @@ def loopback_shim():
         raise UsageError(f"building {src} with {cc} failed ({last}); pass --bind=all to do without")
     os.replace(tmp, so)
     return so
-
-
-def horovodrun_argv(n, argv):
-    """`horovodrun` for `n` ranks on this host over Gloo, on the loopback interface only."""
-    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    if not os.path.exists(exe):
-        exe = shutil.which("horovodrun")
-    if not exe:
-        raise UsageError("--strategy=horovod needs horovodrun: install Horovod with `make horovod`")
-    return [exe, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--network-interfaces", "lo",
-            *argv]
 
 
 def describe_exit(code):
@@ -215,28 +203,29 @@ def _is_noise(text):
 
 
 class Supervisor:
-    """Starts `argv` as n workers (plus a chief and ps tasks for a parameter server) with TF_CONFIG
-    on fresh 127.0.0.1 ports, and restarts on failure.
+    """Starts `argv` as the tasks `roles` ([(role, index), ...], the first the chief) with
+    TF_CONFIG on fresh 127.0.0.1 ports, and restarts on failure (the strategy plugin's `Launch`
+    says how).
 
-    Synchronous (`ps=0`): any failure restarts the whole group. Parameter server (`ps>0`): a dead
-    worker is restarted alone, at its address, and rejoins; a dead chief or ps restarts the group.
-    The run is done when the chief (worker 0 without a chief) exits 0; tasks still running then
-    are stopped (at once for a parameter server, whose servers never exit by themselves).
+    A dead task of a role in `restart_alone` is restarted alone, at its address, and rejoins;
+    any other failure restarts the whole group. The run is done when the chief exits 0; tasks
+    still running then are stopped: at once for `servers`, which never exit by themselves,
+    else after FINISH_GRACE seconds.
 
     Example (any program that reads TF_CONFIG):
 
         from tfdist.launch.local import Supervisor
         code = Supervisor(["python", "-c", "import os; print(os.environ['TF_CONFIG'])"],
-                          n=2, max_restarts=0).run()
+                          [("worker", 0), ("worker", 1)], max_restarts=0).run()
     """
 
     FINISH_GRACE = 120.0  # seconds the others may take to exit after the chief has finished
 
-    def __init__(self, argv, n, *, ps=0, max_restarts=3, backoff=2.0, env=None, log_dir=None,
-                 output=None, tf_config=True):
-        self.argv, self.n, self.ps, self.tf_config = argv, n, ps, tf_config
-        self.roles = ([("chief", 0)] if ps else []) + [("worker", i) for i in range(n)] + \
-                     [("ps", i) for i in range(ps)]
+    def __init__(self, argv, roles, *, restart_alone=(), servers=(), max_restarts=3, backoff=2.0,
+                 env=None, log_dir=None, output=None, tf_config=True):
+        self.argv, self.roles, self.tf_config = argv, list(roles), tf_config
+        self.restart_alone, self.servers = tuple(restart_alone), tuple(servers)
+        self.n = sum(role == "worker" for role, _ in self.roles)
         self.max_restarts, self.backoff = max_restarts, backoff
         self.env = dict(os.environ if env is None else env)
         self.log_dir = log_dir
@@ -287,7 +276,7 @@ class Supervisor:
             self.say(f"started {' '.join(self.argv[:5])} ... (pid {procs['worker', 0].pid})")
             return cluster, procs, pumps
         self.say(f"started {len(self.roles)} process(es) ({where}; pids "
-                 f"{', '.join(str(p.pid) for p in procs.values())})" if self.ps else
+                 f"{', '.join(str(p.pid) for p in procs.values())})" if len(cluster) > 1 else
                  f"started {self.n} worker(s) on {', '.join(cluster['worker'])} "
                  f"(pids {', '.join(str(p.pid) for p in procs.values())})")
         return cluster, procs, pumps
@@ -310,7 +299,7 @@ class Supervisor:
         a failure that needs a group restart. Dead parameter-server workers are restarted here."""
         chief = self.roles[0]
         chief_done = None
-        grace = 0.0 if self.ps else self.FINISH_GRACE
+        grace = 0.0 if self.servers else self.FINISH_GRACE
         while True:
             if self.stop_signal:
                 return None
@@ -319,7 +308,7 @@ class Supervisor:
                 chief_done = chief_done or time.monotonic()
                 others = [k for k, c in codes.items() if c is None]
                 if not others or time.monotonic() - chief_done > grace:
-                    if others and not self.ps:
+                    if others and not self.servers:
                         self.say(f"stopping the workers still running {grace:g} s after the "
                                  f"chief finished")
                     self._stop([procs[k] for k in others])
@@ -330,13 +319,13 @@ class Supervisor:
             failed = [(k, c) for k, c in codes.items() if c not in (None, 0)]
             if failed and chief_done is None:
                 (role, index), code = failed[0]
-                if not (self.ps and role == "worker") or code == 2:
+                if role not in self.restart_alone or code == 2:
                     return failed[0]
                 if self.restarts >= self.max_restarts:
                     return failed[0]
                 self.restarts += 1
-                self.say(f"worker {index} {describe_exit(code)}; restarting it alone at "
-                         f"{cluster['worker'][index]} (restart {self.restarts} of {self.max_restarts})")
+                self.say(f"{role} {index} {describe_exit(code)}; restarting it alone at "
+                         f"{cluster[role][index]} (restart {self.restarts} of {self.max_restarts})")
                 procs[role, index], pump = self._spawn(cluster, role, index)
                 pumps.append(pump)
             self._wake.wait(0.1)
@@ -368,8 +357,9 @@ class Supervisor:
                 self.say(f"stopped by {signal.Signals(self.stop_signal).name}; workers stopped")
                 return 128 + self.stop_signal
             if failure is None:
-                what = (f"{self.n} worker(s) finished" if self.tf_config and not self.ps else
-                        "the chief finished" if self.ps else "horovodrun finished")
+                what = ("the chief finished" if self.roles[0][0] == "chief" else
+                        f"{self.n} worker(s) finished" if self.tf_config else
+                        f"{os.path.basename(self.argv[0])} finished")
                 self.say(f"done: {what}" + (f" after {self.restarts} restart(s)" if self.restarts else ""))
                 return 0
             (role, index), code = failure

@@ -37,11 +37,56 @@ def get_class(name):
 
 
 def get(name, **options):
-    """Builds the plugin `name` with its options."""
-    return get_class(name)(**options)
+    """Builds the plugin `name` with its options (checked against the plugin's rules)."""
+    cls = get_class(name)
+    cls.check_options(options)
+    return cls(**options)
 
 
 def from_config(config):
-    """Builds the plugin named by `config.strategy.name` with the options of that section."""
-    options = config.strategy.to_dict()
-    return get(options.pop("name"), **options)
+    """Builds the plugin named by `config.strategy.name` with its options from that section."""
+    cls = get_class(config.strategy.name)
+    return get(cls.name, **{k: config.strategy[k] for k in cls.options})
+
+
+def default_options():
+    """Every plugin's options with their defaults: the keys of `config.strategy` besides `name`.
+    (A key two plugins share must have one default.)"""
+    merged = {}
+    for name in names():
+        for key, (default, _, _) in get_class(name).options.items():
+            if merged.setdefault(key, default) != default:
+                raise AssertionError(f"strategy option {key}: plugins disagree on its default")
+    return merged
+
+
+def check_config(section):
+    """Checks `config.strategy`: the named plugin's options by its rules; the other keys (other
+    plugins' options, unused by this run) must be valid for some plugin that declares them."""
+    named = get_class(section.name)
+    named.check_options(section)
+    for key in section:
+        if key == "name" or key in named.options:
+            continue
+        owners = [get_class(n) for n in names() if key in get_class(n).options]
+        errors = []
+        for cls in owners:
+            try:
+                cls.check_options({key: section[key]})
+                break
+            except UsageError as e:
+                errors.append(e)
+        else:
+            if errors:
+                raise errors[0]
+
+
+def for_plan(device, processes, per_node, flags):
+    """(plugin class, command) the planner recommends for `processes` data-parallel processes
+    on devices of kind `device` (see `Strategy.plan_command`), or (None, None)."""
+    for name in names():
+        cls = get_class(name)
+        command = cls.plan_command(device, processes, per_node, flags)
+        if command:
+            return cls, command
+    return None, None

@@ -6,9 +6,10 @@ A plugin wraps one `tf.distribute.Strategy` and answers five things:
 * `num_replicas`, `is_chief`, `worker_index`, `num_workers`: batch sizing, logging and who writes
   checkpoints;
 * `distribute(dataset_fn)`: per-replica input through `tf.distribute.InputContext`;
-* `wrap_optimizer(optimizer)` and `callbacks()`: what the strategy adds to training (here: the
-  Keras 3 gradient corrections of `fix_distributed_apply`, no callbacks; Horovod will wrap the
-  optimizer in its all-reduce and add an initial broadcast);
+* `wrap_optimizer(optimizer)` and `callbacks()`: what the strategy adds to training: its
+  gradient all-reduce (`all_reduce_gradients`; None keeps the tf.distribute one) with the Keras 3
+  corrections of `tfdist.compat.set_gradient_reduction`, and callbacks (Horovod: an initial
+  broadcast);
 * `fit(model, data, ...)`: Keras `model.fit`, in segments so that training can resume at any step.
   A plugin overrides it only when its strategy cannot use Keras `fit` (parameter server).
 
@@ -22,9 +23,12 @@ Example (any registered strategy; see `tfdist.strategies.names()`):
     ds = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat()
     strategy.fit(model, ds, epochs=2, steps_per_epoch=5, verbose=0)
 """
+import dataclasses
+
 import keras
 import tensorflow as tf
 
+from tfdist import compat
 from tfdist.callbacks import STEPS_KEY
 from tfdist.errors import UsageError
 
@@ -43,58 +47,6 @@ def configure_logical_cpus(n):
                          f"initialised in this process; create the strategy before any TF op") from None
 
 
-def _sum_duplicates(grad):
-    if not isinstance(grad, tf.IndexedSlices):
-        return grad
-    unique, position = tf.unique(grad.indices)
-    values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(unique)[0])
-    return tf.IndexedSlices(values, unique, grad.dense_shape)
-
-
-def _smaller_form(grad, var):
-    """An `IndexedSlices` gradient with at least as many rows as its variable is sent dense: the
-    all-reduce then moves less (a byte-level GPT's embedding: 256 dense rows instead of one slice
-    per token of the batch). Same update: Keras 3's optimizers treat slices as dense anyway."""
-    if isinstance(grad, tf.IndexedSlices):
-        rows = grad.indices.shape[0]
-        if rows is not None and rows >= var.shape[0]:
-            return tf.convert_to_tensor(grad)
-    return grad
-
-
-def fix_distributed_apply(optimizer):
-    """Corrects what a Keras 3 optimizer (TF backend) does with gradients under a strategy.
-
-    Two upstream defects make multi-replica training differ from one device:
-
-    1. Sparse gradients with repeated indices. The all-reduce of an `IndexedSlices` gradient
-       (an embedding) concatenates the replicas' slices, and Keras 3's Adam/AdamW then squares the
-       slices one by one (`ops.square` on IndexedSlices), so its second moment gets g1^2 + g2^2
-       instead of (g1 + g2)^2. tf.keras summed duplicates first (`_deduplicate_indexed_slices`),
-       Keras 3 does not. Here duplicates are summed after the all-reduce.
-    2. `global_clipnorm` is applied in `BaseOptimizer.apply`, before `_backend_update_step`
-       all-reduces the gradients, so every replica clips its own partial gradient by its own
-       norm: the pre-aggregation clipping tf.keras refused to do (tensorflow/tensorflow#33929).
-       Here clipping runs on the summed gradient instead.
-    """
-    if getattr(optimizer, "_tfdist_fixed", False):
-        return optimizer
-    clipnorm = optimizer.global_clipnorm
-    optimizer.global_clipnorm = None
-    all_reduce = optimizer._all_reduce_sum_gradients
-
-    def all_reduce_then_fix(grads_and_vars):
-        reduced = all_reduce([(_smaller_form(g, v), v) for g, v in grads_and_vars])
-        grads = [_sum_duplicates(g) for g, _ in reduced]
-        if clipnorm:
-            grads, _ = tf.clip_by_global_norm(grads, clipnorm)
-        return list(zip(grads, [v for _, v in reduced]))
-
-    optimizer._all_reduce_sum_gradients = all_reduce_then_fix
-    optimizer._tfdist_fixed = True
-    return optimizer
-
-
 class StepsPerCall(keras.callbacks.Callback):
     """With `steps_per_execution` N, Keras calls `on_train_batch_end` once per N steps, with the
     last step's index: this tells tfdist's callbacks (`tfdist.callbacks.steps_in`) how many."""
@@ -108,15 +60,68 @@ class StepsPerCall(keras.callbacks.Callback):
         self.last = batch
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How `tfdist launch` starts a strategy's processes on one machine.
+
+    `roles`: the task types of its cluster, the first one the chief (its exit 0 ends the run).
+    `restart_alone`: roles whose dead task is restarted alone; any other failure restarts the
+    whole group (abort and restart, for synchronous training). `servers`: roles that serve until
+    stopped, stopped as soon as the chief is done. `wrapper(n, argv)`: the argv of one process
+    that starts the n ranks itself (horovodrun; no TF_CONFIG then), or None.
+    """
+    roles: tuple = ("worker",)
+    restart_alone: tuple = ()
+    servers: tuple = ()
+    wrapper: object = None
+
+
 class Strategy:
-    """Base plugin: one replica on the default device. Subclasses set `self.tf_strategy`."""
+    """Base plugin: one replica on the default device. Subclasses set `self.tf_strategy`.
+
+    Everything tfdist's training, launcher and planner need to know of a strategy is declared
+    here, with defaults, and overridden by the plugin that differs; nothing outside
+    `tfdist/strategies/` compares strategy names.
+    """
 
     name = "base"
     #: Keras `jit_compile=True` works under this strategy (it does not under Mirrored on TF 2.21).
     supports_jit_compile = True
+    #: Its replicas are this machine's devices, so a pipeline cannot have them for its stages.
+    uses_local_devices = False
+    #: A pipeline's stages can be placed on devices of its process.
+    supports_pipeline = True
+    #: Config values it recommends ("section.key" -> value), applied by `tfdist train` where the
+    #: config keeps tfdist's defaults.
+    recommended = {}
+    #: Its own keys of `config.strategy`: key -> (default, check(value) -> bool, what is valid).
+    #: Passed to the constructor by `tfdist.strategies.from_config`.
+    options = {}
+    #: How `tfdist launch` starts it (None: it cannot; start it by hand or with its own tool).
+    launch = None
 
     def __init__(self, tf_strategy=None, **unused_options):
         self.tf_strategy = tf_strategy or tf.distribute.get_strategy()
+
+    @classmethod
+    def check_options(cls, options):
+        """Raises UsageError, one line, for the first of its options with a bad value."""
+        for key, (_, check, what) in cls.options.items():
+            if key in options:
+                try:
+                    ok = check(options[key])
+                except TypeError:
+                    ok = False
+                if not ok:
+                    raise UsageError(f"config key 'strategy.{key}' must be {what} for strategy "
+                                     f"{cls.name}, got {options[key]!r}")
+
+    @classmethod
+    def plan_command(cls, device, processes, per_node, flags):
+        """For `tfdist plan`: the command that trains with `flags` as `processes` data-parallel
+        processes (`per_node` per node) on devices of kind `device` (a100-80gb, tpu-v4, cpu, ...),
+        or None when the planner should not recommend this strategy there."""
+        return None
 
     # -- who am I ------------------------------------------------------------------------------
     @property
@@ -135,13 +140,9 @@ class Strategy:
     def num_workers(self):
         return 1
 
-    @property
-    def is_server(self):
-        """True on tasks that only serve others (parameter server's worker and ps tasks)."""
-        return False
-
     def serve(self):
-        raise NotImplementedError(f"{self.name} has no server tasks")
+        """Runs this process's task when it only serves others (a parameter server's worker and
+        ps tasks) and then ends the process; returns at once on a process that trains."""
 
     def describe(self):
         devices = getattr(self.tf_strategy.extended, "worker_devices", ())
@@ -159,16 +160,20 @@ class Strategy:
         """Per-replica datasets from `dataset_fn(input_context)`."""
         return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
 
+    #: `all_reduce(grads_and_vars) -> grads_and_vars` that replaces the tf.distribute all-reduce
+    #: Keras calls before every update (Horovod's); None keeps it.
+    all_reduce_gradients = None
+
     def wrap_optimizer(self, optimizer):
-        """Adapts a Keras optimizer to the strategy (base: `fix_distributed_apply`)."""
-        return fix_distributed_apply(optimizer)
+        """Adapts a Keras optimizer to the strategy: its all-reduce, then tfdist's corrections."""
+        return compat.set_gradient_reduction(optimizer, self.all_reduce_gradients)
 
     def callbacks(self):
         return []
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
-            validation_data=None, validation_steps=None, verbose="auto"):
+            validation_data=None, validation_steps=None, verbose="auto", strategy_callbacks=None):
         """Trains `model` from global step `initial_step` to `epochs * steps_per_epoch`.
 
         `data` is either what Keras `fit` accepts (a `tf.data.Dataset`; then `initial_step` must
@@ -179,9 +184,11 @@ class Strategy:
         or a `Windows` (its first `validation_steps` steps, the same every time).
 
         A resume in the middle of an epoch runs as two Keras `fit` calls: the rest of the
-        interrupted epoch, then the remaining whole epochs.
+        interrupted epoch, then the remaining whole epochs. `strategy_callbacks` replaces
+        `self.callbacks()` (a test driver's hook).
         """
-        callbacks = self.callbacks() + list(callbacks or [])  # the strategy's first (Horovod's
+        own = self.callbacks() if strategy_callbacks is None else list(strategy_callbacks)
+        callbacks = own + list(callbacks or [])  # the strategy's first (Horovod's
         # broadcast must precede the first step; its log averaging, the loggers)
         if getattr(model, "steps_per_execution", 1) > 1:  # Keras reports once per execution
             callbacks.insert(0, StepsPerCall())

@@ -17,7 +17,8 @@ Keras 3 variables (`'Variable' object has no attribute 'ref'`) and its callbacks
   (average over ranks; one group, so Horovod fuses it into few ring operations), optionally in
   fp16. Keras 3's own `gradient_accumulation_steps` accumulates locally and allreduces only on
   the steps that apply (Horovod's `backward_passes_per_step`). tfdist's Keras 3 corrections
-  (`fix_distributed_apply`: sparse duplicates, clipping after the reduction) still apply.
+  (`tfdist.compat.set_gradient_reduction`: sparse duplicates, clipping after the reduction)
+  still apply after it.
 * `callbacks()`: broadcast of the model and optimizer state from rank 0 when training begins
   (`[v.value for v in ...]`, which Horovod accepts), and the logged metrics averaged over ranks.
 * `distribute`: each rank reads its own rows of every global batch (`InputContext` with
@@ -38,13 +39,16 @@ Example (inside a program started by `horovodrun -np 2 ...`):
     strategy.fit(model, ds, epochs=1, steps_per_epoch=5)   # ranks hold identical weights after
 """
 import os
+import shutil
+import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import UsageError
-from tfdist.strategies.base import Strategy, fix_distributed_apply
+from tfdist import compat
+from tfdist.strategies.base import Launch, Strategy
 
 _COMPRESSION = ("none", "fp16")
 _LR_SCALING = ("none", "linear")
@@ -59,15 +63,30 @@ def _import_horovod():
     return hvd
 
 
+def horovodrun_argv(n, argv):
+    """`horovodrun` for `n` ranks on this host over Gloo, on the loopback interface only."""
+    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    if not os.path.exists(exe):
+        exe = shutil.which("horovodrun")
+    if not exe:
+        raise UsageError("--strategy=horovod needs horovodrun: install Horovod with `make horovod`")
+    return [exe, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--network-interfaces", "lo",
+            *argv]
+
+
 class Horovod(Strategy):
     name = "horovod"
     supports_jit_compile = False  # Horovod's ops have no XLA kernels on CPU
+    options = {
+        "compression": ("none", lambda v: v in _COMPRESSION,
+                        "one of " + ", ".join(_COMPRESSION) + " (fp16 sends the gradients as float16)"),
+        "lr_scaling": ("none", lambda v: v in _LR_SCALING,
+                       "one of " + ", ".join(_LR_SCALING) + " (linear: lr x ranks)"),
+    }
+    # One horovodrun, which starts and stops the ranks itself; any failure restarts it.
+    launch = Launch(wrapper=horovodrun_argv)
 
     def __init__(self, compression="none", lr_scaling="none", **unused_options):
-        if compression not in _COMPRESSION:
-            raise UsageError(f"strategy.compression={compression!r}: use one of {', '.join(_COMPRESSION)}")
-        if lr_scaling not in _LR_SCALING:
-            raise UsageError(f"strategy.lr_scaling={lr_scaling!r}: use one of {', '.join(_LR_SCALING)}")
         # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (default 1). With Gloo,
         # at 1 ms a rank spent 0.74-0.88 of a core doing nothing (measured here, 2 idle ranks on
         # 127.0.0.1); at 5 ms 0.05. A collective then waits up to 5 ms for the next cycle, which
@@ -116,23 +135,22 @@ class Horovod(Strategy):
 
     def wrap_optimizer(self, optimizer):
         """Averages the gradients over ranks (one grouped allreduce) before the update."""
+        if self.lr_scaling == "linear" and self.hvd.size() > 1:
+            _scale_learning_rate(optimizer, self.hvd.size())
+        return super().wrap_optimizer(optimizer)
+
+    def all_reduce_gradients(self, grads_and_vars):
+        """The gradient all-reduce Keras calls before every update: one grouped Horovod average."""
         hvd = self.hvd
         compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
-        if self.lr_scaling == "linear" and hvd.size() > 1:
-            _scale_learning_rate(optimizer, hvd.size())
-
-        def allreduce(grads_and_vars):
-            grads_and_vars = list(grads_and_vars)
-            present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
-            reduced = hvd.grouped_allreduce([grads_and_vars[i][0] for i in present], op=hvd.Average,
-                                            compression=compression)
-            out = list(grads_and_vars)
-            for i, g in zip(present, reduced):
-                out[i] = (g, grads_and_vars[i][1])
-            return out
-
-        optimizer._all_reduce_sum_gradients = allreduce  # what Keras 3 calls before every update
-        return fix_distributed_apply(optimizer)
+        grads_and_vars = list(grads_and_vars)
+        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        reduced = hvd.grouped_allreduce([grads_and_vars[i][0] for i in present], op=hvd.Average,
+                                        compression=compression)
+        out = list(grads_and_vars)
+        for i, g in zip(present, reduced):
+            out[i] = (g, grads_and_vars[i][1])
+        return out
 
     def callbacks(self):
         return [_BroadcastFromRankZero(self.hvd), _AverageLogs(self.hvd)]
@@ -149,9 +167,9 @@ class Horovod(Strategy):
 
 def _scale_learning_rate(optimizer, factor):
     """lr x `factor`: a schedule is wrapped (its warmup then ramps to the scaled rate)."""
-    lr = optimizer._learning_rate
+    lr = compat.learning_rate_schedule(optimizer)
     if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
-        optimizer._learning_rate = _Scaled(lr, factor)
+        compat.set_learning_rate_schedule(optimizer, _Scaled(lr, factor))
     else:
         optimizer.learning_rate = optimizer.learning_rate * factor
 

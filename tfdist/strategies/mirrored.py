@@ -6,7 +6,6 @@ On a machine without GPUs, `devices=N` splits the CPU into N logical devices, on
 """
 import tensorflow as tf
 
-from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy, configure_logical_cpus
 
 _CROSS_DEVICE_OPS = {
@@ -19,11 +18,15 @@ _CROSS_DEVICE_OPS = {
 class Mirrored(Strategy):
     name = "mirrored"
     supports_jit_compile = False  # TF 2.21: XLA cannot access resources across replicas' devices
+    uses_local_devices = True
+    options = {
+        "devices": (0, lambda v: isinstance(v, int) and 0 <= v <= 64,
+                    "an integer in [0, 64] (on CPU: logical devices to split it into; 0 = as found)"),
+        "cross_device_ops": ("auto", lambda v: v in _CROSS_DEVICE_OPS,
+                             "one of " + ", ".join(_CROSS_DEVICE_OPS)),
+    }
 
     def __init__(self, devices=0, cross_device_ops="auto", **unused_options):
-        if cross_device_ops not in _CROSS_DEVICE_OPS:
-            raise UsageError(f"strategy.cross_device_ops={cross_device_ops!r} is not available with "
-                             f"mirrored; use one of {', '.join(_CROSS_DEVICE_OPS)}")
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:
             names = [f"/gpu:{i}" for i in range(len(gpus))][:devices or None]

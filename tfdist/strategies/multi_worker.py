@@ -2,14 +2,14 @@
 
 The cluster comes from TF_CONFIG (set by `tfdist launch`, a Kubernetes TFJob, or by hand) or from
 Slurm. Building the strategy blocks until every worker is up. Keras 3 `fit` needs two upstream
-corrections here (keras-team/keras#20585), applied from `keras_fixes`.
+corrections here (keras-team/keras#20585), applied from `tfdist.compat`.
 """
 import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
+from tfdist import compat
 from tfdist.errors import UsageError
-from tfdist.strategies import keras_fixes
-from tfdist.strategies.base import Strategy
+from tfdist.strategies.base import Launch, Strategy
 
 _IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -20,16 +20,25 @@ _IMPLEMENTATIONS = {
 class MultiWorkerMirrored(Strategy):
     name = "multi_worker_mirrored"
     supports_jit_compile = False
+    options = {"cross_device_ops": ("auto", lambda v: v in _IMPLEMENTATIONS,
+                                    "one of " + ", ".join(_IMPLEMENTATIONS))}
+    launch = Launch()  # N workers with TF_CONFIG; any failure restarts the group
+
+    @classmethod
+    def plan_command(cls, device, processes, per_node, flags):
+        if processes == 1 or device.startswith("tpu"):
+            return None
+        if processes <= per_node:
+            return f"tfdist launch --workers {processes} -- " + " ".join(flags)
+        return (f"sbatch --nodes={-(-processes // per_node)} --ntasks-per-node={per_node} "
+                f"launchers/slurm/tfdist.sbatch " + " ".join(flags))
 
     def __init__(self, cross_device_ops="auto", cluster=None, **unused_options):
-        if cross_device_ops not in _IMPLEMENTATIONS:
-            raise UsageError(f"strategy.cross_device_ops={cross_device_ops!r} is not available with "
-                             f"multi_worker_mirrored; use one of {', '.join(_IMPLEMENTATIONS)}")
         self.cluster = cluster or cluster_lib.from_environment(allowed_roles=("chief", "worker"))
         if self.cluster is None:
             raise UsageError("multi_worker_mirrored needs a cluster: set TF_CONFIG, run in a Slurm "
                              "job step, or start the workers with `tfdist launch`")
-        keras_fixes.apply()
+        compat.fix_fit_under_multi_worker()
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=_IMPLEMENTATIONS[cross_device_ops])
         super().__init__(tf.distribute.MultiWorkerMirroredStrategy(

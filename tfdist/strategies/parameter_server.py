@@ -33,6 +33,7 @@ Example (a chief with TF_CONFIG listing chief, worker and ps tasks, the others s
 """
 import os
 import socket
+import sys
 import time
 
 import keras
@@ -40,9 +41,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
-from tfdist.callbacks import STEPS_KEY
+from tfdist import compat
+from tfdist.callbacks import EXTRA_LOG_PREFIX, STEPS_KEY
 from tfdist.errors import UsageError
-from tfdist.strategies.base import Strategy
+from tfdist.strategies.base import Launch, Strategy
 
 _ROLES = ("chief", "worker", "ps")
 
@@ -50,6 +52,9 @@ _ROLES = ("chief", "worker", "ps")
 class ParameterServer(Strategy):
     name = "parameter_server"
     supports_jit_compile = False
+    # A chief (the coordinator), workers and ps tasks. A dead worker is restarted alone and
+    # rejoins (asynchronous training goes on without it); the servers run until stopped.
+    launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"))
 
     def __init__(self, cluster=None, **unused_options):
         self.cluster = cluster or cluster_lib.from_environment(allowed_roles=_ROLES)
@@ -69,7 +74,7 @@ class ParameterServer(Strategy):
         # none ("AttributeError: 'ShardedVariable' object has no attribute 'handle'", Keras 3.15).
         super().__init__(tf.distribute.ParameterServerStrategy(self.cluster.resolver()))
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.tf_strategy)
-        _route_keras_fit()
+        compat.route_fit(_fit_for)  # Keras 3 model.fit has no PS path (keras-team/keras#18624)
         with self.tf_strategy.scope():
             self.runs = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_ps_runs")
             self.worker_steps = tf.Variable(tf.zeros([self.num_workers], tf.int64),
@@ -79,10 +84,6 @@ class ParameterServer(Strategy):
         _PLUGINS[id(self.tf_strategy)] = self
 
     # -- who am I ------------------------------------------------------------------------------
-    @property
-    def is_server(self):
-        return self.cluster.task_type != "chief"
-
     @property
     def is_chief(self):
         return self.cluster.task_type == "chief"
@@ -107,10 +108,18 @@ class ParameterServer(Strategy):
     ORPHAN_TIMEOUT = 60.0  # seconds; TFDIST_SERVER_ORPHAN_TIMEOUT overrides
 
     def serve(self):
-        """Worker or ps task: serve the coordinator's requests. Returns (the process then exits 0)
-        once the chief, after having been up, has been unreachable for ORPHAN_TIMEOUT seconds:
-        under Slurm or by hand nothing else would end a server after a finished run (the local
-        launcher and a TFJob stop them themselves)."""
+        """On a worker or ps task: serves the coordinator's requests, then ends the process (exit
+        0; TF's server threads would keep it alive) once the chief, after having been up, has
+        been unreachable for ORPHAN_TIMEOUT seconds: under Slurm or by hand nothing else would
+        end a server after a finished run (the local launcher and a TFJob stop them
+        themselves). On the chief it returns at once."""
+        if self.cluster.task_type == "chief":
+            return
+        self._serve()
+        sys.stdout.flush()
+        os._exit(0)
+
+    def _serve(self):
         # The server runs the coordinator's ops with its own thread pools, sized by this config;
         # `tf.config.threading` (set by `tfdist train`) does not reach them. One inter-op thread
         # deadlocks a worker (a function's receive from the ps waits on the only thread), so at
@@ -141,7 +150,8 @@ class ParameterServer(Strategy):
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
-            validation_data=None, validation_steps=None, verbose="auto", log_every_steps=None):
+            validation_data=None, validation_steps=None, verbose="auto", log_every_steps=None,
+            strategy_callbacks=None):
         """The coordinator loop (see the module doc). `data` is a `Windows`-like object with
         `batch(step)`, or a `tf.data.Dataset` / `dataset_fn()` read through per-worker datasets."""
         if not steps_per_epoch:
@@ -191,8 +201,8 @@ class ParameterServer(Strategy):
                     losses = (loss_sum - last_loss_sum) / (runs - last_runs)
                 n, done, last_loss_sum, last_runs = now - done, now, loss_sum, runs
                 model.optimizer.iterations.assign(done)  # the exact count (see module doc)
-                logs = {"loss": losses, STEPS_KEY: n,
-                        "tfdist/worker_steps": self.worker_steps.numpy().tolist()}
+                logs = {"loss": losses, STEPS_KEY: n,  # + steps run by each worker so far
+                        EXTRA_LOG_PREFIX + "worker_steps": self.worker_steps.numpy().tolist()}
                 cbs.on_train_batch_end((done - 1) % steps_per_epoch, logs)
                 if bar:
                     bar.update(done - epoch * steps_per_epoch,
@@ -216,7 +226,9 @@ class ParameterServer(Strategy):
         Returns the next step to schedule."""
         window = 2 * self.num_workers
         while True:
-            done = scheduled - self._pending()  # completed so far (a local read, no ps traffic)
+            # completed so far: a local read of the coordinator's queue (polling a counter on
+            # the ps would cost the ps and the chief about a quarter core each)
+            done = scheduled - compat.pending_closures(self.coordinator)
             limit = target if barrier else end
             while scheduled < limit and scheduled - done < window:
                 fn, args = train_fn
@@ -230,14 +242,6 @@ class ParameterServer(Strategy):
             self.coordinator.done()  # raises the error of any failed step (else we'd wait forever)
             time.sleep(0.005)
         return scheduled
-
-    def _pending(self):
-        """Closures scheduled and not yet finished: queued or running. Read from the
-        coordinator's own queue (private attributes of TF 2.21's ClusterCoordinator) because
-        polling a counter on the ps costs the ps and the chief about a quarter core each."""
-        q = self.coordinator._cluster.closure_queue
-        with q._queue_lock:
-            return q._queue.qsize() + q._inflight_closure_count
 
     def _train_closure(self, model, data):
         strategy, runs, worker_steps = self.tf_strategy, self.runs, self.worker_steps
@@ -308,34 +312,22 @@ def _step_addressed(data):
             and hasattr(data, "dataset_fn"))
 
 
-def _route_keras_fit():
-    """Makes Keras 3 `model.fit` work for models built under a ParameterServerStrategy scope: it
-    is routed to this plugin's coordinator loop (keras-team/keras#18624: Keras 3 has no PS path)."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-    if getattr(tf_trainer.TensorFlowTrainer.fit, "_tfdist_ps", False):
-        return
-    upstream_fit = tf_trainer.TensorFlowTrainer.fit
+def _fit_for(model):
+    """This plugin's `fit` for a model built under a ParameterServerStrategy scope, else None."""
+    plugin = _PLUGINS.get(id(model.distribute_strategy))
+    if plugin is None:
+        return None
 
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
-            sample_weight=None, initial_epoch=0, validation_batch_size=None,
-            validation_steps=None, validation_freq=1, steps_per_epoch=None):
-        plugin = _PLUGINS.get(id(self.distribute_strategy))
-        if plugin is None:
-            return upstream_fit(self, x, y, batch_size, epochs, verbose, callbacks,
-                                validation_split, validation_data, shuffle, class_weight,
-                                sample_weight, initial_epoch, validation_batch_size,
-                                validation_steps, validation_freq, steps_per_epoch)
+    def fit(model, x, y=None, epochs=1, verbose="auto", callbacks=None, validation_data=None,
+            initial_epoch=0, validation_steps=None, steps_per_epoch=None):
         if y is not None or not (isinstance(x, tf.data.Dataset) or callable(x) or _step_addressed(x)):
             raise UsageError("under parameter_server, fit takes a tf.data.Dataset (or a dataset_fn) "
                              "of (x, y) batches, not arrays")
-        return plugin.fit(self, x, epochs=epochs, steps_per_epoch=steps_per_epoch,
+        return plugin.fit(model, x, epochs=epochs, steps_per_epoch=steps_per_epoch,
                           initial_step=initial_epoch * (steps_per_epoch or 0), callbacks=callbacks,
                           validation_data=validation_data, validation_steps=validation_steps,
                           verbose=verbose)
-
-    fit._tfdist_ps = True
-    tf_trainer.TensorFlowTrainer.fit = fit
+    return fit
 
 
 _PLUGINS = {}  # id(tf.distribute strategy) -> plugin, for model.fit routing

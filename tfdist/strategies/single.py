@@ -14,6 +14,12 @@ from tfdist.strategies.base import Strategy
 class SingleDevice(Strategy):
     name = "single"
 
+    @classmethod
+    def plan_command(cls, device, processes, per_node, flags):
+        if processes == 1 and not device.startswith("tpu"):
+            return "tfdist train " + " ".join(flags)
+        return None
+
     def describe(self):
         if isinstance(self.tf_strategy, tf.distribute.OneDeviceStrategy):
             return super().describe()

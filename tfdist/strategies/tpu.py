@@ -101,7 +101,20 @@ def connect(resolver_fn, timeout):
 class TPU(Strategy):
     name = "tpu"
     supports_jit_compile = True  # XLA is how TPUs run anyway
+    supports_pipeline = False  # TPUStrategy replicates the model over the cores; no stages
     recommended = RECOMMENDED
+    options = {
+        "tpu": ("local", lambda v: bool(v.strip()), "local, a TPU name or grpc://host:port"),
+        "tpu_zone": ("", lambda v: isinstance(v, str), "a zone (with a TPU name)"),
+        "tpu_project": ("", lambda v: isinstance(v, str), "a project (with a TPU name)"),
+        "tpu_timeout": (120.0, lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]"),
+    }
+
+    @classmethod
+    def plan_command(cls, device, processes, per_node, flags):
+        if device.startswith("tpu"):
+            return "tfdist train --strategy=tpu " + " ".join(flags)
+        return None
 
     def __init__(self, tpu="local", tpu_zone="", tpu_project="", tpu_timeout=30.0, resolver=None,
                  **unused_options):

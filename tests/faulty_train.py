@@ -1,7 +1,9 @@
-"""`tfdist.train.train` with faults injected on purpose: the program of the chaos tool and tests.
+"""`tfdist.train.train` with faults injected on purpose: the program of the fault tests and of
+tools/chaos.py. Every change it makes to a run goes through `tfdist.train.Hooks` (and extra
+callbacks); it patches nothing.
 
-    python tools/faulty_train.py WORKDIR '{"train.steps": 20, ...}' [--kill-at-step K] ...
-    tfdist launch --workers 2 -- python tools/faulty_train.py WORKDIR '{...}' --kill-at-step 7 --kill-worker 1
+    python tests/faulty_train.py WORKDIR '{"train.steps": 20, ...}' [--kill-at-step K] ...
+    tfdist launch --workers 2 -- python tests/faulty_train.py WORKDIR '{...}' --kill-at-step 7 --kill-worker 1
 
 Config overrides are a JSON dict of dotted keys applied to configs/<--config>.py (gpt_nano).
 Prints one `DRIVER_RESULT {...}` JSON line at the end. Every executed step appends a line
@@ -17,8 +19,8 @@ really ran, across restarts.
   but before the checkpoint index was updated.
 --dump-inputs N: after training, write WORKDIR/inputs-w<i>.npy: this worker's input rows of the
   first N steps, made by the training pipeline with the InputContext the strategy gave it.
---skip-keras-fix 1|2: keep Keras's own _maybe_symbolic_build (1) or reduce_per_replica (2), to
-  show that each multi-worker correction is needed.
+--skip-keras-fix 1|2: leave out tfdist.compat's correction of Keras's _maybe_symbolic_build (1)
+  or reduce_per_replica (2) under MultiWorkerMirrored, to show that each is needed.
 --skip-allreduce: horovod: leave the optimizer without tfdist's allreduce (what Horovod's own
   Keras layer does under Keras 3), to show that the equality tests can fail.
 --seed-by-rank: initialise the model with seed + rank (the data keeps the config's seed), so that
@@ -60,8 +62,8 @@ def main():
     import tensorflow as tf
     from tfdist import cluster
     from tfdist import config as config_lib
-    from tfdist.data.pipeline import Windows
-    from tfdist.train import train
+    from tfdist import compat
+    from tfdist.train import Hooks, train
 
     spec = cluster.from_environment()
     # A Horovod rank (horovodrun sets HOROVOD_RANK, mpirun OMPI_COMM_WORLD_RANK) has no TF_CONFIG.
@@ -70,34 +72,36 @@ def main():
     first_attempt = os.environ.get("TFDIST_RESTART_COUNT", "0") == "0"
     kill_here = args.kill_at_step and worker == args.kill_worker and first_attempt
 
-    if args.skip_keras_fix:
-        from keras.src.backend.tensorflow import trainer as tf_trainer
-        from tfdist.strategies import keras_fixes
-        originals = (tf_trainer.TensorFlowTrainer._maybe_symbolic_build, tf_trainer.reduce_per_replica)
-        upstream_apply = keras_fixes.apply
-
-        def partial_apply():
-            upstream_apply()
-            if args.skip_keras_fix == 1:
-                tf_trainer.TensorFlowTrainer._maybe_symbolic_build = originals[0]
-            else:
-                tf_trainer.reduce_per_replica = originals[1]
-        keras_fixes.apply = partial_apply
-
     sync_ranks = args.kill_at_step and strategy_is_horovod(args.overrides)
     if sync_ranks:
         import horovod.tensorflow as hvd
 
-    if args.skip_allreduce:
-        from tfdist.strategies import base, horovod
-        horovod.Horovod.wrap_optimizer = lambda self, optimizer: base.fix_distributed_apply(optimizer)
+    class Faults(Hooks):
+        disable_patches = {0: (), 1: ("symbolic_build_under_mwms",),
+                           2: ("reduce_per_replica_under_mwms",)}[args.skip_keras_fix]
 
-    if args.seed_by_rank:
-        seed_everything = keras.utils.set_random_seed
-        keras.utils.set_random_seed = lambda seed: seed_everything(seed + worker)
-    if args.skip_broadcast:
-        from tfdist.strategies import horovod
-        horovod._BroadcastFromRankZero.on_train_begin = lambda self, logs=None: None
+        def model_seed(self, seed, strategy):
+            return seed + strategy.worker_index if args.seed_by_rank else seed
+
+        def wrap_optimizer(self, optimizer, strategy):
+            if args.skip_allreduce:  # tfdist's corrections over Keras's own (no-op) reduction
+                return compat.set_gradient_reduction(optimizer)
+            return strategy.wrap_optimizer(optimizer)
+
+        def strategy_callbacks(self, callbacks):
+            if args.skip_broadcast:
+                return [cb for cb in callbacks if "Broadcast" not in type(cb).__name__]
+            return callbacks
+
+        def on_input(self, windows, input_context):
+            contexts.append((windows, input_context))
+
+        def save_checkpoint(self, manager, step):
+            saves[0] += 1
+            if saves[0] == args.kill_in_save:  # the data files, not the index: then die
+                manager.checkpoint.write(os.path.join(manager.directory, f"ckpt-{step}"))
+                os.kill(os.getpid(), signal.SIGKILL)
+            manager.save(checkpoint_number=step)
 
     c = importlib.import_module(args.config).get_config()
     for key, value in json.loads(args.overrides).items():
@@ -121,42 +125,16 @@ def main():
             if kill_here and self.n == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    if args.kill_in_save:
-        original, count = tf.train.CheckpointManager.save, [0]
-
-        def dying_save(self, checkpoint_number=None, **kw):
-            count[0] += 1
-            if count[0] == args.kill_in_save:
-                self._checkpoint.write(os.path.join(self.directory, f"ckpt-{checkpoint_number}"))
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original(self, checkpoint_number=checkpoint_number, **kw)
-
-        tf.train.CheckpointManager.save = dying_save
-
-    contexts = []  # (Windows, InputContext) of the training pipeline, as the strategy built it
-    if args.dump_inputs:
-        original_fn = Windows.dataset_fn
-
-        def recording_dataset_fn(self, start_step, num_steps, repeat=False):
-            fn = original_fn(self, start_step, num_steps, repeat)
-            if repeat:  # validation
-                return fn
-
-            def recorded(input_context=None):
-                contexts.append((self, input_context))
-                return fn(input_context)
-            return recorded
-
-        Windows.dataset_fn = recording_dataset_fn
-
+    contexts, saves = [], [0]  # (Windows, InputContext) of the training pipeline; saves so far
     record = Record()
-    result = train(c, args.workdir, verbose=0, extra_callbacks=[record])
+    result = train(c, args.workdir, verbose=0, extra_callbacks=[record], hooks=Faults())
     if args.dump_weights:
         np.savez(os.path.join(args.workdir, f"weights-w{worker}.npz"),
                  *[v.numpy() for v in record.model.weights])
     if args.dump_inputs:
         windows, ctx = contexts[0]
-        rows = [x.numpy() for x, _ in original_fn(windows, 0, args.dump_inputs)(ctx)]
+        windows.on_input = None
+        rows = [x.numpy() for x, _ in windows.dataset_fn(0, args.dump_inputs)(ctx)]
         np.save(os.path.join(args.workdir, f"inputs-w{worker}.npy"), np.stack(rows))
     print("DRIVER_RESULT " + json.dumps(result), flush=True)
 
