@@ -2,16 +2,66 @@
 
 Flag errors (unknown or ill-typed `--config.*` keys, a missing config file) and `UsageError`s
 raised anywhere in the run are reported as `tfdist: error: <what is wrong and what to do>`.
+`tfdist <command> --help` lists that command's own flags. TensorFlow's start-up chatter stays
+off the terminal unless `--verbose` is given (or TFDIST_VERBOSE=1).
 """
 import os
 import sys
+import tempfile
 
-# Quiet TensorFlow's C++ start-up chatter unless the user asked for it.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import app, flags, logging
 
-from absl import app, flags, logging  # noqa: E402
+from tfdist.errors import UsageError
 
-from tfdist.errors import UsageError  # noqa: E402
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Show TensorFlow's start-up messages (also: "
+                             "TFDIST_VERBOSE=1).")
+
+# What TensorFlow's C++ runtime prints while it loads, whatever TF_CPP_MIN_LOG_LEVEL says: the
+# absl pre-initialisation warning, the oneDNN notice (twice) and the CPU-feature notice. It
+# carries nothing about the run.
+NOISE = ("WARNING: All log messages before absl::InitializeLog() is called",
+         "oneDNN custom operations are on",
+         "This TensorFlow binary is optimized to use available CPU instructions",
+         "To enable the following instructions:")
+
+
+def verbose(argv=None):
+    argv = sys.argv if argv is None else argv
+    return os.environ.get("TFDIST_VERBOSE", "") not in ("", "0") or "--verbose" in argv
+
+
+def quiet_tensorflow_import(argv=None):
+    """Imports TensorFlow and Keras with the C++ runtime's stderr captured; what is not start-up
+    noise is passed on. (The notices are C++ writes to file descriptor 2 while TF loads, so
+    they cannot be filtered at the Python level; oneDNN itself stays on.)"""
+    if verbose(argv) or "tensorflow" in sys.modules:
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401
+            import keras  # noqa: F401
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            rest = [line for line in captured.read().decode(errors="replace").splitlines()
+                    if line.strip() and not any(n in line for n in NOISE)]
+            if rest:
+                print("\n".join(rest), file=sys.stderr, flush=True)
+
+
+def command_help(module_name, prog):
+    """`<prog> --help`: the command's docstring and its own flags with their defaults."""
+    module = sys.modules[module_name]
+    print(f"usage: {prog} [flags]\n")
+    print((module.__doc__ or "").strip() + "\n")
+    print(flags.FLAGS.module_help(module_name))
+    print(flags.FLAGS.module_help(__name__).replace(__name__ + ":", "common:"))
 
 
 def fail(message, hard=False):
@@ -37,6 +87,12 @@ def define_config_flag(name, default, help_text):
 
 
 def _parse_flags(argv):
+    for arg in argv[1:]:
+        if arg == "--":
+            break
+        if arg in ("-h", "--help", "--helpshort"):
+            command_help(_MAIN_MODULE[0], argv[0])
+            sys.exit(0)
     for arg in argv[1:]:  # ml_collections' own message for this names no file; say which one
         if arg == "--":
             break
@@ -51,7 +107,14 @@ def _parse_flags(argv):
         fail(f"bad --config: {_clean(e)}")
 
 
+_MAIN_MODULE = [None]
+
+
 def run(main, argv):
+    """Parses flags (after `--help` or a bad flag: exit), then runs `main(argv)` under the error
+    contract."""
+    _MAIN_MODULE[0] = main.__module__
+
     def guarded(args):
         logging.set_verbosity(logging.WARNING)  # TFDS and checkpointing are chatty at INFO
         try:

@@ -1,7 +1,7 @@
 """`tfdist train`: config -> strategy -> data -> model -> fit.
 
     tfdist train --config=configs/gpt_nano.py --workdir=runs/nano
-    tfdist train --config=configs/gpt_mini.py --strategy=mirrored --devices=2 \
+    tfdist train --config=configs/gpt_mini.py --strategy=mirrored --devices=2 \\
                  --config.train.steps=400 --config.model.dropout=0.1
 
 A run writes into --workdir: `backup/` while it trains (removed at the end), `tensorboard/`,

@@ -24,6 +24,8 @@ import hashlib
 import json
 import multiprocessing
 import os
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -180,9 +182,12 @@ def _build(src, data_config, out, key, workers, progress):
         args = [(out, tok_config, *job) for job in todo]
         if workers > 1 and len(todo) > 1:
             ctx = multiprocessing.get_context("spawn")  # no fork of a process that imported TF
-            with ctx.Pool(min(workers, len(todo)), initializer=_init_worker) as pool:
+            with _quiet_children() as children_stderr:  # TF's start-up notices in each child
+                pool = ctx.Pool(min(workers, len(todo)), initializer=_init_worker)
+            with pool:
                 for stats in pool.imap_unordered(_tokenize_unit, args):
                     bar.add(stats)
+            _pass_on(children_stderr)
         else:
             for a in args:
                 bar.add(_tokenize_unit(a))
@@ -250,6 +255,36 @@ def _piece(work, split, k):
 def _stats(work, split, k):
     with tf.io.gfile.GFile(_piece(work, split, k) + ".json") as f:
         return json.load(f)
+
+
+@contextlib.contextmanager
+def _quiet_children():
+    """Processes started inside write their stderr to a temporary file (this process's own
+    stderr is restored on exit); `_pass_on` then shows what is not TF's start-up noise."""
+    from tfdist import cli
+    if cli.verbose():
+        yield None
+        return
+    sys.stderr.flush()
+    captured, saved = tempfile.TemporaryFile(), os.dup(2)
+    os.dup2(captured.fileno(), 2)
+    try:
+        yield captured
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _pass_on(captured):
+    from tfdist import cli
+    if captured is None:
+        return
+    captured.seek(0)
+    rest = [line for line in captured.read().decode(errors="replace").splitlines()
+            if line.strip() and not any(n in line for n in cli.NOISE)]
+    captured.close()
+    if rest:
+        print("\n".join(rest), file=sys.stderr, flush=True)
 
 
 def _init_worker():

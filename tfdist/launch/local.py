@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 
+from tfdist import cli
 from tfdist.errors import UsageError
 
 MAX_BACKOFF = 60.0
@@ -179,10 +180,9 @@ class _Output:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-# TF prints these two lines at every import, whatever TF_CPP_MIN_LOG_LEVEL says; N workers would
+# TF's start-up notices (see tfdist.cli.NOISE), from any program the workers run: N workers would
 # print them 2N times. They carry no information about the run.
-_NOISE = ("WARNING: All log messages before absl::InitializeLog() is called",
-          "port.cc:153] oneDNN custom operations are on")
+_NOISE = cli.NOISE
 
 
 def _ranks(text):
