@@ -18,6 +18,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from tfdist.models.arithmetic import Transformer
+
 
 def _dense(units, std, bias, name):
     return keras.layers.Dense(units, use_bias=bias, name=name,
@@ -147,15 +149,23 @@ class GPT(keras.Model):
                 "block_size": self.block_size, "n_layer": self.n_layer, "n_head": self.n_head,
                 "n_embd": self.n_embd, "dropout": self.dropout, "bias": self.bias}
 
+    @property
+    def arch(self):
+        """This GPT's sizes for tfdist.models.arithmetic (GELU MLP, multi-head attention, tied
+        head, learned positions; dropout masks are kept when dropout > 0)."""
+        return Transformer(n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head,
+                           vocab_size=self.vocab_size, seq_len=self.block_size, bias=self.bias,
+                           dropout=self.dropout > 0)
+
     def num_params(self, non_embedding=False):
-        """Parameter count; the tied head is counted once. non_embedding drops position embeddings."""
-        n = sum(int(np.prod(w.shape)) for w in self.trainable_weights)
-        return n - self.block_size * self.n_embd if non_embedding else n
+        """Parameter count (tfdist.models.arithmetic: Keras's count_params() of the built model,
+        tests/test_arithmetic.py); the tied head is counted once. non_embedding drops position
+        embeddings."""
+        return self.arch.non_embedding_params() if non_embedding else self.arch.params()
 
     def flops_per_token(self, seq_len=None):
         """Training FLOPs per token (forward + backward), nanoGPT / PaLM: 6N + 12 L H Q T."""
-        T = seq_len or self.block_size
-        return 6 * self.num_params(non_embedding=True) + 12 * self.n_layer * self.n_embd * T
+        return self.arch.flops_per_token(seq_len)
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, vocab_size=None):
         """Samples `max_new_tokens` after the prompt `idx` (int array (B, T) or (T,)).

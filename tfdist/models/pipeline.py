@@ -38,17 +38,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
-from keras.src.losses.loss import unscale_loss_for_distribution  # as Keras's own train_step
 
+from tfdist import compat
 from tfdist.errors import UsageError
+from tfdist.models import arithmetic
 from tfdist.models.gpt import GPT
 
 
 def block_costs(gpt):
-    """Relative forward FLOPs per token of each block, and of the embedding and the head."""
-    C, T, V = gpt.n_embd, gpt.block_size, gpt.vocab_size
-    block = 24 * C * C + 4 * T * C  # qkv + proj + mlp (2 * 12 C^2), attention scores + values
-    return [block] * gpt.n_layer, 2 * C, 2 * C * V
+    """Relative forward FLOPs per token of each block, and of the embedding and the head
+    (tfdist.models.arithmetic: a block's matmuls, 2 * 12 C^2, and attention's 4 T C)."""
+    a = gpt.arch
+    return [a.layer_flops()] * gpt.n_layer, a.embedding_flops(), a.head_flops()
 
 
 def balanced_split(costs, stages, first_extra=0.0, last_extra=0.0):
@@ -96,22 +97,6 @@ def _with_device(grad, variable):
         return grad
     with tf.device(variable.device):
         return tf.identity(grad)
-
-
-def _update_where_the_variable_is(optimizer):
-    """Runs each variable's optimizer update on that variable's device. Keras 3 (TF backend,
-    default strategy) leaves the update math without a device, so TF would run every stage's
-    updates on the first device and copy gradients and results back and forth."""
-    if getattr(optimizer, "_tfdist_placed", False):
-        return
-    update_step = optimizer.update_step
-
-    def placed(gradient, variable, learning_rate):
-        with tf.device(variable.device):
-            return update_step(gradient, variable, learning_rate)
-
-    optimizer.update_step = placed
-    optimizer._tfdist_placed = True
 
 
 @keras.saving.register_keras_serializable("tfdist")
@@ -201,14 +186,14 @@ class Pipeline(keras.Model):
     # -- training --------------------------------------------------------------------------------
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
-        _update_where_the_variable_is(self.optimizer)
+        compat.update_on_variable_device(self.optimizer)  # update each variable on its device
 
     def compute_gradients(self, x, y, scale=lambda loss: loss):
         """(mean loss, gradients of the trainable weights) of batch (x, y) in M microbatches.
         Graph mode only (inside a tf.function, as Keras runs `train_step`)."""
         m = self.microbatches
         xs, ys = tf.split(x, m), tf.split(y, m)
-        losses = [self._compute_loss(x=xi, y=yi, y_pred=self(xi, training=True), training=True)
+        losses = [compat.compute_loss(self, xi, yi, self(xi, training=True))
                   for xi, yi in zip(xs, ys)]
         loss = tf.add_n(losses) / m
         # tf.gradients, not GradientTape: it places each backward op with its forward op.
@@ -219,8 +204,7 @@ class Pipeline(keras.Model):
     def train_step(self, data):
         x, y = data[0], data[1]
         loss, grads = self.compute_gradients(x, y, scale=self.optimizer.scale_loss)
-        self._loss_tracker.update_state(unscale_loss_for_distribution(loss),
-                                        sample_weight=tf.shape(x)[0])
+        compat.track_loss(self, loss, tf.shape(x)[0])
         self.optimizer.apply(grads, self.trainable_weights)
         return self.get_metrics_result()
 
@@ -249,37 +233,40 @@ class Pipeline(keras.Model):
                 return s
         return None
 
-    def memory_estimate(self, batch_size, dtype_bytes=4, optimizer_slots=2):
-        """Estimated peak bytes per stage: its parameters, gradients and optimizer slots, plus the
-        activations kept for the backward pass. Per block and microbatch of b sequences the
-        activations are about b*T*C*(34 + 5*H*T/C) values (Korthikanti et al. 2022, Sec. 4.1,
-        counted there in 2-byte units, i.e. 17 + 2.5*H*T/C values of `dtype_bytes`); GPipe keeps
-        all M microbatches' (only the stage inputs with recomputation, plus one stage's worth)."""
-        g = self.gpt
-        b = batch_size // self.microbatches
-        T, C, H = g.block_size, g.n_embd, g.n_head
-        per_block = b * T * C * (17 + 2.5 * H * T / C) * dtype_bytes
+    def memory_estimate(self, batch_size, precision="float32", optimizer_slots=2):
+        """Estimated peak bytes per stage, counted by tfdist.models.arithmetic as `tfdist plan`
+        counts them: the stage's parameters' weights, gradients and optimizer slots
+        (`state_bytes_per_param`), plus the activations kept for the backward pass. Per block and
+        microbatch of b sequences those are Korthikanti et al. 2022's b*T*C*(34 + 5*H*T/C) bytes in
+        mixed precision (eq. 2; twice that in float32, less without dropout masks:
+        `activation_bytes_per_layer`); GPipe keeps all M microbatches' (with recomputation, which
+        wraps each stage whole, only the stage's input per microbatch, plus one stage's full set
+        while it is recomputed), and the last stage each microbatch's float32 logits."""
+        g, arch, m = self.gpt, self.gpt.arch, self.microbatches
+        tokens = batch_size // m * g.block_size
+        per_block = arch.activation_bytes_per_layer(tokens, precision)
+        per_param = sum(arithmetic.state_bytes_per_param(precision, optimizer_slots))
         out = []
         for s in range(self.stages):
             params = sum(int(np.prod(v.shape)) for v in self.trainable_weights if self.stage_of(v) == s)
-            state = params * dtype_bytes * (2 + optimizer_slots)  # weights, gradients, slots
+            state = params * per_param  # weights, gradients, slots
             n = len(self.stage_blocks[s])
             if self.recompute:
-                acts = self.microbatches * b * T * C * dtype_bytes + n * per_block
+                acts = m * arch.activation_bytes_per_layer(tokens, precision, recompute=True) + n * per_block
             else:
-                acts = self.microbatches * n * per_block
-            if s == self.stages - 1:  # logits and their gradient, float32
-                acts += 2 * self.microbatches * b * T * g.vocab_size * 4
+                acts = m * n * per_block
+            if s == self.stages - 1:
+                acts += m * arch.logits_bytes(tokens)
             out.append({"stage": s, "device": self.devices[s], "params": params,
                         "param_state_bytes": int(state), "activation_bytes": int(acts),
-                        "total_bytes": int(state + acts)})
+                        "activation_bytes_per_block": int(per_block), "total_bytes": int(state + acts)})
         return out
 
-    def memory_report(self, batch_size):
+    def memory_report(self, batch_size, precision="float32"):
         """Per stage: the estimate above, and the peak TF measured (`get_memory_info`) where it
         keeps memory stats. A GPU's are its own; logical CPU devices share the host allocator, so
         theirs is the whole process's peak (`measured_scope` says which)."""
-        rows = self.memory_estimate(batch_size)
+        rows = self.memory_estimate(batch_size, precision)
         for row in rows:
             try:
                 row["measured_peak_bytes"] = int(

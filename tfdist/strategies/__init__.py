@@ -3,6 +3,8 @@
 Plugins are imported only when asked for, so a strategy's own dependencies (Horovod, a TPU runtime)
 are needed only by runs that use it.
 
+A plugin from outside the package is registered with TFDIST_PLUGINS=name=module:Class.
+
 Example:
 
     import tfdist.strategies
@@ -10,6 +12,7 @@ Example:
     strategy = tfdist.strategies.get("mirrored", devices=2)
 """
 import importlib
+import os
 
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy  # noqa: F401
@@ -22,6 +25,19 @@ _PLUGINS = {
     "horovod": "tfdist.strategies.horovod:Horovod",
     "tpu": "tfdist.strategies.tpu:TPU",
 }
+
+
+def _register_from_environment():
+    """TFDIST_PLUGINS="name=module:Class,...": plugins from outside this package (a plugin is one
+    file; its module must be importable)."""
+    for entry in filter(None, os.environ.get("TFDIST_PLUGINS", "").split(",")):
+        name, _, target = entry.partition("=")
+        if not name or ":" not in target:
+            raise UsageError(f"TFDIST_PLUGINS entry {entry!r} must be name=module:Class")
+        _PLUGINS[name.strip()] = target.strip()
+
+
+_register_from_environment()
 
 
 def names():

@@ -1,0 +1,49 @@
+"""The command line helps: `--help` lists a command's own flags; a bad flag is one line, with no
+TensorFlow start-up noise before it."""
+import os
+import sys
+
+import pytest
+
+from tests.helpers import run
+
+COMMANDS = {  # command -> flags it must list (its own, defined in its module)
+    "train": ["--workdir", "--strategy", "--devices", "--overwrite", "--prepare_only", "--config"],
+    "plan": ["--device", "--devices", "--batch", "--validate", "--measured"],
+    "launch": ["--workers", "--strategy", "--ps", "--max_restarts", "--backoff", "--bind"],
+    "sample": ["--model", "--prompt", "--max_new_tokens", "--temperature", "--top_k"],
+    "prepare": ["--out", "--workers", "--config"],
+}
+
+
+def tfdist(*args, env=None):
+    # a fresh terminal: nothing of the test runner's own TF settings
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("TF_CPP", "TFDIST_"))},
+           **(env or {})}
+    return run([sys.executable, "-m", "tfdist", *args], env=env, check=False, timeout=300)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_lists_the_commands_own_flags(command):
+    p = tfdist(command, "--help")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith(f"usage: tfdist {command} [flags]")
+    for flag in COMMANDS[command]:
+        assert f"  {flag}:" in p.stdout or f"  --[no]{flag[2:]}:" in p.stdout, (flag, p.stdout)
+    assert "(default:" in p.stdout and p.stderr == ""
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_bad_flag_is_exactly_one_line(command):
+    p = tfdist(command, "--no_such_flag=1")
+    assert p.returncode == 2
+    lines = (p.stdout + p.stderr).splitlines()  # every line, noise included
+    assert lines == ["tfdist: error: Unknown command line flag 'no_such_flag'"], lines
+
+
+def test_verbose_shows_tensorflows_start_up_messages():
+    """The companion: the noise is really there, and --verbose lets it through."""
+    p = tfdist("train", "--no_such_flag=1", "--verbose")
+    assert p.returncode == 2
+    assert "oneDNN custom operations are on" in p.stderr
+    assert p.stderr.splitlines()[-1] == "tfdist: error: Unknown command line flag 'no_such_flag'"

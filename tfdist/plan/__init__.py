@@ -1,0 +1,22 @@
+"""`tfdist plan`: for a model and a cluster, which parallel layout fits in memory, and which is fastest.
+
+Read top to bottom: model.py (devices, models, layouts, memory per device, time per step, the
+search), published.py (the devices' datasheets, the published models and runs, the calibration),
+machine.py (this machine's benches) and cli.py (the command line; its docstring is the overview
+that `tfdist plan --help` prints). The transformer's arithmetic (parameters, FLOPs, activation
+and model-state bytes) is tfdist.models.arithmetic's, which the GPT and the pipeline use too.
+This package re-exports the public names of all four.
+
+    from tfdist import plan
+    m = plan.MODELS["gpt3-175b"]
+    best = plan.search(m, plan.Cluster(plan.DEVICES["a100-80gb"], 1024), batch=1536)[0]
+    print(best.layout, best.tflops_per_device)
+"""
+from tfdist.plan.model import (GB, STATE_BYTES, Cluster, Device, Layout, Model, Options, Plan,  # noqa: F401
+                               activation_bytes_per_layer, allreduce_seconds, evaluate, layouts,
+                               memory, model_from_config, search, stage_params, step_time)
+from tfdist.plan.published import (CPU, DEVICES, MEGATRON_OPTIONS, MODELS, PUBLISHED, MiB,  # noqa: F401
+                                   calibrated, validate, zero_figure1)
+from tfdist.plan.machine import BENCH_HINT, allreduce_bandwidth, cpu_device, measured, read_bench  # noqa: F401
+from tfdist.plan.cli import (ROOT, _config, chart, format_table, main, run, runnable,  # noqa: F401
+                             strategy_launch, tfdist_command)

@@ -1,0 +1,4 @@
+"""`python -m tfdist.plan`: the same as `tfdist plan`."""
+from tfdist.plan.cli import run
+
+run()

@@ -1,0 +1,372 @@
+"""`tfdist plan`: for a model and a cluster, which parallel layout fits in memory, and which is fastest.
+
+A first-principles model: devices, models, layouts, memory per device, time per step and the
+search (tfdist/plan/model.py), the published devices, models and runs (published.py), this
+machine's benches (machine.py), and the command line (this file). It covers data parallelism
+(DP), pipeline stages (PP: K stages, M microbatches), tensor parallelism (TP) and ZeRO-1/2/3
+optimizer-state sharding. TP and ZeRO are modelled only: tfdist cannot run them yet, so the
+recommended command is the best layout tfdist runs (DP x PP, no ZeRO).
+The transformer's arithmetic (parameters, FLOPs, activation and model-state bytes) is
+tfdist.models.arithmetic's, which the GPT and the pipeline's memory estimate use too.
+
+One number is fitted: the fraction of peak FLOP/s that matrix multiplies reach. It is calibrated
+on Megatron-LM's GPT-3 175B run and then checked, without refitting, against Megatron's 1T run and
+LLaMA-2 70B's published cost (`tfdist plan --validate`). On this machine it is fitted to the bench's
+measured step time instead, and the bench's other figures are predicted (`tfdist plan --measured`).
+
+    tfdist plan --config=configs/gpt2_xl.py --device=a100-80gb --devices=16 --batch=512
+    tfdist plan --model=llama2-70b --device=a100-80gb --devices=2048 --batch=1024
+    tfdist plan --validate
+
+In Python:
+
+    from tfdist import plan
+    m = plan.MODELS["gpt3-175b"]
+    best = plan.search(m, plan.Cluster(plan.DEVICES["a100-80gb"], 1024), batch=1536)[0]
+    print(best.layout, best.tflops_per_device)
+"""
+import dataclasses
+import json
+import os
+import sys
+
+from tfdist.errors import UsageError
+from tfdist.plan.machine import _fit_to_one_process, cpu_device, measured, read_bench
+from tfdist.plan.model import GB, Cluster, Layout, Model, Options, memory, model_from_config, search
+from tfdist.plan.published import CPU, DEVICES, MODELS, PUBLISHED, calibrated, validate, zero_figure1
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (configs/)
+
+# ---------------------------------------------------------------------------------------------
+# The recommended command, the table and the chart.
+
+
+def strategy_launch(layout, cluster, flags=()):
+    """How tfdist runs a layout (tp = 1, no ZeRO) on the cluster's devices: (whether it can place
+    the layout, the command). The strategy and its command come from the plugins
+    (`Strategy.plan_command`); a process's pipeline stages are on its own node's devices."""
+    from tfdist import strategies
+    per_node = max(cluster.node() // layout.pp, 1)  # processes per node, each with its stages
+    plugin, command = strategies.for_plan(cluster.device.name, layout.dp, per_node, list(flags))
+    if plugin is None:
+        return False, ""
+    placed = layout.pp <= cluster.node() and (layout.pp == 1 or plugin.supports_pipeline)
+    return placed, command
+
+
+def tfdist_command(plan_, cluster, batch, config_arg, precision):
+    """The `tfdist train` command for a layout tfdist runs (tp = 1, no ZeRO)."""
+    lay = plan_.layout
+    m = lay.microbatches(batch)
+    flags = [config_arg, f"--config.train.batch_size={batch}"]
+    if precision == "mixed":
+        flags.append("--config.train.precision=mixed_bfloat16")
+    if lay.pp > 1:
+        flags += [f"--config.pipeline.stages={lay.pp}", f"--config.pipeline.microbatches={m}"]
+        if lay.recompute:
+            flags.append("--config.pipeline.recompute=True")
+    elif m > 1:  # one microbatch at a time: Keras's gradient accumulation
+        flags[1] = f"--config.train.batch_size={batch // m}"
+        flags.append(f"--config.train.grad_accum_steps={m}")
+    return strategy_launch(lay, cluster, flags)[1]
+
+
+def runnable(plan_, cluster):
+    lay = plan_.layout
+    if not lay.runs_in_tfdist() or (lay.recompute and lay.pp == 1):
+        return False  # no tensor parallelism or ZeRO yet; recomputation is the pipeline's
+    return strategy_launch(lay, cluster)[0]
+
+
+def format_table(plans, cluster):
+    head = (f"{'#':>3}  {'layout':<40} {'GB/dev':>7} {'s/step':>8} {'tok/s':>11} {'MFU':>6}  "
+            f"{'bottleneck':<10} tfdist")
+    lines = [head, "-" * len(head)]
+    for i, p in enumerate(plans, 1):
+        lines.append(f"{i:>3}  {str(p.layout):<40} {p.memory['total'] / GB:>7.1f} {p.time['total']:>8.3f} "
+                     f"{p.tokens_per_sec:>11,.0f} {p.mfu:>6.1%}  {p.time['bottleneck']:<10} "
+                     f"{'yes' if runnable(p, cluster) else 'modelled'}")
+    return "\n".join(lines)
+
+
+def chart(plans, cluster, path, title):
+    """Two panels: step time by part, and memory per device by part, for the listed layouts."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"{p.layout}{' *' if runnable(p, cluster) else ''}" for p in plans][::-1]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 0.45 * len(plans) + 3), sharey=True)
+    left = [0.0] * len(plans)
+    for part, color in (("compute", "tab:blue"), ("memory", "tab:orange"), ("network", "tab:green"),
+                        ("bubble", "tab:gray")):
+        v = [p.time[part] for p in plans][::-1]
+        a.barh(names, v, left=left, color=color, label=part)
+        left = [x + y for x, y in zip(left, v)]
+    a.set_title("seconds per step, by part")
+    a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=2, frameon=False)
+    left = [0.0] * len(plans)
+    for part, color in (("weights", "tab:purple"), ("gradients", "tab:red"), ("optimizer", "tab:olive"),
+                        ("activations", "tab:cyan")):
+        v = [p.memory[part] / GB for p in plans][::-1]
+        b.barh(names, v, left=left, color=color, label=part)
+        left = [x + y for x, y in zip(left, v)]
+    b.axvline(cluster.device.memory / GB, color="k", linestyle="--", label="device memory")
+    b.set_title("GB per device, by part")
+    b.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=3, frameon=False)
+    fig.suptitle(f"{title}   (* runs in tfdist today)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# `tfdist plan`
+
+
+def _define_flags():
+    from absl import flags
+
+    from tfdist import cli
+    cli.define_config_flag("config", None, "A tfdist config (configs/*.py): its model, batch and sequence.")
+    f = flags
+    f.DEFINE_string("model", None, f"A published model instead of --config: {', '.join(MODELS)}.")
+    for name, text in (("n_layer", "layers"), ("n_embd", "width"), ("n_head", "attention heads"),
+                       ("vocab_size", "vocabulary")):
+        f.DEFINE_integer(name, None, f"Model {text} (sizes given directly; overrides --config/--model).")
+    f.DEFINE_integer("seq_len", None, "Sequence length (default: the config's block_size).")
+    f.DEFINE_float("params", None, "Use this parameter count for the model states (e.g. 7.5e9).")
+    f.DEFINE_integer("batch", None, "Global batch in sequences per optimizer step (default: the config's).")
+    f.DEFINE_string("device", "a100-80gb", f"Device type: {', '.join(DEVICES)} or {CPU} (this machine, "
+                    f"from `make bench`).")
+    f.DEFINE_integer("devices", 8, "Number of devices.")
+    f.DEFINE_integer("per_node", None, "Devices per node (default: the device's usual node).")
+    f.DEFINE_float("intra_node_gbps", None, "Per-device bandwidth inside a node, GB/s one way.")
+    f.DEFINE_float("inter_node_gbps", None, "Per-device bandwidth between nodes, GB/s one way.")
+    for name in ("dp", "tp", "pp", "microbatch", "zero"):
+        f.DEFINE_integer(name, None, f"Fix the layout's {name} (default: search).")
+    f.DEFINE_enum("recompute", "search", ["search", "on", "off"], "Activation recomputation.")
+    f.DEFINE_enum("precision", None, ["mixed", "float32"], "Default: mixed; float32 on the CPU.")
+    f.DEFINE_enum("schedule", "gpipe", ["gpipe", "1f1b"], "Pipeline schedule (tfdist's is gpipe).")
+    f.DEFINE_float("efficiency", None, "Fraction of peak FLOP/s matmuls reach (default: calibrated "
+                   "on Megatron-LM's 175B run; on the CPU, on the bench).")
+    f.DEFINE_integer("top", 10, "Feasible layouts to list.")
+    f.DEFINE_string("out", "runs/plan", "Directory for plan.png and plan.json.")
+    f.DEFINE_string("bench_dir", "bench_results", "Where `make bench*` wrote its JSON.")
+    f.DEFINE_bool("validate", False, "Print predictions against the published runs and exit.")
+    f.DEFINE_bool("measured", False, "Print predictions against this machine's benchmarks and exit.")
+    return flags.FLAGS
+
+
+def _positive(name, value):
+    if value is not None and value <= 0:
+        raise UsageError(f"--{name}={value} must be > 0")
+
+
+_SET_BY_PLAN = ("train.batch_size", "train.precision", "train.grad_accum_steps", "pipeline.stages",
+                "pipeline.microbatches", "pipeline.recompute")
+
+
+def _model_overrides(model, keys):
+    return " ".join(f"--config.model.{'block_size' if k == 'seq_len' else k}={getattr(model, k)}" for k in keys)
+
+
+def _model_from_flags(F):
+    from ml_collections import config_flags
+    if F.model and F.config:
+        raise UsageError("give --config or --model, not both")
+    if F.model:
+        if F.model not in MODELS:
+            raise UsageError(f"unknown --model '{F.model}'; choose one of {', '.join(MODELS)} "
+                             f"or --config=configs/<name>.py")
+        model, config_arg = MODELS[F.model], None
+        batch = next((r["batch"] for r in PUBLISHED.values() if r["model"] == F.model), None)
+    elif F.config:
+        c = F.config
+        name = os.path.splitext(os.path.basename(config_flags.get_config_filename(F["config"])))[0]
+        model, batch = model_from_config(c, name), c.train.batch_size
+        config_arg = f"--config={config_flags.get_config_filename(F['config'])}"
+    elif F.n_layer or F.params:
+        model, batch, config_arg = None, None, None
+    else:
+        raise UsageError("say which model: --config=configs/<name>.py, --model=<name> "
+                         f"({', '.join(MODELS)}), or its sizes (--n_layer --n_embd --n_head --vocab_size)")
+    sizes = {k: F[k].value for k in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len")
+             if F[k].value is not None}
+    for k, v in sizes.items():
+        _positive(k, v)
+    if model is None:
+        missing = [k for k in ("n_layer", "n_embd", "n_head") if k not in sizes] if not F.params else []
+        if missing:
+            raise UsageError(f"sizes given directly need --{' --'.join(missing)} too")
+        model = Model("custom", n_layer=sizes.get("n_layer", 0), n_embd=sizes.get("n_embd", 0),
+                      n_head=sizes.get("n_head", 1), vocab_size=sizes.get("vocab_size", 50257),
+                      seq_len=sizes.get("seq_len", 2048))
+    else:
+        model = dataclasses.replace(model, **sizes)
+    if config_arg is None:  # tfdist's GPT (GELU, full attention) of the same sizes
+        config_arg = "--config=configs/gpt2.py " + _model_overrides(model, ("n_layer", "n_embd", "n_head",
+                                                                            "vocab_size", "seq_len"))
+    else:  # the config file, the user's own overrides, then the sizes given directly
+        own = [a for a in sys.argv if a.startswith("--config.") and a.split("=")[0][9:] not in _SET_BY_PLAN]
+        config_arg = " ".join([config_arg, *own, _model_overrides(model, sizes)]).strip()
+    if F.params is not None:
+        _positive("params", F.params)
+        model = dataclasses.replace(model, params_override=F.params)
+    if model.n_layer and model.n_embd % model.n_head:
+        raise UsageError(f"n_embd ({model.n_embd}) must be a multiple of n_head ({model.n_head})")
+    return model, batch, config_arg
+
+
+def main(argv):
+    del argv
+    F = _FLAGS
+    if F.validate:
+        print(f"fraction of peak that matmuls reach, calibrated on Megatron-LM 175B: {calibrated():.3f}")
+        for r in validate():
+            print(f"{r['role']:<11} {r['run']}\n            {r['metric']}: published {r['published']:,.1f}, "
+                  f"predicted {r['predicted']:,.1f} ({r['error']:+.1%})\n            source: {r['source']}")
+        z = zero_figure1()
+        print("ZeRO Figure 1 (7.5B parameters, 64 devices), GB per device: " + ", ".join(
+            f"{k} {z[i]:.2f}" for i, k in enumerate(("baseline", "ZeRO-1", "ZeRO-2", "ZeRO-3")))
+            + " (paper: 120, 31.4, 16.6, 1.9)")
+        return
+    if F.device != CPU and F.device not in DEVICES:
+        raise UsageError(f"unknown --device '{F.device}'; choose one of {', '.join(DEVICES)}, {CPU}")
+    for name in ("devices", "per_node", "intra_node_gbps", "inter_node_gbps", "batch", "top", "dp", "tp",
+                 "pp", "microbatch", "efficiency"):
+        _positive(name, F[name].value)
+    if F.zero is not None and F.zero not in (0, 1, 2, 3):
+        raise UsageError(f"--zero={F.zero} must be 0, 1, 2 or 3")
+    if F.efficiency is not None and F.efficiency > 1:
+        raise UsageError(f"--efficiency={F.efficiency} is a fraction of peak: give a number in (0, 1]")
+    model, config_batch, config_arg = _model_from_flags(F)
+    if F.measured:
+        if not model.n_layer:
+            raise UsageError("--measured needs a model with sizes (e.g. --config=configs/gpt_mini.py)")
+        for r in measured(F.bench_dir, model):
+            if "missing" in r:
+                print(f"{r['figure']:<52} not measured here: run `{r['missing']}`")
+            else:
+                print(f"{r['figure']:<52} predicted {r['predicted']:6.3f}  measured {r['measured']:6.3f}  "
+                      f"({r['note']})")
+        return
+    device = cpu_device(F.bench_dir) if F.device == CPU else DEVICES[F.device]
+    cluster = Cluster(device, F.devices, F.per_node or 0, (F.intra_node_gbps or 0) * GB,
+                      (F.inter_node_gbps or 0) * GB)
+    batch = F.batch or config_batch
+    if not batch:
+        raise UsageError("say the global batch: --batch=<sequences per optimizer step>")
+    precision = F.precision or ("float32" if F.device == CPU else "mixed")
+    eff = F.efficiency or 0.0
+    if F.device == CPU and not eff:
+        s = read_bench(F.bench_dir, "scaling.json")
+        if s and model.n_layer:
+            mini = model_from_config(_config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
+            eff, _ = _fit_to_one_process(device, mini, s, Options(precision="float32"))
+        else:
+            eff = 0.5
+    opts = Options(precision=precision, schedule=F.schedule, efficiency=eff)
+    fixed = {k: F[k].value for k in ("dp", "tp", "pp", "microbatch", "zero") if F[k].value is not None}
+    if F.recompute != "search":
+        fixed["recompute"] = F.recompute == "on"
+    _check_fixed(model, cluster, batch, fixed)
+    plans = search(model, cluster, batch, fixed, opts) if model.n_layer else []
+    if not model.n_layer:  # only a parameter count: model states per device, ZeRO stages
+        for z in (0, 1, 2, 3):
+            lay = Layout(dp=fixed.get("dp", cluster.count), zero=z)
+            print(f"ZeRO-{z}: {memory(model, lay, batch, opts)['total'] / GB:.2f} GB of model states per device")
+        return
+    if not plans:
+        raise UsageError(f"no layout of {cluster.count} devices splits a batch of {batch} and "
+                         f"{model.n_layer} layers as asked; change --batch, --devices or the fixed dims")
+    _report(model, cluster, batch, plans, opts, config_arg, F)
+
+
+def _config(path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cfg", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def _check_fixed(model, cluster, batch, fixed):
+    g = cluster.count
+    tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
+    if model.n_layer and model.n_head % tp:
+        raise UsageError(f"--tp={tp} must divide the {model.n_head} attention heads")
+    if model.n_layer and pp > model.n_layer:
+        raise UsageError(f"--pp={pp} is more stages than the model's {model.n_layer} layers")
+    if "dp" in fixed and ("tp" in fixed and "pp" in fixed) and fixed["dp"] * tp * pp != g:
+        raise UsageError(f"dp x tp x pp = {fixed['dp'] * tp * pp} but --devices={g}; make them equal")
+    if g % (tp * pp):
+        raise UsageError(f"--devices={g} is not a multiple of tp x pp = {tp * pp}")
+    if fixed.get("zero", 0) >= 2 and pp > 1:
+        raise UsageError(f"--zero={fixed['zero']} with --pp={pp}: ZeRO-2/3 shard the gradients that each "
+                         f"pipeline stage accumulates over its microbatches; use --zero=1 or --pp=1")
+    if fixed.get("zero", 0) and fixed.get("dp") == 1:
+        raise UsageError("ZeRO shards over data-parallel replicas and --dp=1 has none; drop --zero")
+    dp = fixed.get("dp", g // (tp * pp) if ("tp" in fixed or "pp" in fixed) else None)
+    if dp:
+        mb = fixed.get("microbatch", 1)
+        if batch % (dp * mb):
+            raise UsageError(f"--batch={batch} does not split into {dp} data-parallel replicas x "
+                             f"microbatches of {mb}; give a batch that is a multiple of {dp * mb}")
+
+
+def _report(model, cluster, batch, plans, opts, config_arg, F):
+    feasible = [p for p in plans if p.fits]
+    print(f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.seq_len} tokens per sequence; "
+          f"batch {batch} sequences; {cluster.count} x {cluster.device.name} "
+          f"({cluster.device.memory / GB:.1f} GB, {cluster.device.peak(opts.precision) / 1e12:,.1f} TFLOP/s peak ({opts.precision}), "
+          f"{cluster.node()} per node); matmuls at {(opts.efficiency or calibrated()):.1%} of peak; "
+          f"{len(plans)} layouts, {len(feasible)} fit")
+    if feasible:
+        print(format_table(feasible[:F.top], cluster))
+    over = [p for p in plans if not p.fits]
+    if over:  # those that would be fastest if they fitted, with what overflows
+        over.sort(key=lambda p: -p.tokens_per_sec)
+        print(f"\ndo not fit ({len(over)}), fastest first:")
+        for p in over[:min(F.top, 5)]:
+            print(f"  {str(p.layout):<40} {p.overflow}")
+    best = next((p for p in feasible if runnable(p, cluster)), None)
+    print()
+    if feasible:
+        b = feasible[0]
+        print(f"best: {b.layout}: {b.tokens_per_sec:,.0f} tokens/s, MFU {b.mfu:.1%}, "
+              f"{b.memory['total'] / GB:.1f} GB per device, bound by {b.time['bottleneck']}")
+    if best is None:
+        print("no layout tfdist can run today fits (tfdist has no tensor parallelism or ZeRO yet)")
+    else:
+        if best is not feasible[0]:
+            print(f"best that tfdist runs today (no tensor parallelism or ZeRO yet): {best.layout}, "
+                  f"{best.tokens_per_sec / feasible[0].tokens_per_sec:.0%} of the best's speed")
+        print("  " + tfdist_command(best, cluster, batch, config_arg or "--config=<your config>",
+                                     opts.precision))
+    os.makedirs(F.out, exist_ok=True)
+    shown = feasible[:F.top] or over[:F.top]
+    chart(shown, cluster, os.path.join(F.out, "plan.png"),
+          f"{model.name} on {cluster.count} x {cluster.device.name}, batch {batch}")
+    with open(os.path.join(F.out, "plan.json"), "w") as f:
+        json.dump({"model": dataclasses.asdict(model), "devices": cluster.count,
+                   "device": dataclasses.asdict(cluster.device), "batch": batch,
+                   "efficiency": opts.efficiency or calibrated(),
+                   "plans": [{"layout": dataclasses.asdict(p.layout), "fits": p.fits, "memory": p.memory,
+                              "time": p.time, "tokens_per_sec": p.tokens_per_sec, "mfu": p.mfu,
+                              "overflow": p.overflow} for p in plans]}, f, indent=1)
+    print(f"wrote {os.path.join(F.out, 'plan.png')} and plan.json")
+
+
+_FLAGS = None
+
+
+def run(argv=None):
+    global _FLAGS
+    from tfdist import cli
+    _FLAGS = _define_flags()
+    cli.run(main, argv or sys.argv)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,325 @@
+"""The planner's model, pure and first-principles: a device, a model, a cluster and a layout; the
+memory per device, the time per step, and the search over layouts.
+
+The transformer's own arithmetic (parameters, FLOPs, activation bytes, model-state bytes) is
+tfdist.models.arithmetic's, the same that the GPT and the pipeline's memory estimate use.
+The published devices, models and runs, and the calibration on them, are in published.py.
+"""
+import dataclasses
+import functools
+import math
+
+from tfdist.models import arithmetic
+
+GB = 1e9
+
+# ---------------------------------------------------------------------------------------------
+# Devices. Peak = dense bf16/fp16 matrix FLOP/s, and for float32 training the rate float32
+# matmuls run at (TF uses TF32 on NVIDIA GPUs since Ampere; TPUs, at XLA's default precision,
+# multiply float32 in bf16 passes); memory as the runtime reports it (nvidia-smi's MiB for GPUs);
+# bandwidths in bytes/s: intra = one direction of the device's link inside a node (NVLink, ICI),
+# inter = its share of the node's network (per device, one direction). The devices themselves,
+# from their datasheets: published.DEVICES.
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float
+    memory: float
+    hbm_bw: float  # None: not modelled (the CPU: its memory traffic is inside the fitted fraction)
+    intra_bw: float
+    inter_bw: float
+    per_node: int
+    source: str
+    fp32_flops: float = 0.0  # 0: same as peak_flops
+
+    def peak(self, precision):
+        return self.peak_flops if precision == "mixed" else (self.fp32_flops or self.peak_flops)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: a decoder-only transformer's sizes (the published ones: published.MODELS).
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int
+    seq_len: int
+    n_kv_head: int = 0  # 0: = n_head (multi-head); fewer: grouped-query attention
+    ffn: int = 0  # MLP width; 0: 4 x n_embd
+    gated_mlp: bool = False  # SwiGLU (three matrices) instead of GELU (two)
+    bias: bool = True
+    tied_embeddings: bool = True
+    learned_positions: bool = True
+    dropout: bool = True  # dropout masks are stored for the backward pass
+    flash_attention: bool = False  # the attention matrix is never stored (FlashAttention, xformers)
+    params_override: float = 0  # a published parameter count to use instead of counting
+    source: str = ""
+
+    @functools.cached_property
+    def arch(self):
+        """The sizes as tfdist.models.arithmetic counts them: parameters, FLOPs, bytes."""
+        return arithmetic.Transformer(**{f.name: getattr(self, f.name)
+                                         for f in dataclasses.fields(arithmetic.Transformer)})
+
+    @property
+    def params(self):
+        return self.params_override or self.arch.params()
+
+
+def model_from_config(c, name):
+    """A Model from a tfdist config (the `model` section of configs/*.py)."""
+    from tfdist import config as config_lib
+    m = c.model
+    return Model(name=name, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head,
+                 vocab_size=config_lib.vocab_size(c) or 256, seq_len=m.block_size, bias=m.bias, dropout=m.dropout > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A cluster and a layout.
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    device: Device
+    count: int
+    per_node: int = 0  # 0: the device's usual node
+    intra_bw: float = 0  # 0: the device's
+    inter_bw: float = 0
+
+    def node(self):
+        return self.per_node or self.device.per_node
+
+    def bandwidth(self, group_span):
+        """Per-device bandwidth of a group of devices `group_span` consecutive ranks wide."""
+        inside = group_span <= self.node()
+        return (self.intra_bw or self.device.intra_bw) if inside else (self.inter_bw or self.device.inter_bw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """dp x tp x pp devices; each replica's batch in microbatches of `microbatch` sequences.
+    Rank order: tensor-parallel ranks adjacent (in a node), then data-parallel, then stages."""
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    microbatch: int = 1
+    zero: int = 0
+    recompute: bool = False
+
+    def microbatches(self, batch):
+        return batch // (self.dp * self.microbatch)
+
+    def runs_in_tfdist(self):
+        return self.tp == 1 and self.zero == 0
+
+    def __str__(self):
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.microbatch} zero={self.zero}"
+                f"{' recompute' if self.recompute else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    precision: str = "mixed"  # "mixed" (bf16/fp16 compute, fp32 master weights) or "float32"
+    schedule: str = "gpipe"  # "gpipe" (tfdist: all microbatches in flight) or "1f1b" (Megatron)
+    efficiency: float = 0.0  # fraction of peak that matmuls reach; 0: calibrated() on 175B
+    usable_memory: float = 0.95  # of the device's memory (runtime context, fragmentation)
+    elementwise_passes: float = 3.0  # memory traffic per stored activation byte (see step_time)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory per device.
+
+# Model-state bytes per parameter: (weights, gradients, optimizer states). Mixed precision is the
+# ZeRO paper's: fp16 weights and gradients, and fp32 master weights + Adam's two moments (K = 12).
+STATE_BYTES = arithmetic.STATE_BYTES  # {"mixed": (2, 2, 12), "float32": (4, 4, 8)}
+
+
+def stage_params(model, pp):
+    """Parameters of the largest pipeline stage (blocks split as evenly as possible; the
+    embedding on the first stage, the untied head and final norm on the last)."""
+    layers = math.ceil(model.n_layer / pp) * model.arch.layer_params()
+    if model.params_override:
+        return model.params_override / pp
+    emb = model.arch.embedding_params()
+    if pp == 1:
+        return layers + emb
+    head = model.arch.head_params()  # the last stage holds the head (a copy, if tied)
+    return layers + max(emb - (0 if model.tied_embeddings else head), head)
+
+
+def activation_bytes_per_layer(model, layout, tokens, precision):
+    """Bytes one transformer layer keeps for its backward pass, for `tokens` tokens of one
+    microbatch, split over the layout's tensor-parallel ranks: Korthikanti et al. 2022
+    (arXiv:2205.05198) eq. 2, s b h (34 + 5 a s / h) at 2 bytes per value, of which 24 + 5as/h
+    are split by tensor parallelism; generalised to grouped-query attention, gated MLPs, no
+    dropout and FlashAttention (tfdist.models.arithmetic.Transformer.activation_bytes_per_layer)."""
+    return model.arch.activation_bytes_per_layer(tokens, precision, layout.tp)
+
+
+def memory(model, layout, batch, opts=Options()):
+    """Bytes per device, by part, for the largest stage."""
+    pb, gb, ob = STATE_BYTES[opts.precision]
+    n = stage_params(model, layout.pp) / layout.tp
+    d, z = layout.dp, layout.zero
+    parts = {"weights": n * pb / (d if z >= 3 else 1),
+             "gradients": n * gb / (d if z >= 2 else 1),
+             "optimizer": n * ob / (d if z >= 1 else 1)}
+    if model.params_override and not model.n_layer:
+        return {**parts, "activations": 0.0, "total": sum(parts.values())}
+    tokens = layout.microbatch * model.seq_len
+    m = layout.microbatches(batch)
+    in_flight = (min(m, layout.pp) if opts.schedule == "1f1b" else m) if layout.pp > 1 else 1
+    layers = math.ceil(model.n_layer / layout.pp)
+    layer = activation_bytes_per_layer(model, layout, tokens, opts.precision)
+    if layout.recompute:  # each layer keeps its input; one layer's full set while recomputing
+        kept = model.arch.activation_bytes_per_layer(tokens, opts.precision, recompute=True)
+        acts = layers * in_flight * kept + layer
+    else:
+        acts = layers * in_flight * layer
+    logits = model.arch.logits_bytes(tokens, layout.tp) * (in_flight if opts.schedule == "gpipe" else 1)
+    parts["activations"] = acts + logits
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Time per step.
+
+
+def allreduce_seconds(nbytes, n, bandwidth):
+    """Ring all-reduce: each device sends and receives 2 (n - 1) / n of the buffer."""
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def step_time(model, cluster, layout, batch, opts=Options()):
+    """Seconds per optimizer step, by part, and the bottleneck.
+
+    Per microbatch, the slowest stage (the last: its blocks and the head) takes the time of its
+    matmuls at `efficiency` x peak, plus its memory-bound element-wise work (each stored
+    activation byte moved `elementwise_passes` times, once more with recomputation), plus the
+    tensor-parallel all-reduces (2 forward, 2 backward per layer, 2 more when recomputing) and
+    the activations sent to the next stage and the gradients sent back. A pipeline of M
+    microbatches on K stages takes (M + K - 1) microbatch times: the bubble is (K - 1) / (M + K - 1).
+    Then the data-parallel gradient all-reduce (ZeRO: reduce-scatter + all-gather, the same volume;
+    ZeRO-3 gathers the weights twice: 1.5x), not overlapped with compute, and the optimizer update
+    (memory-bound, 28 bytes per parameter held)."""
+    from tfdist.plan.published import calibrated  # calibrated on published runs with this model
+    dev, a = cluster.device, model.arch
+    eff = opts.efficiency or calibrated()
+    t, pp, b = layout.tp, layout.pp, layout.microbatch
+    tokens = b * model.seq_len
+    passes = 4 if layout.recompute else 3
+    layers = math.ceil(model.n_layer / pp)
+    hidden = a.hidden_bytes(tokens, opts.precision)  # one layer's input: what TP and PP send
+
+    matmul = layers * passes * a.layer_flops() * tokens / t + 3 * a.head_flops() * tokens / t
+    compute = matmul / (eff * dev.peak(opts.precision))
+    if dev.hbm_bw:
+        moved = layers * activation_bytes_per_layer(model, layout, tokens, opts.precision)
+        moved += a.logits_bytes(tokens, t)  # fp32 logits and their softmax gradient
+        elementwise = moved * (opts.elementwise_passes + layout.recompute) / dev.hbm_bw
+    else:
+        elementwise = 0.0
+    tp_comm = layers * (6 if layout.recompute else 4) * allreduce_seconds(hidden, t, cluster.bandwidth(t))
+    p2p = 0.0
+    if pp > 1:  # activations forward, their gradients back; across nodes unless the pipeline fits in one
+        p2p = 2 * hidden / max(t, 1) / cluster.bandwidth(2 * t * layout.dp)
+    per_microbatch = compute + elementwise + tp_comm + p2p
+    m = layout.microbatches(batch)
+    pipeline = (m + pp - 1) * per_microbatch
+    bubble = (pp - 1) * per_microbatch
+
+    n = stage_params(model, pp) / t
+    grad_bytes = n * STATE_BYTES[opts.precision][1]
+    dp = allreduce_seconds(grad_bytes, layout.dp, cluster.bandwidth(t * layout.dp))
+    if layout.zero >= 3:
+        dp *= 1.5
+    held = n / (layout.dp if layout.zero >= 1 else 1)
+    update = held * 28 / dev.hbm_bw if dev.hbm_bw else 0.0
+    total = pipeline + dp + update
+    parts = {"compute": m * compute, "memory": m * elementwise + update,
+             "network": m * (tp_comm + p2p) + dp, "bubble": bubble}
+    return {**parts, "total": total, "bottleneck": max(parts, key=parts.get),
+            "per_microbatch": per_microbatch}
+
+
+@dataclasses.dataclass
+class Plan:
+    layout: Layout
+    memory: dict
+    time: dict
+    fits: bool
+    tokens_per_sec: float
+    mfu: float
+    tflops_per_device: float  # hardware FLOP/s as Megatron-LM reports them (recomputation included)
+    overflow: str = ""
+
+
+def evaluate(model, cluster, layout, batch, opts=Options()):
+    mem = memory(model, layout, batch, opts)
+    tm = step_time(model, cluster, layout, batch, opts)
+    tokens = batch * model.seq_len
+    hw = (model.arch.model_flops_per_token()
+          + (model.n_layer * model.arch.layer_flops() if layout.recompute else 0)) * tokens
+    capacity = cluster.device.memory * opts.usable_memory
+    fits = mem["total"] <= capacity
+    overflow = "" if fits else (
+        f"needs {mem['total'] / GB:.1f} GB > {capacity / GB:.1f} GB usable; largest: "
+        + ", ".join(f"{k} {v / GB:.1f}" for k, v in sorted(
+            ((k, v) for k, v in mem.items() if k != "total"), key=lambda kv: -kv[1])[:2]))
+    return Plan(layout, mem, tm, fits, tokens / tm["total"],
+                model.arch.model_flops_per_token() * tokens
+                / (tm["total"] * cluster.count * cluster.device.peak(opts.precision)),
+                hw / (tm["total"] * cluster.count) / 1e12, overflow)
+
+
+# ---------------------------------------------------------------------------------------------
+# The search.
+
+
+def _powers_of_two(limit):
+    k = 1
+    while k <= limit:
+        yield k
+        k *= 2
+
+
+def layouts(model, cluster, batch, fixed=None):
+    """Every layout of `cluster.count` devices that splits `batch` and the model evenly.
+    `fixed` pins dimensions: {"tp": 8, "pp": 16, ...}."""
+    fixed = fixed or {}
+    g = cluster.count
+    tps = [fixed["tp"]] if "tp" in fixed else _powers_of_two(min(cluster.node(), model.n_head))
+    for tp in tps:  # searched: powers of two within a node; pinned: as given
+        if model.n_head % tp or g % tp:
+            continue
+        for pp in range(1, model.n_layer + 1):
+            if g % (tp * pp) or fixed.get("pp", pp) != pp:
+                continue
+            dp = g // (tp * pp)
+            if fixed.get("dp", dp) != dp or batch % dp:
+                continue
+            mbs = [fixed["microbatch"]] if "microbatch" in fixed else _powers_of_two(batch // dp)
+            for mb in mbs:
+                if batch % (dp * mb):
+                    continue
+                for zero in (0, 1, 2, 3):
+                    if fixed.get("zero", zero) != zero or (zero and dp == 1) or (zero >= 2 and pp > 1):
+                        continue  # ZeRO-2/3 shard what pipelining keeps per microbatch: not combined
+                    for rc in (False, True):
+                        if fixed.get("recompute", rc) == rc:
+                            yield Layout(dp, tp, pp, mb, zero, rc)
+
+
+def search(model, cluster, batch, fixed=None, opts=Options()):
+    """All candidate layouts evaluated; the feasible ones first, fastest first."""
+    plans = [evaluate(model, cluster, lay, batch, opts) for lay in layouts(model, cluster, batch, fixed)]
+    # equal speeds (compute is linear in the microbatch): fewer, larger microbatches, then less memory
+    return sorted(plans, key=lambda p: (not p.fits, -float(f"{p.tokens_per_sec:.4g}"),
+                                        -p.layout.microbatch, p.memory["total"]))
