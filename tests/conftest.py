@@ -1,16 +1,14 @@
-"""Shared fixtures. TF and the default corpus are prepared once per session in a private data_dir."""
-import json
+"""Fixtures and pytest hooks only (the helpers the test modules share are in tests/helpers.py).
+TF and the default corpus are prepared once per session in a private data_dir."""
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tfdist.launch.local import children, task_of  # noqa: F401  (re-exported for tests)
+from tests.helpers import ROOT  # noqa: F401  (tests/test_plan.py still imports ROOT from here)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(ROOT, "tests", "faulty_train.py")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+def pytest_configure(config):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # for every process the tests start
 
 
 @pytest.fixture(scope="session")
@@ -24,33 +22,3 @@ def data_dir(tmp_path_factory):
     c.data.data_dir = d
     open_store(c.data, progress=False)
     return d
-
-
-def run(cmd, timeout=300, env=None, check=True):
-    """Runs a command with a hard timeout; the process is ours and is killed on timeout."""
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                       env={**os.environ, **(env or {})})
-    if check and p.returncode != 0:
-        raise AssertionError(f"{cmd} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\n"
-                             f"stderr:\n{p.stderr[-3000:]}")
-    return p
-
-
-def tfdist(*args, timeout=300, check=True):
-    return run([sys.executable, "-m", "tfdist", *args], timeout=timeout, check=check)
-
-
-def driver(workdir, overrides, *extra, timeout=300, check=True):
-    """Runs tests/faulty_train.py; returns (CompletedProcess, result dict or None)."""
-    p = run([sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra],
-            timeout=timeout, check=check)
-    line = [x for x in p.stdout.splitlines() if x.startswith("DRIVER_RESULT ")]
-    return p, (json.loads(line[-1][len("DRIVER_RESULT "):]) if line else None)
-
-
-def executed_steps(workdir):
-    path = os.path.join(workdir, "executed_steps.txt")
-    if not os.path.exists(path):
-        return []
-    return [line.split() for line in open(path)]
-

@@ -9,23 +9,17 @@ import tensorflow as tf
 
 from tfdist import callbacks as cb
 from tfdist.models.gpt import GPT
-from tests.conftest import driver, executed_steps
+from tests.helpers import driver, executed_steps, final_weights
 
-STEPS = 30
+STEPS, PER_EPOCH = 30, 10
 
 
 def overrides(data_dir, **extra):
-    o = {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": 10,
+    o = {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": PER_EPOCH,
          "train.batch_size": 8, "train.deterministic": True, "train.eval_steps": 2,
          "model.dropout": 0.1, "backup.delete_on_success": True}
     o.update(extra)
     return o
-
-
-def final_weights(workdir):
-    import tfdist.models.gpt  # noqa: F401  (registers the classes)
-    m = keras.saving.load_model(os.path.join(workdir, "model.keras"), compile=False)
-    return [np.asarray(w) for w in m.weights]
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +60,26 @@ def test_sigkill_at_random_step_then_restart_is_step_exact(tmp_path, data_dir, r
 
 @pytest.mark.slow
 def test_kill_inside_a_save_leaves_the_previous_backup_usable(tmp_path, data_dir, reference):
-    o = overrides(data_dir, **{"backup.every_steps": 4})
-    p, _ = driver(tmp_path, o, "--kill-in-save", "3", check=False)  # saves: 4, 8, 10 (epoch end): dies writing 10
+    every, dying = 4, 3  # dies inside the 3rd save
+    # backups at every 4th step and at each epoch end: 4, 8, 10, 12, ...
+    saves = sorted({s for s in range(1, STEPS + 1) if s % every == 0 or s % PER_EPOCH == 0})
+    o = overrides(data_dir, **{"backup.every_steps": every})
+    p, _ = driver(tmp_path, o, "--kill-in-save", str(dying), check=False)
     assert p.returncode == -9
-    assert tf.train.latest_checkpoint(str(tmp_path / "backup")).endswith("ckpt-8")
-    assert os.path.exists(tmp_path / "backup" / "ckpt-10.index")  # the half-finished save
+    latest, half_written = saves[dying - 2], saves[dying - 1]
+    assert tf.train.latest_checkpoint(str(tmp_path / "backup")).endswith(f"ckpt-{latest}")
+    assert os.path.exists(tmp_path / "backup" / f"ckpt-{half_written}.index")  # the half-finished save
     _, result = driver(tmp_path, o)
-    assert result["steps_run"] == STEPS - 8
-    for a, b in zip(final_weights(tmp_path), reference[4]):
+    assert result["steps_run"] == STEPS - latest
+    for a, b in zip(final_weights(tmp_path), reference[every]):
         np.testing.assert_array_equal(a, b)
 
 
+BLOCK = 16  # of the small GPT below
+
+
 def _built(n_layer=1, dropout=0.1):
-    m = GPT(vocab_size=256, block_size=16, n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout)
+    m = GPT(vocab_size=256, block_size=BLOCK, n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout)
     m.build()
     m.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
     m.optimizer.build(m.trainable_variables)
@@ -107,7 +108,7 @@ def test_restore_brings_back_weights_optimizer_step_and_dropout_rng(tmp_path):
     b = cb.BackupAndRestore(str(tmp_path))
     b.set_model(m)
     b.restore(m)
-    x = np.arange(16, dtype="int32")[None]
+    x = np.arange(BLOCK, dtype="int32")[None]
     m(x, training=True)  # advances the dropout RNG state
     m.optimizer.iterations.assign(7)
     b.step.assign(3)

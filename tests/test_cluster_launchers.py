@@ -10,7 +10,6 @@
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ import pytest
 import yaml
 
 from tfdist.launch.local import loopback_shim
-from tests.conftest import ROOT
+from tests.helpers import ROOT, free_port_run
 from tfdist import cluster
 
 SBATCH = os.path.join(ROOT, "launchers", "slurm", "tfdist.sbatch")
@@ -26,22 +25,7 @@ TFJOB = os.path.join(ROOT, "launchers", "kubernetes", "tfjob.yaml")
 TFJOB_PS = os.path.join(ROOT, "launchers", "kubernetes", "tfjob-ps.yaml")
 
 
-def free_port_run(n):
-    """A port p such that p .. p+n-1 are free on 127.0.0.1 now."""
-    for _ in range(100):
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            socks[0].bind(("127.0.0.1", 0))
-            port = socks[0].getsockname()[1]
-            for i, s in enumerate(socks[1:], 1):
-                s.bind(("127.0.0.1", port + i))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
+STEPS = 4  # of every training run below
 
 
 def run_sbatch(tmp_path, data_dir, tasks, **env_extra):
@@ -50,14 +34,14 @@ def run_sbatch(tmp_path, data_dir, tasks, **env_extra):
            "PYTHON": sys.executable, "TFDIST_SLURM_PORT_BASE": str(free_port_run(tasks)),
            "LD_PRELOAD": loopback_shim(), "PYTHONUNBUFFERED": "1", **env_extra}
     env.pop("TF_CONFIG", None)
-    flags = ["--config=configs/gpt_nano.py", f"--workdir={tmp_path}", "--config.train.steps=4",
+    flags = ["--config=configs/gpt_nano.py", f"--workdir={tmp_path}", f"--config.train.steps={STEPS}",
              f"--config.data.data_dir={data_dir}", "--config.train.steps_per_epoch=2",
              "--config.train.warmup_steps=1", "--config.train.eval_steps=1"]
     p = subprocess.run(["bash", SBATCH, *flags], env=env, capture_output=True, text=True,
                        timeout=300, cwd=str(tmp_path))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"tfdist: prepared {tmp_path}" in p.stdout
-    assert "tfdist: done: 4 steps run (step 4 of 4)" in p.stdout
+    assert f"tfdist: done: {STEPS} steps run (step {STEPS} of {STEPS})" in p.stdout
     assert "tfdist.sbatch: done after 0 restart(s)" in p.stdout
     assert (tmp_path / "model.keras").exists()
     return p.stdout
@@ -65,17 +49,21 @@ def run_sbatch(tmp_path, data_dir, tasks, **env_extra):
 
 @pytest.mark.slow
 def test_sbatch_script_trains_two_workers_from_slurm_variables(tmp_path, data_dir):
-    out = run_sbatch(tmp_path, data_dir, 2)
-    assert "tfdist: multi_worker_mirrored: worker 0 of 2, 2 replica(s) in sync" in out
+    tasks = 2
+    out = run_sbatch(tmp_path, data_dir, tasks)
+    assert f"tfdist: multi_worker_mirrored: worker 0 of {tasks}, {tasks} replica(s) in sync" in out
 
 
 @pytest.mark.slow
 def test_sbatch_parameter_server_variant(tmp_path, data_dir):
     """Task 0 the chief, task 1 the ps, tasks 2-3 workers; the servers end when the chief is gone."""
-    out = run_sbatch(tmp_path, data_dir, 4, STRATEGY="parameter_server", PS="1",
-                     TFDIST_SERVER_ORPHAN_TIMEOUT="2")
-    assert "tfdist: parameter_server: coordinator of 2 worker(s) and 1 ps task(s)" in out
-    assert out.count("the chief has been gone for 2 s") == 3
+    tasks, ps, orphan_timeout = 4, 1, 2
+    out = run_sbatch(tmp_path, data_dir, tasks, STRATEGY="parameter_server", PS=str(ps),
+                     TFDIST_SERVER_ORPHAN_TIMEOUT=str(orphan_timeout))
+    workers = tasks - 1 - ps  # the rest after the chief and the ps tasks
+    assert f"tfdist: parameter_server: coordinator of {workers} worker(s) and {ps} ps task(s)" in out
+    # every server (workers and ps tasks) ends by itself
+    assert out.count(f"the chief has been gone for {orphan_timeout} s") == workers + ps
 
 
 def test_sbatch_script_asks_for_one_task_per_worker():

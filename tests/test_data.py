@@ -2,6 +2,7 @@
 windows."""
 import io
 import json
+import math
 import os
 
 import numpy as np
@@ -13,6 +14,10 @@ from tfdist import config
 from tfdist.data import ByteTokenizer, Windows, open_store, sources, store, tokenizer
 from tfdist.data import prepare as prep
 from tfdist.errors import UsageError
+from tests.helpers import write_nanogpt
+
+BYTES = ByteTokenizer.vocab_size  # the byte tokenizer's vocabulary
+VAL_FRACTION = config.default_config().data.val_fraction  # validation tail of a corpus
 
 
 def data_config(tmp_path, **kw):
@@ -37,9 +42,9 @@ def test_default_corpus_is_the_stdlib_as_a_token_store(data_dir):
     c.data.data_dir = data_dir
     s = open_store(c.data, progress=False)
     train, val = s.manifest["splits"]["train"], s.manifest["splits"]["val"]
-    assert s.manifest["source"] == "stdlib" and s.dtype == "uint16" and s.vocab_size == 256
+    assert s.manifest["source"] == "stdlib" and s.dtype == "uint16" and s.vocab_size == BYTES
     assert train["tokens"] > 5_000_000  # ~12 MB of Python on 3.11
-    assert 0.04 < val["tokens"] / (train["tokens"] + val["tokens"]) < 0.06
+    assert abs(val["tokens"] / (train["tokens"] + val["tokens"]) - c.data.val_fraction) < 0.01
     assert train["bytes"] == train["tokens"]  # bytes: one token per byte, newline separators
     assert train["documents"] + val["documents"] == sum(os.path.getsize(f) > 0 for f in sources.stdlib_files())
     # the shards hold the files' bytes: the first file's text starts the train split
@@ -61,7 +66,7 @@ def test_user_text_files_and_directories(tmp_path):
                            ).decode() for n in ("train", "val"))
     # each file is a document followed by a newline; validation is the tail, at a line start
     assert text == "alpha\n" * 500 + "\n" + "beta\n" * 500 + "\n" + "gamma\n" * 500 + "\n"
-    assert 0.045 < s.split("val").num_tokens / len(text) < 0.055
+    assert abs(s.split("val").num_tokens / len(text) - VAL_FRACTION) < 0.005
 
 
 def test_unit_boundaries_fall_on_lines_and_lose_nothing(tmp_path, monkeypatch):
@@ -117,7 +122,8 @@ def test_prepared_tfds_dataset_uses_its_validation_split(tmp_path):
 
 
 # -- the store and its reader ------------------------------------------------------------------
-TOKENS = np.frombuffer(bytes(range(256)) * 200, np.uint8)
+TOKENS = np.frombuffer(bytes(range(BYTES)) * 200, np.uint8)  # every id in turn
+BLOCK, BATCH = 16, 8  # of the windows read from it
 
 
 @pytest.fixture(scope="module")
@@ -129,19 +135,21 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("vocab", [256, 50257, 100_000])
 def test_windows_read_the_ids_at_their_offsets_across_shards(tmp_path, vocab):
-    ids = (np.arange(30_000, dtype=np.int64) * 7919) % vocab
+    n, shard, window = 30_000, 1024, 65
+    ids = (np.arange(n, dtype=np.int64) * 7919) % vocab
     s = store.from_arrays(str(tmp_path), train=ids, val=ids[:2000], vocab_size=vocab,
-                          shard_tokens=1024)
-    assert s.dtype == ("uint16" if vocab <= 65536 else "uint32")
-    assert s.manifest["splits"]["train"]["shards"] == 30
-    offsets = [0, 1000, 1023, 1024, 2040, 30_000 - 65]
-    got = s.split("train").windows(offsets, 65).numpy()
-    np.testing.assert_array_equal(got, np.stack([ids[o:o + 65] for o in offsets]))
+                          shard_tokens=shard)
+    assert s.dtype == ("uint16" if vocab <= 1 << 16 else "uint32")  # the smallest that holds them
+    assert s.manifest["splits"]["train"]["shards"] == math.ceil(n / shard)
+    # from the start, inside the first shard, ending at / starting at / crossing its end, the last
+    offsets = [0, 1000, shard - 1, shard, 2 * shard - 8, n - window]
+    got = s.split("train").windows(offsets, window).numpy()
+    np.testing.assert_array_equal(got, np.stack([ids[o:o + window] for o in offsets]))
 
 
 def test_no_token_is_embedded_in_the_graph(tiny):
     """The batch function's graph holds paths, not the corpus: its size does not grow with it."""
-    w = Windows(tiny.split("train"), block_size=16, global_batch=8, seed=0)
+    w = Windows(tiny.split("train"), block_size=BLOCK, global_batch=BATCH, seed=0)
     graph = tf.function(w.batch).get_concrete_function(tf.constant(3, tf.int64)).graph.as_graph_def()
     consts = [n for n in graph.node if n.op == "Const"]
     assert max(len(n.attr["value"].tensor.tensor_content) for n in consts) < 1000
@@ -153,31 +161,32 @@ def _batches(ds, n):
 
 
 def test_windows_are_targets_shifted_and_deterministic(tiny):
-    w = Windows(tiny.split("train"), block_size=16, global_batch=8, seed=5)
+    w = Windows(tiny.split("train"), block_size=BLOCK, global_batch=BATCH, seed=5)
     a = _batches(w.dataset_fn(0, 5)(None), 5)
-    b = _batches(Windows(tiny.split("train"), 16, 8, seed=5).dataset_fn(0, 5)(None), 5)
+    b = _batches(Windows(tiny.split("train"), BLOCK, BATCH, seed=5).dataset_fn(0, 5)(None), 5)
     for (x, y), (x2, y2) in zip(a, b):
-        assert x.shape == (8, 16) and x.dtype == np.int32
+        assert x.shape == (BATCH, BLOCK) and x.dtype == np.int32
         np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
-        np.testing.assert_array_equal((x[:, 0] + 1) % 256, y[:, 0])
+        np.testing.assert_array_equal((x[:, 0] + 1) % BYTES, y[:, 0])  # TOKENS: the next id
         np.testing.assert_array_equal(x, x2)
-    other = _batches(Windows(tiny.split("train"), 16, 8, seed=6).dataset_fn(0, 1)(None), 1)
+    other = _batches(Windows(tiny.split("train"), BLOCK, BATCH, seed=6).dataset_fn(0, 1)(None), 1)
     assert not np.array_equal(other[0][0], a[0][0])
 
 
 def test_resume_at_step_reads_exactly_the_remaining_batches(tiny):
-    w = Windows(tiny.split("train"), block_size=16, global_batch=8, seed=1)
-    full = _batches(w.dataset_fn(0, 10)(None), 10)
-    tail = _batches(w.dataset_fn(6, 4)(None), 10)
-    assert len(tail) == 4
-    for (x, _), (x2, _) in zip(full[6:], tail):
+    w = Windows(tiny.split("train"), block_size=BLOCK, global_batch=BATCH, seed=1)
+    steps, resume = 10, 6
+    full = _batches(w.dataset_fn(0, steps)(None), steps)
+    tail = _batches(w.dataset_fn(resume, steps - resume)(None), steps)
+    assert len(tail) == steps - resume
+    for (x, _), (x2, _) in zip(full[resume:], tail):
         np.testing.assert_array_equal(x, x2)
 
 
 @pytest.mark.parametrize("pipelines,replicas", [(1, 2), (2, 2), (2, 4), (1, 4)])
 def test_shards_across_replicas_make_up_the_global_batch(tiny, pipelines, replicas):
     """One global step's rows across all replicas are the single-replica global batch, no dups."""
-    w = Windows(tiny.split("train"), block_size=16, global_batch=8, seed=2)
+    w = Windows(tiny.split("train"), block_size=BLOCK, global_batch=BATCH, seed=2)
     whole = _batches(w.dataset_fn(3, 2)(None), 2)
     local = replicas // pipelines
     for step in range(2):
@@ -186,16 +195,16 @@ def test_shards_across_replicas_make_up_the_global_batch(tiny, pipelines, replic
             ctx = tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=p,
                                              num_replicas_in_sync=replicas)
             per = _batches(w.dataset_fn(3, 2)(ctx), 2 * local)
-            assert all(x.shape == (8 // replicas, 16) for x, _ in per)
+            assert all(x.shape == (BATCH // replicas, BLOCK) for x, _ in per)
             rows += [x for x, _ in per[step * local:(step + 1) * local]]
         np.testing.assert_array_equal(np.concatenate(rows), whole[step][0])
-        assert len({r.tobytes() for r in np.concatenate(rows)}) == 8
+        assert len({r.tobytes() for r in np.concatenate(rows)}) == BATCH
 
 
 def test_too_short_corpus_is_refused(tmp_path):
     s = store.from_arrays(str(tmp_path), train=np.zeros(10, np.uint8), val=np.zeros(10, np.uint8))
     with pytest.raises(UsageError, match="shorter than one window"):
-        Windows(s.split("train"), block_size=16, global_batch=2, seed=0)
+        Windows(s.split("train"), block_size=BLOCK, global_batch=2, seed=0)
 
 
 def test_stdlib_file_list_skips_tests_and_site_packages():
@@ -205,31 +214,18 @@ def test_stdlib_file_list_skips_tests_and_site_packages():
 
 
 # -- nanoGPT's format --------------------------------------------------------------------------
-def write_nanogpt(directory, n_train=200_000, n_val=20_000, vocab=50257, seed=0):
-    """train.bin / val.bin as nanoGPT's prepare.py writes them: np.memmap of uint16 ids."""
-    rng = np.random.default_rng(seed)
-    os.makedirs(directory, exist_ok=True)
-    out = {}
-    for name, n in (("train", n_train), ("val", n_val)):
-        ids = rng.integers(0, vocab, n, dtype=np.uint16)
-        arr = np.memmap(os.path.join(directory, f"{name}.bin"), dtype=np.uint16, mode="w+", shape=(n,))
-        arr[:] = ids
-        arr.flush()
-        out[name] = ids
-    return out
-
-
 def test_nanogpt_batches_are_the_windows_of_the_bin_file(tmp_path):
-    write_nanogpt(tmp_path / "owt")
-    c = data_config(tmp_path, source=f"nanogpt:{tmp_path / 'owt'}", vocab_size=50257)
+    n_train, vocab, block = 200_000, 50257, 64
+    write_nanogpt(tmp_path / "owt", n_train=n_train, vocab=vocab)
+    c = data_config(tmp_path, source=f"nanogpt:{tmp_path / 'owt'}", vocab_size=vocab)
     s = open_store(c)
-    assert s.vocab_size == 50257 and s.manifest["splits"]["train"]["tokens"] == 200_000
+    assert s.vocab_size == vocab and s.manifest["splits"]["train"]["tokens"] == n_train
     data = np.memmap(tmp_path / "owt" / "train.bin", dtype=np.uint16, mode="r")  # nanoGPT's read
-    w = Windows(s.split("train"), block_size=64, global_batch=8, seed=3)
+    w = Windows(s.split("train"), block_size=block, global_batch=BATCH, seed=3)
     for step, (x, y) in enumerate(w.dataset_fn(0, 3)(None)):
         rows = w.offsets(step).numpy()
-        np.testing.assert_array_equal(x.numpy(), np.stack([data[o:o + 64] for o in rows]))
-        np.testing.assert_array_equal(y.numpy(), np.stack([data[o + 1:o + 65] for o in rows]))
+        np.testing.assert_array_equal(x.numpy(), np.stack([data[o:o + block] for o in rows]))
+        np.testing.assert_array_equal(y.numpy(), np.stack([data[o + 1:o + block + 1] for o in rows]))
     assert open_store(c).fingerprint == s.fingerprint  # found again, not re-imported
 
 
@@ -238,8 +234,9 @@ SAMPLE = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "héllo wörl
 
 
 def test_bpe_round_trips_and_its_gpt2_files_load_identically(tmp_path):
-    bpe = tokenizer.train_bpe(SAMPLE * 50, vocab_size=400)
-    assert bpe.vocab_size <= 400 and bpe.eot is not None
+    vocab = 400
+    bpe = tokenizer.train_bpe(SAMPLE * 50, vocab_size=vocab)
+    assert bpe.vocab_size <= vocab and bpe.eot is not None
     for text in SAMPLE + ["unseen: ∑ 🙂 \r\n  "]:
         assert bpe.decode(bpe.encode(text)) == text
     bpe.tok.model.save(str(tmp_path))  # GPT-2's format: vocab.json + merges.txt (#version line)
@@ -256,14 +253,14 @@ def test_bpe_round_trips_and_its_gpt2_files_load_identically(tmp_path):
 
 def test_sentencepiece_model_loads_and_round_trips(tmp_path):
     import sentencepiece as spm
-    model = io.BytesIO()
+    model, vocab = io.BytesIO(), 320
     spm.SentencePieceTrainer.train(sentence_iterator=iter(SAMPLE * 30), model_writer=model,
-                                   vocab_size=320, model_type="bpe", byte_fallback=True,
+                                   vocab_size=vocab, model_type="bpe", byte_fallback=True,
                                    normalization_rule_name="identity",
                                    remove_extra_whitespaces=False, minloglevel=2)
     (tmp_path / "sp.model").write_bytes(model.getvalue())
     sp = tokenizer.from_file(str(tmp_path / "sp.model"))
-    assert sp.kind == "sentencepiece" and sp.vocab_size == 320
+    assert sp.kind == "sentencepiece" and sp.vocab_size == vocab
     for text in ["def f(x):", "return x + 1", "héllo wörld"]:
         assert sp.decode(sp.encode(text)) == text
     again = tokenizer.load(str(tmp_path), sp.save(str(tmp_path)))
@@ -281,19 +278,28 @@ def test_bad_tokenizer_files_are_one_line_errors(tmp_path):
         tokenizer.from_file(str(tmp_path / "x.model"))
 
 
+def _bpe_config():
+    c = config.default_config()
+    c.data.tokenizer = "bpe"
+    return c
+
+
+BPE_VOCAB = config.vocab_size(_bpe_config())  # a BPE's tokens when data.vocab_size is 0: 8,192
+
+
 @pytest.fixture(scope="module")
 def stdlib_bpe(tmp_path_factory):
     """The stdlib prepared with a BPE of 8,192 tokens (as `tfdist prepare` does)."""
-    c = config.default_config()
+    c = _bpe_config()
     c.data.data_dir = str(tmp_path_factory.mktemp("bpe"))
-    c.data.tokenizer, c.data.vocab_size = "bpe", 8192
+    c.data.vocab_size = BPE_VOCAB
     return prep.prepare(c.data, progress=False)
 
 
 @pytest.mark.slow
 def test_bpe_8192_on_the_stdlib_round_trips_every_file(stdlib_bpe):
     tok = stdlib_bpe.tokenizer()
-    assert tok.vocab_size == 8192 and stdlib_bpe.vocab_size == 8192
+    assert tok.vocab_size == BPE_VOCAB and stdlib_bpe.vocab_size == BPE_VOCAB
     train = stdlib_bpe.manifest["splits"]["train"]
     assert 2.5 < train["bytes"] / train["tokens"] < 6  # bytes per token: well above the byte's 1
     files = sources.stdlib_files()

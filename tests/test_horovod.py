@@ -5,35 +5,25 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from tfdist.strategies.horovod import horovodrun_argv
-from tests.conftest import DRIVER, ROOT, driver, executed_steps
+from tests.helpers import (DRIVER, ROOT, driver, losses, max_diff, run_group, steps_by_worker,
+                           tagged, weights)
 
 STEPS = 20
 CHAOS_STEPS = 24
+RANKS = 2
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 
 
-def run_group(cmd, timeout):
-    """Runs `cmd` in its own process group; on timeout that group (ours) is killed."""
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise AssertionError(f"{cmd[:6]} timed out after {timeout} s\n{out[-3000:]}\n{err[-2000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+pytestmark = pytest.mark.horovod  # every test here needs the Horovod build
 
 
-def horovodrun(workdir, overrides, *extra, np_=2, timeout=300):
+def horovodrun(workdir, overrides, *extra, np_=RANKS, timeout=300):
     p = run_group(horovodrun_argv(np_, [sys.executable, DRIVER, str(workdir),
                                          json.dumps(overrides), *extra]), timeout)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
@@ -43,20 +33,6 @@ def horovodrun(workdir, overrides, *extra, np_=2, timeout=300):
 def common(data_dir, **extra):
     return {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": 10,
             "train.batch_size": 16, "backup.enabled": False, **extra}
-
-
-def losses(workdir):
-    return [r["loss"] for r in json.load(open(os.path.join(workdir, "metrics.json")))["steps"]]
-
-
-def weights(workdir, worker):
-    with np.load(os.path.join(workdir, f"weights-w{worker}.npz")) as f:
-        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def max_diff(a, b):
-    assert len(a) == len(b)
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +55,7 @@ def test_check_build():
 @pytest.mark.slow
 def test_two_ranks_identical_and_equal_to_single_process(tmp_path, data_dir, single):
     p = horovodrun(tmp_path, {**common(data_dir), "strategy.name": "horovod"}, "--dump-weights")
-    assert "horovod: rank 0 of 2, ring-allreduce (gloo)" in p.stdout
+    assert f"horovod: rank 0 of {RANKS}, ring-allreduce (gloo)" in p.stdout
     w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)
     assert max_diff(w0, w1) == 0.0  # bitwise: every rank applied the same averaged gradient
     assert max_diff(w0, weights(single, 0)) <= 1e-5
@@ -146,7 +122,7 @@ def test_learning_rate_scaling_keeps_the_warmup():
 
 
 def launch_horovod(workdir, overrides, *extra, timeout=600):
-    cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod", "--workers=2",
+    cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod", f"--workers={RANKS}",
            "--max_restarts=2", "--backoff=0.5", "--", sys.executable, DRIVER, str(workdir),
            json.dumps(overrides), *extra]
     return run_group(cmd, timeout)
@@ -176,9 +152,8 @@ def test_killed_rank_resumes_step_exactly(tmp_path, data_dir, uninterrupted, ran
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     assert p.stdout.count("tfdist launch: started") == 2  # one restart
     assert f"resuming from" in p.stdout and f"at step {step} of {CHAOS_STEPS}" in p.stdout
-    runs = executed_steps(tmp_path)
-    for r in (0, 1):  # the first attempt ran `step` steps, the second the rest: none twice
-        assert sum(1 for w, _, _ in runs if int(w) == r) == CHAOS_STEPS
+    # the first attempt ran `step` steps, the second the rest: none twice
+    assert steps_by_worker(tmp_path) == {r: CHAOS_STEPS for r in range(RANKS)}
     ref = weights(uninterrupted, 0)
     assert max_diff(weights(tmp_path, 0), ref) == 0.0
     assert max_diff(weights(tmp_path, 1), ref) == 0.0
@@ -191,10 +166,10 @@ def test_a_users_functional_model_fits_under_two_ranks(tmp_path):
     single = run_group([sys.executable, example, "--strategy=single"], 120)
     assert single.returncode == 0, single.stderr[-2000:]
     ref = json.loads(single.stdout.split("RESULT ", 1)[1])
-    p = run_group(horovodrun_argv(2, [sys.executable, example, "--strategy=horovod"]), 300)
+    p = run_group(horovodrun_argv(RANKS, [sys.executable, example, "--strategy=horovod"]), 300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    found = {int(i): json.loads(r) for i, r in re.findall(r"^\[(\d)\]<stdout>:RESULT (.*)$", p.stdout, re.M)}
-    assert set(found) == {0, 1}
+    found = tagged(p.stdout, "RESULT", prefix=r"\[(\d+)\]<stdout>:")  # horovodrun's prefix
+    assert set(found) == set(range(RANKS))
     assert found[0]["checksum"] == found[1]["checksum"]  # the ranks hold the same weights
     assert found[0]["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
     assert max(abs(a - b) for a, b in zip(found[0]["loss"], ref["loss"])) <= 1e-5

@@ -5,24 +5,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.conftest import ROOT, tfdist
-from tests.test_cli import _tf_noise
+from tests.helpers import ROOT, one_error_line, tfdist, wait_until
 
 PY = sys.executable
+BACKOFF = 0.2  # seconds before the first restart; it doubles at each one
 
 
 def launch(*args, timeout=120):
-    return tfdist("launch", "--backoff=0.2", *args, timeout=timeout, check=False)
-
-
-def one_error_line(p):
-    lines = [x for x in p.stderr.splitlines() if x.strip() and not _tf_noise(x)]
-    assert len(lines) == 1 and lines[0].startswith("tfdist: error: "), p.stderr
-    return lines[0]
+    return tfdist("launch", f"--backoff={BACKOFF}", *args, timeout=timeout, check=False)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -45,8 +38,9 @@ def test_bad_usage_is_one_line_and_exit_2(args, needle):
 
 
 def test_each_worker_gets_its_tf_config_and_a_prefixed_output(tmp_path):
+    n = 3
     prog = "import os; print('CONF', os.environ['TF_CONFIG'], os.environ['TFDIST_RESTART_COUNT'])"
-    p = launch("--workers=3", "--worker_logs", str(tmp_path), "--", PY, "-c", prog)
+    p = launch(f"--workers={n}", "--worker_logs", str(tmp_path), "--", PY, "-c", prog)
     assert p.returncode == 0, p.stderr
     confs = {}
     for line in p.stdout.splitlines():
@@ -54,37 +48,66 @@ def test_each_worker_gets_its_tf_config_and_a_prefixed_output(tmp_path):
             prefix, _, rest = line.partition(" CONF ")
             conf, restart = rest.rsplit(" ", 1)
             confs[prefix] = (json.loads(conf), restart)
-    assert sorted(confs) == ["[w0]", "[w1]", "[w2]"]
+    assert sorted(confs) == [f"[w{i}]" for i in range(n)]
     addrs = confs["[w0]"][0]["cluster"]["worker"]
-    assert len(set(addrs)) == 3 and all(a.startswith("127.0.0.1:") for a in addrs)
-    for i in range(3):
+    assert len(set(addrs)) == n and all(a.startswith("127.0.0.1:") for a in addrs)
+    for i in range(n):
         conf, restart = confs[f"[w{i}]"]
         assert conf == {"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}}
         assert restart == "0"
         assert "CONF" in open(tmp_path / f"w{i}.log").read()
-    assert "tfdist launch: done: 3 worker(s) finished" in p.stdout
+    assert f"tfdist launch: done: {n} worker(s) finished" in p.stdout
 
 
-def test_a_failed_group_is_restarted_with_backoff_until_it_succeeds():
-    # worker 1 fails in the first two attempts; the others would wait forever without the stop.
-    prog = ("import os, sys, time; r = int(os.environ['TFDIST_RESTART_COUNT']); "
-            "i = __import__('json').loads(os.environ['TF_CONFIG'])['task']['index']; "
-            "sys.exit(5) if (i == 1 and r < 2) else time.sleep(0 if r == 2 else 60)")
-    t = time.monotonic()
-    p = launch("--workers=2", "--max_restarts=3", "--", PY, "-c", prog)
+# Worker 1 fails in the first FAILING attempts, once worker 0 is waiting. Worker 0 then waits for
+# as long as its launcher lives: only the launcher stopping it (SIGTERM, which it records) ends it.
+RESTARTED = """
+import json, os, signal, sys, time
+attempt, failing, log = int(os.environ["TFDIST_RESTART_COUNT"]), int(sys.argv[1]), sys.argv[2]
+worker = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+if attempt < failing:
+    def note(line):
+        with open(log, "a") as f:
+            f.write(line + "\\n")
+    if worker == 1:
+        while f"{attempt} waiting" not in (open(log).read() if os.path.exists(log) else ""):
+            time.sleep(0.05)
+        sys.exit(5)
+    def stopped(signum, frame):
+        note(f"{attempt} stopped by {signal.Signals(signum).name}")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stopped)
+    note(f"{attempt} waiting")
+    launcher = os.getppid()
+    while os.getppid() == launcher:
+        time.sleep(0.1)
+    note(f"{attempt} outlived the launcher")
+"""
+
+
+def test_a_failed_group_is_restarted_with_backoff_until_it_succeeds(tmp_path):
+    failing, max_restarts, log = 2, 3, tmp_path / "worker0.log"
+    p = launch("--workers=2", f"--max_restarts={max_restarts}", "--", PY, "-c", RESTARTED,
+               str(failing), str(log))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "worker 1 exited with status 5; stopped the others; restart 1 of 3 in 0.2 s" in p.stdout
-    assert "restart 2 of 3 in 0.4 s" in p.stdout  # the backoff doubles
-    assert "done: 2 worker(s) finished after 2 restart(s)" in p.stdout
-    assert time.monotonic() - t < 40  # the sleeping worker was stopped, not waited for
+    assert (f"worker 1 exited with status 5; stopped the others; restart 1 of {max_restarts} in "
+            f"{BACKOFF:g} s") in p.stdout
+    assert f"restart 2 of {max_restarts} in {2 * BACKOFF:g} s" in p.stdout  # the backoff doubles
+    assert f"done: 2 worker(s) finished after {failing} restart(s)" in p.stdout
+    assert p.stdout.count("started 2 worker(s)") == failing + 1
+    # the waiting worker was stopped by the launcher in each failed attempt, not waited for
+    assert log.read_text().splitlines() == [
+        line for a in range(failing) for line in (f"{a} waiting", f"{a} stopped by SIGTERM")]
 
 
 def test_the_restart_budget_runs_out_with_exit_1():
-    p = launch("--workers=2", "--max_restarts=2", "--", PY, "-c",
+    max_restarts = 2
+    p = launch("--workers=2", f"--max_restarts={max_restarts}", "--", PY, "-c",
                "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     assert p.returncode == 1
-    assert p.stdout.count("started 2 worker(s)") == 3
-    assert "was killed by SIGKILL; gave up after 2 restart(s) (--max_restarts=2)" in one_error_line(p)
+    assert p.stdout.count("started 2 worker(s)") == max_restarts + 1
+    assert (f"was killed by SIGKILL; gave up after {max_restarts} restart(s) "
+            f"(--max_restarts={max_restarts})") in one_error_line(p)
 
 
 def test_a_worker_exiting_2_is_bad_usage_and_not_restarted():
@@ -100,10 +123,8 @@ def test_sigterm_stops_the_workers_and_exits_143(tmp_path):
     p = subprocess.Popen([PY, "-m", "tfdist", "launch", "--workers=2", "--", PY, "-c", prog],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (not pidfile.exists() or
-                                               len(pidfile.read_text().split()) < 2):
-            time.sleep(0.1)
+        wait_until(lambda: pidfile.exists() and len(pidfile.read_text().split()) >= 2, 60,
+                   "pid of both workers", proc=p)
         workers = [int(x) for x in pidfile.read_text().split()]
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=30)
@@ -122,8 +143,9 @@ def test_train_form_prepares_once_and_overwrite_is_not_passed_to_workers(tmp_pat
     """`-- <train flags>`: the prepare step applies --overwrite once; the workers get none (a
     restarted group must resume, not start over) and train the whole run."""
     (tmp_path / "model.keras").write_text("an earlier finished run")
+    steps = 4
     flags = ["--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
-             f"--config.data.data_dir={data_dir}", "--config.train.steps=4",
+             f"--config.data.data_dir={data_dir}", f"--config.train.steps={steps}",
              "--config.train.steps_per_epoch=2", "--config.train.warmup_steps=1",
              "--config.train.eval_steps=1"]
     p = launch("--workers=2", "--", *flags, timeout=300)
@@ -133,5 +155,5 @@ def test_train_form_prepares_once_and_overwrite_is_not_passed_to_workers(tmp_pat
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert f"tfdist: prepared {tmp_path}" in p.stdout
     assert "[w0] tfdist: multi_worker_mirrored: worker 0 of 2, 2 replica(s) in sync" in p.stdout
-    assert "[w0] tfdist: done: 4 steps run (step 4 of 4)" in p.stdout
+    assert f"[w0] tfdist: done: {steps} steps run (step {steps} of {steps})" in p.stdout
     assert (tmp_path / "model.keras").stat().st_size > 10000

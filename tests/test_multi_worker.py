@@ -12,45 +12,30 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import DRIVER, ROOT, children, driver, executed_steps
-from tests.test_backup import final_weights
+from tests.helpers import (DRIVER, ROOT, children, driver, final_weights, load_config, losses,
+                           steps_by_worker, tagged)
 
 STEPS = 20
 CHAOS_STEPS = 30
+WORKERS = 2
 
 
-def launch_cmd(workdir, overrides, *extra, workers=2, max_restarts=0, bind="loopback"):
+def launch_cmd(workdir, overrides, *extra, workers=WORKERS, max_restarts=0, bind="loopback"):
     return [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}",
             f"--max_restarts={max_restarts}", "--backoff=0.5", f"--bind={bind}", "--",
             sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra]
 
 
-def results(stdout):
-    """{worker index: DRIVER_RESULT dict} from the launcher's prefixed output."""
-    found = re.findall(r"^\[w(\d+)\] DRIVER_RESULT (.*)$", stdout, re.M)
-    return {int(i): json.loads(r) for i, r in found}
-
-
 def launch(workdir, overrides, *extra, timeout=400, **kw):
+    """Runs the launcher; returns (CompletedProcess, {worker index: DRIVER_RESULT dict})."""
     p = subprocess.run(launch_cmd(workdir, overrides, *extra, **kw), capture_output=True, text=True,
                        timeout=timeout, cwd=ROOT)
-    return p, results(p.stdout)
+    return p, tagged(p.stdout, "DRIVER_RESULT")
 
 
 def common(data_dir):
     return {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": 10,
             "train.batch_size": 16, "backup.enabled": False}
-
-
-def losses(workdir):
-    return [r["loss"] for r in json.load(open(os.path.join(workdir, "metrics.json")))["steps"]]
-
-
-def steps_by_worker(workdir):
-    counts = {}
-    for worker, _, _ in executed_steps(workdir):
-        counts[int(worker)] = counts.get(int(worker), 0) + 1
-    return counts
 
 
 # -- sockets --------------------------------------------------------------------------------------
@@ -116,48 +101,59 @@ def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir):
     driver(tmp_path / "single", {**common(data_dir), "strategy.name": "single"})
     p, res = launch(tmp_path / "mw", {**common(data_dir), "strategy.name": "multi_worker_mirrored"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    assert "[w0] tfdist: multi_worker_mirrored: worker 0 of 2, 2 replica(s) in sync" in p.stdout
+    assert (f"[w0] tfdist: multi_worker_mirrored: worker 0 of {WORKERS}, {WORKERS} replica(s) "
+            f"in sync") in p.stdout
     a, b = losses(tmp_path / "single"), losses(tmp_path / "mw")
     assert len(a) == len(b) == STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
-    assert set(res) == {0, 1}
+    assert set(res) == set(range(WORKERS))
     assert res[0]["val_loss"] == pytest.approx(res[1]["val_loss"], abs=1e-6)
 
 
+# What `model.fit` under MultiWorkerMirrored fails with when one of tfdist's Keras corrections
+# (tfdist.compat: symbolic_build_under_mwms, reduce_per_replica_under_mwms) is left out.
+KERAS_SYMPTOMS = {
+    1: "ValueError: Attempt to convert a value (PerReplica:{",  # building from the first batch
+    2: "ValueError: Invalid reduction dimension 0 for input with 0 dimensions",  # the scalar loss
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fix,needle", [(1, "PerReplica"), (2, "")])
-def test_each_keras_correction_is_needed(tmp_path, data_dir, fix, needle):
-    """Without correction 1 fit fails; without 2 it fails or reports only worker 0's loss."""
-    o = {**common(data_dir), "train.steps": 10}
-    driver(tmp_path / "single", {**o, "strategy.name": "single"})
-    p, _ = launch(tmp_path / "mw", {**o, "strategy.name": "multi_worker_mirrored"},
-                  "--skip-keras-fix", str(fix))
-    if fix == 1:
-        assert p.returncode == 1 and "gave up after 0 restart(s)" in p.stderr
-    if p.returncode:
-        assert needle in p.stdout
-        return
-    a, b = losses(tmp_path / "single"), losses(tmp_path / "mw")
-    assert max(abs(x - y) for x, y in zip(a, b)) > 1e-3  # the losses are wrong without it
+@pytest.mark.parametrize("fix", sorted(KERAS_SYMPTOMS))
+def test_each_keras_correction_is_needed(tmp_path, data_dir, fix):
+    """Without correction 1, fit fails reducing the first PerReplica batch to learn its shapes;
+    without 2, it fails reducing the scalar loss along axis 0. Each failure is that correction's
+    own: the other one's never shows. (With both, the same run trains and equals one process:
+    test_two_workers_match_single_process_step_for_step.)"""
+    o = {**common(data_dir), "train.steps": 10, "strategy.name": "multi_worker_mirrored"}
+    p, res = launch(tmp_path, o, "--skip-keras-fix", str(fix))
+    failed = re.search(r"^tfdist: error: worker (\d+) exited with status 1; gave up after 0 "
+                       r"restart\(s\)", p.stderr, re.M)
+    assert p.returncode == 1 and failed, p.stdout[-3000:] + p.stderr[-2000:]
+    assert not res  # no worker finished
+    assert f"[w{failed.group(1)}] {KERAS_SYMPTOMS[fix]}" in p.stdout, p.stdout[-3000:]
+    for other, symptom in KERAS_SYMPTOMS.items():
+        assert other == fix or symptom not in p.stdout
 
 
 @pytest.mark.slow
 def test_a_users_functional_model_fits_under_two_workers(tmp_path):
     """Plain `model.fit` on a user's functional model (launchers/examples/keras_functional.py)."""
-    example = os.path.join(ROOT, "launchers", "examples", "keras_functional.py")
-    single = subprocess.run([sys.executable, example, "--strategy=single"], capture_output=True,
+    epochs = 3
+    example = [os.path.join(ROOT, "launchers", "examples", "keras_functional.py"), f"--epochs={epochs}"]
+    single = subprocess.run([sys.executable, *example, "--strategy=single"], capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
     assert single.returncode == 0, single.stderr[-2000:]
     ref = json.loads(single.stdout.split("RESULT ", 1)[1])
-    p = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0",
-                        "--", sys.executable, example], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "tfdist", "launch", f"--workers={WORKERS}",
+                        "--max_restarts=0", "--", sys.executable, *example], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    found = {int(i): json.loads(r) for i, r in re.findall(r"^\[w(\d+)\] RESULT (.*)$", p.stdout, re.M)}
-    assert set(found) == {0, 1}
+    found = tagged(p.stdout, "RESULT")
+    assert set(found) == set(range(WORKERS))
     assert found[0]["checksum"] == found[1]["checksum"]  # the replicas hold the same weights
     assert found[0]["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
-    assert len(found[0]["loss"]) == len(ref["loss"]) == 3
+    assert len(found[0]["loss"]) == len(ref["loss"]) == epochs
     assert max(abs(a - b) for a, b in zip(found[0]["loss"], ref["loss"])) <= 1e-5
     assert found[0]["loss"][-1] < found[0]["loss"][0]  # it learns
 
@@ -170,21 +166,24 @@ def chaos_overrides(data_dir):
             "strategy.name": "multi_worker_mirrored"}
 
 
+DUMPED = 4  # steps whose input rows each worker of the uninterrupted run writes
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data_dir):
     """A 2-worker run without faults. While it runs, its workers' listening sockets are read."""
     d = tmp_path_factory.mktemp("mw-ref")
     code, out, err, sockets = run_and_sample_sockets(d, chaos_overrides(data_dir),
-                                                     "--dump-inputs", "4")
+                                                     "--dump-inputs", str(DUMPED))
     assert code == 0, out[-3000:] + err[-2000:]
-    assert steps_by_worker(d) == {0: CHAOS_STEPS, 1: CHAOS_STEPS}
+    assert steps_by_worker(d) == {w: CHAOS_STEPS for w in range(WORKERS)}
     return {"dir": d, "weights": final_weights(d), "sockets": sockets}
 
 
 @pytest.mark.slow
 def test_workers_listen_on_loopback_only(uninterrupted):
     sockets = uninterrupted["sockets"]
-    assert len(sockets) >= 2, sockets  # each worker's gRPC server at least
+    assert len(sockets) >= WORKERS, sockets  # each worker's gRPC server at least
     assert all(a in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for a, _ in sockets), sockets
 
 
@@ -201,26 +200,25 @@ def test_without_the_shim_tf_listens_on_every_interface(tmp_path, data_dir):
 def test_one_global_step_across_workers_is_the_global_batch(uninterrupted, data_dir):
     """Each worker's pipeline (built with the InputContext MWMS gave it) holds its own rows; the
     rows of both workers at a step are exactly that step's global batch, none twice."""
-    import importlib.util
     from tfdist.data import Windows, open_store
 
-    spec = importlib.util.spec_from_file_location("gpt_nano", os.path.join(ROOT, "configs", "gpt_nano.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
-    c.data.data_dir = data_dir
-    windows = Windows(open_store(c.data).split("train"), c.model.block_size, 16, seed=c.seed)
-    global_batches = [x.numpy() for x, _ in windows.dataset_fn(0, 4)(None)]
-    parts = [np.load(uninterrupted["dir"] / f"inputs-w{i}.npy") for i in (0, 1)]
-    assert parts[0].shape == parts[1].shape == (4, 8, c.model.block_size)
-    for step, batch in enumerate(global_batches):
+    c = load_config("configs/gpt_nano.py")  # with the overrides, as tests/faulty_train.py does
+    for key, value in chaos_overrides(data_dir).items():
+        section, _, name = key.rpartition(".")
+        c[section][name] = value
+    batch = c.train.batch_size
+    windows = Windows(open_store(c.data).split("train"), c.model.block_size, batch, seed=c.seed)
+    global_batches = [x.numpy() for x, _ in windows.dataset_fn(0, DUMPED)(None)]
+    parts = [np.load(uninterrupted["dir"] / f"inputs-w{i}.npy") for i in range(WORKERS)]
+    assert all(p.shape == (DUMPED, batch // WORKERS, c.model.block_size) for p in parts)
+    for step, batch_rows in enumerate(global_batches):
         rows = [r.tobytes() for p in parts for r in p[step]]
-        assert len(set(rows)) == len(rows) == 16  # no example twice in a global step
-        assert sorted(rows) == sorted(r.tobytes() for r in batch)  # and together: the global batch
+        assert len(set(rows)) == len(rows) == batch  # no example twice in a global step
+        assert sorted(rows) == sorted(r.tobytes() for r in batch_rows)  # together: the global batch
 
 
 # Seeded random faults: (worker killed, step it dies after).
-CHAOS = [(random.Random(s).randint(0, 1), random.Random(s + 100).randint(2, CHAOS_STEPS - 2))
+CHAOS = [(random.Random(s).randrange(WORKERS), random.Random(s + 100).randint(2, CHAOS_STEPS - 2))
          for s in (3, 5)]
 
 
@@ -232,9 +230,9 @@ def test_sigkilled_worker_group_restarts_and_resumes_step_exactly(tmp_path, data
                     "--kill-worker", str(worker), max_restarts=2)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert f"worker {worker} was killed by SIGKILL" in p.stdout
-    assert p.stdout.count("tfdist launch: started 2 worker(s)") == 2  # exactly one restart
+    assert p.stdout.count(f"tfdist launch: started {WORKERS} worker(s)") == 2  # exactly one restart
     assert f"resuming from {tmp_path}/backup at step {kill_at} of {CHAOS_STEPS}" in p.stdout
-    assert steps_by_worker(tmp_path) == {0: CHAOS_STEPS, 1: CHAOS_STEPS}  # no step lost or repeated
+    assert steps_by_worker(tmp_path) == {w: CHAOS_STEPS for w in range(WORKERS)}  # none lost or repeated
     assert res[0]["final_step"] == CHAOS_STEPS
     for a, b in zip(final_weights(tmp_path), uninterrupted["weights"]):
         np.testing.assert_array_equal(a, b)  # bitwise, with op determinism (and dropout RNG)

@@ -8,14 +8,15 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, tfdist
-from tests.test_cli import tree_digest
-from tests.test_data import write_nanogpt
+from tests.helpers import (ROOT, assert_usage_error, metrics, tfdist, tree_digest, wait_until,
+                           write_nanogpt)
+from tfdist.data import ByteTokenizer
+
+BYTES = ByteTokenizer.vocab_size  # the byte tokenizer's vocabulary
 
 NANO = ["--config.train.steps=4", "--config.train.steps_per_epoch=2", "--config.train.warmup_steps=1",
         "--config.train.eval_steps=2"]
@@ -25,14 +26,12 @@ def store_of(tmp_path, name, n_train, seed=0, **kw):
     """A byte store of `n_train` random tokens (uint16 shards), written directly."""
     from tfdist.data import store
     rng = np.random.default_rng(seed)
-    return store.from_arrays(str(tmp_path / name), train=rng.integers(0, 256, n_train, np.uint8),
-                             val=rng.integers(0, 256, 100_000, np.uint8), **kw)
+    return store.from_arrays(str(tmp_path / name), train=rng.integers(0, BYTES, n_train, np.uint8),
+                             val=rng.integers(0, BYTES, 100_000, np.uint8), **kw)
 
 
 def one_line_exit_2(p, expected):
-    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
-    lines = [x for x in p.stderr.splitlines() if x.startswith("tfdist: error:")]
-    assert len(lines) == 1 and expected in lines[0], p.stderr[-2000:]
+    assert_usage_error(p, expected)
     assert "Traceback" not in p.stderr
 
 
@@ -46,13 +45,15 @@ def test_bad_data_is_one_line_and_exit_2_with_nothing_touched(tmp_path, data_dir
     os.remove(os.path.join(bad["no-manifest"], store.MANIFEST))
     with open(os.path.join(bad["corrupt-manifest"], store.MANIFEST), "w") as f:
         f.write('{"format": "tfdist-token-store", "vers')
+    truncated = 1000  # bytes left of the second shard
     shard = store.shard_path(bad["truncated-shard"], "train", 1)
     with open(shard, "r+b") as f:
-        f.truncate(1000)
+        f.truncate(truncated)
     write_nanogpt(tmp_path / "odd", n_train=1000, n_val=100)
     with open(tmp_path / "odd" / "train.bin", "ab") as f:
         f.write(b"\0")  # half a token
-    write_nanogpt(tmp_path / "big-ids", n_train=1000, n_val=100, vocab=50257)
+    gpt2_vocab, stated_vocab = 50257, 1000
+    write_nanogpt(tmp_path / "big-ids", n_train=1000, n_val=100, vocab=gpt2_vocab)
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("hello world\n" * 2000)
     (tmp_path / "other").mkdir()
@@ -62,22 +63,24 @@ def test_bad_data_is_one_line_and_exit_2_with_nothing_touched(tmp_path, data_dir
     cases = [
         (train + [f"--config.data.source=store:{bad['no-manifest']}"], "not a prepared token store"),
         (train + [f"--config.data.source=store:{bad['corrupt-manifest']}"], "manifest"),
-        (train + [f"--config.data.source=store:{bad['truncated-shard']}"], "000001.bin is 1,000 bytes"),
+        (train + [f"--config.data.source=store:{bad['truncated-shard']}"],
+         f"{os.path.basename(shard)} is {truncated:,} bytes"),
         (train + [f"--config.data.source=store:{good}", "--config.model.vocab_size=100"],
-         "smaller than the tokenizer's vocabulary (256"),
+         f"smaller than the tokenizer's vocabulary ({BYTES}"),
         (train + ["--config.data.tokenizer=/no/such/vocab.json"], "tokenizer file '/no/such/vocab.json' not found"),
         (train + ["--config.data.source=hdfs:corpus"], "unknown data source scheme 'hdfs:'"),
         (["prepare", f"--out={good}", f"--config.data.source={tmp_path / 'text'}"],
          "holds the token store of another corpus"),
         (["prepare", f"--out={tmp_path / 'other'}", f"--config.data.source={tmp_path / 'text'}"],
          "is not empty and holds no token store"),
-        (train + [f"--config.data.source=nanogpt:{tmp_path / 'odd'}", "--config.data.vocab_size=50257"],
-         "not a whole number of uint16 tokens"),
-        (train + [f"--config.data.source=nanogpt:{tmp_path / 'big-ids'}", "--config.data.vocab_size=1000"],
-         "not below the stated vocabulary size 1000"),
+        (train + [f"--config.data.source=nanogpt:{tmp_path / 'odd'}",
+                  f"--config.data.vocab_size={gpt2_vocab}"], "not a whole number of uint16 tokens"),
+        (train + [f"--config.data.source=nanogpt:{tmp_path / 'big-ids'}",
+                  f"--config.data.vocab_size={stated_vocab}"],
+         f"not below the stated vocabulary size {stated_vocab}"),
         (train + [f"--config.data.source=nanogpt:{tmp_path / 'big-ids'}"], "needs its vocabulary size"),
         (train + [f"--config.data.source={tmp_path / 'text'}", "--config.data.tokenizer=bpe",
-                  "--config.data.vocab_size=100"], "at least 257"),
+                  "--config.data.vocab_size=100"], f"at least {BYTES + 1}"),  # the bytes and end-of-text
     ]
     before = tree_digest(str(tmp_path))
     for args, expected in cases:
@@ -117,11 +120,10 @@ def test_a_killed_prepare_finishes_on_rerun_with_the_same_store(tmp_path):
     for point in points:
         p = subprocess.Popen(prepare_cmd(out, corpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              cwd=ROOT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while not os.path.exists(out / ".work" / "key") or \
-                len(glob.glob(str(out / ".work" / "*-*.json"))) < point:  # units: <split>-<k>.json
-            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-2000:]
-            time.sleep(0.05)
+        wait_until(lambda: os.path.exists(out / ".work" / "key") and  # units: <split>-<k>.json
+                   len(glob.glob(str(out / ".work" / "*-*.json"))) >= point, 300,
+                   f"{point} finished units", proc=p,
+                   describe=lambda: p.communicate()[1][-2000:] if p.poll() is not None else "")
         os.killpg(p.pid, signal.SIGKILL)  # the prepare and the tokenizer processes it started
         p.communicate(timeout=60)
         assert p.returncode == -signal.SIGKILL, point
@@ -139,18 +141,19 @@ def test_a_killed_prepare_finishes_on_rerun_with_the_same_store(tmp_path):
 
 @pytest.mark.slow
 def test_nanogpt_bins_train_unchanged(tmp_path):
-    ids = write_nanogpt(tmp_path / "owt", n_train=100_000, n_val=10_000, vocab=50257)
+    n_train, n_val, vocab = 100_000, 10_000, 50257
+    ids = write_nanogpt(tmp_path / "owt", n_train=n_train, n_val=n_val, vocab=vocab)
     before = tree_digest(str(tmp_path / "owt"))
     wd = tmp_path / "run"
     p = tfdist("train", f"--workdir={wd}", f"--config.data.data_dir={tmp_path / 'dd'}",
-               f"--config.data.source=nanogpt:{tmp_path / 'owt'}", "--config.data.vocab_size=50257",
+               f"--config.data.source=nanogpt:{tmp_path / 'owt'}", f"--config.data.vocab_size={vocab}",
                *NANO)
-    assert "100,000 train / 10,000 validation tokens" in p.stdout
+    assert f"{n_train:,} train / {n_val:,} validation tokens" in p.stdout
     assert "bits/byte unknown" in p.stdout  # ids only: the text's size is not known
-    m = json.load(open(wd / "metrics.json"))
-    assert abs(m["evals"][-1]["loss"] - np.log(50257)) < 1.0  # random ids: about ln(vocab)
+    m = metrics(wd)
+    assert abs(m["evals"][-1]["loss"] - np.log(vocab)) < 1.0  # random ids: about ln(vocab)
     assert tree_digest(str(tmp_path / "owt")) == before
-    assert ids["train"].max() < 50257
+    assert ids["train"].max() < vocab
 
 
 def peak_rss(p):
@@ -162,9 +165,11 @@ def peak_rss(p):
 def test_memory_does_not_grow_with_the_corpus(tmp_path):
     """gpt_nano from a 30 MB and a 300 MB store: the same peak RSS (a corpus in memory, or as a
     graph constant, adds at least its size)."""
+    from tfdist.data import store
+    token_bytes = np.dtype(store.dtype_for(BYTES)).itemsize  # the store's bytes a token (uint16)
     rss = {}
     for mb in (30, 300):
-        s = store_of(tmp_path, f"s{mb}", mb * (1 << 20) // 2, seed=mb)  # uint16: 2 bytes a token
+        s = store_of(tmp_path, f"s{mb}", mb * (1 << 20) // token_bytes, seed=mb)
         p = tfdist("train", f"--workdir={tmp_path / f'run{mb}'}", f"--config.data.source=store:{s.dir}",
                    "--config.train.steps=10", "--config.train.steps_per_epoch=10",
                    "--config.train.warmup_steps=1", "--config.train.eval_steps=2", timeout=300)
@@ -178,14 +183,14 @@ def test_a_bpe_run_follows_its_vocabulary_and_samples_text(tmp_path):
     `tfdist sample` decodes with it."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(3000)))
-    wd = tmp_path / "run"
+    wd, vocab = tmp_path / "run", 300
     p = tfdist("train", f"--workdir={wd}", f"--config.data.data_dir={tmp_path / 'dd'}",
                f"--config.data.source={corpus}", "--config.data.tokenizer=bpe",
-               "--config.data.vocab_size=300", *NANO)
-    assert "bpe (300 tokens)" in p.stdout and "bits/byte)" in p.stdout
+               f"--config.data.vocab_size={vocab}", *NANO)
+    assert f"bpe ({vocab} tokens)" in p.stdout and "bits/byte)" in p.stdout
     config = json.load(open(wd / "tokenizer" / "config.json"))
-    assert config["kind"] == "bpe" and config["vocab_size"] == 300
-    m = json.load(open(wd / "metrics.json"))
+    assert config["kind"] == "bpe" and config["vocab_size"] == vocab
+    m = metrics(wd)
     assert m["evals"][-1]["bits_per_byte"] > 0
     s = tfdist("sample", f"--model={wd}/model.keras", "--prompt=def function_", "--max_new_tokens=20")
     text = s.stdout.split("---\n", 1)[1]

@@ -1,5 +1,4 @@
 """Strategy seam: registry, single vs mirrored equivalence, model.fit for GPT and user models."""
-import json
 import sys
 
 import pytest
@@ -7,7 +6,7 @@ import pytest
 import tfdist.strategies
 from tfdist import config
 from tfdist.errors import UsageError
-from tests.conftest import driver, run
+from tests.helpers import driver, losses, run
 
 
 def test_registry_lists_plugins_and_refuses_unknown_names():
@@ -25,23 +24,25 @@ def test_config_strategy_section_builds_the_plugin():
 @pytest.mark.slow
 def test_mirrored_on_2_logical_cpus_matches_single_step_for_step(tmp_path, data_dir):
     """Same global batch and seed: per-step losses equal within 1e-5 over 20 steps."""
-    common = {"data.data_dir": data_dir, "train.steps": 20, "train.steps_per_epoch": 10,
+    steps = 20
+    common = {"data.data_dir": data_dir, "train.steps": steps, "train.steps_per_epoch": 10,
               "train.batch_size": 16, "backup.enabled": False}
     _, single = driver(tmp_path / "single", {**common, "strategy.name": "single"})
     _, mirrored = driver(tmp_path / "mirrored", {**common, "strategy.name": "mirrored",
                                                 "strategy.devices": 2})
-    a = [r["loss"] for r in json.load(open(tmp_path / "single" / "metrics.json"))["steps"]]
-    b = [r["loss"] for r in json.load(open(tmp_path / "mirrored" / "metrics.json"))["steps"]]
-    assert len(a) == len(b) == 20
+    a, b = losses(tmp_path / "single"), losses(tmp_path / "mirrored")
+    assert len(a) == len(b) == steps
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
     assert a[-1] < a[0] - 0.5  # it trained
     assert abs(single["val_loss"] - mirrored["val_loss"]) <= 1e-5
 
 
+DEVICES = 2  # logical CPUs of a mirrored strategy here
+
 USER_MODEL = r"""
 import sys, numpy as np, tensorflow as tf, keras, tfdist.strategies
-name = sys.argv[1]
-strategy = tfdist.strategies.get(name, devices=2)
+name, devices = sys.argv[1], int(sys.argv[2])
+strategy = tfdist.strategies.get(name, devices=devices)
 keras.utils.set_random_seed(0)
 with strategy.scope():
     inp = keras.Input((8,))
@@ -58,9 +59,9 @@ print("RESULT", strategy.num_replicas, h1.history["loss"][0], h2.history["loss"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,replicas", [("single", 1), ("mirrored", 2)])
+@pytest.mark.parametrize("name,replicas", [("single", 1), ("mirrored", DEVICES)])
 def test_user_functional_model_fits_under_strategy(name, replicas):
-    p = run([sys.executable, "-c", USER_MODEL, name], timeout=300)
+    p = run([sys.executable, "-c", USER_MODEL, name, str(DEVICES)], timeout=300)
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT")][0].split()
     assert int(line[1]) == replicas
     assert float(line[3]) < 0.5 * float(line[2])  # the loss fell: gradients were applied
@@ -68,8 +69,9 @@ def test_user_functional_model_fits_under_strategy(name, replicas):
 
 SPARSE_MODEL = r"""
 import sys, numpy as np, tensorflow as tf, keras, tfdist.strategies, tfdist.compat as compat
-name, mode, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
-strategy = tfdist.strategies.get(name, devices=2)
+name, mode = sys.argv[1], sys.argv[2]
+rows, devices, steps = map(int, sys.argv[3:6])
+strategy = tfdist.strategies.get(name, devices=devices)
 if mode == "no_dedupe":
     compat._sum_duplicates = lambda g: g
 
@@ -94,7 +96,7 @@ ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
 class Losses(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         print("LOSS", float(logs["loss"]))
-model.fit(ds, epochs=1, steps_per_epoch=6, verbose=0, callbacks=[Losses()])
+model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Losses()])
 """
 
 
@@ -109,11 +111,14 @@ def test_optimizer_corrections_make_mirrored_equal_single(mode, rows, equal):
     """Keras 3 AdamW with global_clipnorm and a position embedding: mirrored (2 logical CPUs) vs
     single. Each correction in compat.set_gradient_reduction is needed; with them the two agree. (On one
     device the 16 slices are distinct; the all-reduce concatenates 2 x 16 with each index twice.)"""
-    def losses(name):
-        p = run([sys.executable, "-c", SPARSE_MODEL, name, mode, str(rows)], timeout=300)
+    steps = 6
+
+    def printed_losses(name):
+        p = run([sys.executable, "-c", SPARSE_MODEL, name, mode, str(rows), str(DEVICES), str(steps)],
+                timeout=300)
         return [float(x.split()[1]) for x in p.stdout.splitlines() if x.startswith("LOSS")]
     # Keras reports the running mean over the epoch; the k-th value still differs if step k does.
-    a, b = losses("single"), losses("mirrored")
-    assert len(a) == len(b) == 6
+    a, b = printed_losses("single"), printed_losses("mirrored")
+    assert len(a) == len(b) == steps
     diff = max(abs(x - y) for x, y in zip(a, b))
     assert (diff <= 1e-6) if equal else (diff > 1e-4), (diff, a, b)

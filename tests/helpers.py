@@ -1,0 +1,219 @@
+"""Helpers shared by the test modules. Fixtures and pytest hooks live in conftest.py; the test
+modules import what they share from here, never from each other.
+
+* processes: `run` (a command with a hard timeout), `tfdist` (the CLI), `run_group` (a process
+  group killed on timeout), `driver` (tests/faulty_train.py), `tagged` (JSON result lines of a
+  launcher's prefixed output), `wait_until` (poll with a deadline: a hang guard, not a timing);
+* errors: `tf_noise`, `one_error_line`, `assert_usage_error` (exit 2, one line, no traceback);
+* what a run left: `metrics`, `losses`, `executed_steps`, `steps_by_worker`, `weights`,
+  `final_weights`, `max_diff`, `tree_digest`;
+* inputs: `load_config` (a file of configs/), `write_nanogpt`, `free_port`, `free_port_run`;
+* `children` and `task_of` (tfdist's launcher finds its processes with them).
+"""
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tfdist.launch.local import children, task_of  # noqa: F401  (for the tests)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIVER = os.path.join(ROOT, "tests", "faulty_train.py")
+
+
+# -- processes -----------------------------------------------------------------------------------
+def run(cmd, timeout=300, env=None, check=True):
+    """Runs a command with a hard timeout; the process is ours and is killed on timeout."""
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env={**os.environ, **(env or {})})
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\n"
+                             f"stderr:\n{p.stderr[-3000:]}")
+    return p
+
+
+def tfdist(*args, timeout=300, check=True):
+    """`python -m tfdist ARGS` from the repository root."""
+    return run([sys.executable, "-m", "tfdist", *args], timeout=timeout, check=check)
+
+
+def run_group(cmd, timeout):
+    """Runs `cmd` in its own process group; on timeout that group (ours) is killed."""
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"{cmd[:6]} timed out after {timeout} s\n{out[-3000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def driver(workdir, overrides, *extra, timeout=300, check=True):
+    """Runs tests/faulty_train.py; returns (CompletedProcess, result dict or None)."""
+    p = run([sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra],
+            timeout=timeout, check=check)
+    line = [x for x in p.stdout.splitlines() if x.startswith("DRIVER_RESULT ")]
+    return p, (json.loads(line[-1][len("DRIVER_RESULT "):]) if line else None)
+
+
+def tagged(stdout, tag, prefix=r"\[w(\d+)\] "):
+    """{process index: JSON} of the `<prefix><tag> {...}` lines of a launcher's output
+    (`[w1] DRIVER_RESULT {...}`; horovodrun's is `[1]<stdout>:`)."""
+    found = re.findall(rf"^{prefix}{re.escape(tag)} (.*)$", stdout, re.M)
+    return {int(i): json.loads(r) for i, r in found}
+
+
+def wait_until(condition, timeout, what, proc=None, describe=lambda: ""):
+    """Polls `condition()` until it is true. Fails (saying `what`, and `describe()`) if `proc`
+    ends first, or after `timeout` seconds: a guard against a hang, not a measurement."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process ended (status {proc.returncode}) before {what}\n"
+                                 f"{describe()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout} s\n{describe()}")
+        time.sleep(0.05)
+
+
+# -- errors --------------------------------------------------------------------------------------
+def tf_noise(line):
+    """TensorFlow's C++ start-up lines (oneDNN notice, absl pre-init warning) are not ours."""
+    return ("oneDNN custom operations" in line or "absl::InitializeLog" in line
+            or line.startswith(("I0000", "W0000", "E0000")))
+
+
+def one_error_line(p):
+    """The single line a failed tfdist command leaves on stderr (TF's start-up lines aside)."""
+    lines = [x for x in p.stderr.splitlines() if x.strip() and not tf_noise(x)]
+    assert len(lines) == 1 and lines[0].startswith("tfdist: error: "), p.stderr[-3000:]
+    return lines[0]
+
+
+def assert_usage_error(p, needle):
+    """Bad input: exit status 2 and one line `tfdist: error: ...` holding `needle`."""
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    line = one_error_line(p)
+    assert needle in line, line
+    return line
+
+
+# -- what a run left -----------------------------------------------------------------------------
+def metrics(workdir):
+    """The run's metrics.json: {"steps": [per logged step], "evals": [per evaluation]}."""
+    with open(os.path.join(workdir, "metrics.json")) as f:
+        return json.load(f)
+
+
+def losses(workdir):
+    """The logged training loss of every step."""
+    return [r["loss"] for r in metrics(workdir)["steps"]]
+
+
+def executed_steps(workdir):
+    """faulty_train's executed_steps.txt: one [worker, pid, loss] per step run, across restarts."""
+    path = os.path.join(workdir, "executed_steps.txt")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line.split() for line in f]
+
+
+def steps_by_worker(workdir):
+    """{worker index: steps it ran}, from executed_steps.txt."""
+    counts = {}
+    for worker, _, _ in executed_steps(workdir):
+        counts[int(worker)] = counts.get(int(worker), 0) + 1
+    return counts
+
+
+def weights(workdir, worker):
+    """The weights faulty_train's --dump-weights wrote for `worker` (weights-w<i>.npz)."""
+    with np.load(os.path.join(workdir, f"weights-w{worker}.npz")) as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def final_weights(workdir):
+    """The weights of the run's saved model.keras."""
+    import keras
+    import tfdist.models.gpt  # noqa: F401  (registers the classes)
+    m = keras.saving.load_model(os.path.join(workdir, "model.keras"), compile=False)
+    return [np.asarray(w) for w in m.weights]
+
+
+def max_diff(a, b):
+    """Largest absolute difference between two equally long lists of arrays."""
+    assert len(a) == len(b)
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def tree_digest(root):
+    """Hash of every file's path and content under root: proves nothing on disk changed."""
+    h = hashlib.sha1()
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames.sort()
+        for f in sorted(filenames):
+            p = os.path.join(dirpath, f)
+            h.update(p.encode())
+            with open(p, "rb") as data:
+                h.update(data.read())
+    return h.hexdigest()
+
+
+# -- inputs --------------------------------------------------------------------------------------
+def load_config(path):
+    """`get_config()` of a config file (e.g. "configs/gpt_nano.py", relative to the repository)."""
+    full = os.path.join(ROOT, path)
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], full)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def write_nanogpt(directory, n_train=200_000, n_val=20_000, vocab=50257, seed=0):
+    """train.bin / val.bin as nanoGPT's prepare.py writes them: np.memmap of uint16 ids."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    out = {}
+    for name, n in (("train", n_train), ("val", n_val)):
+        ids = rng.integers(0, vocab, n, dtype=np.uint16)
+        arr = np.memmap(os.path.join(directory, f"{name}.bin"), dtype=np.uint16, mode="w+", shape=(n,))
+        arr[:] = ids
+        arr.flush()
+        out[name] = ids
+    return out
+
+
+def free_port():
+    """A port free on 127.0.0.1 now (and closed: nothing listens on it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_run(n):
+    """A port p such that p .. p+n-1 are free on 127.0.0.1 now."""
+    for _ in range(100):
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            socks[0].bind(("127.0.0.1", 0))
+            port = socks[0].getsockname()[1]
+            for i, s in enumerate(socks[1:], 1):
+                s.bind(("127.0.0.1", port + i))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
