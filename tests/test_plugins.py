@@ -64,7 +64,7 @@ from tfdist.strategies.single import SingleDevice
 class Toy(SingleDevice):
     name = "toy"
     options = {"toy_level": (3, lambda v: isinstance(v, int) and 1 <= v <= 9, "an integer in [1, 9]")}
-    recommended = {"train.eval_steps": 2}
+    recommended = {"train.log_every_steps": 2}
     launch = Launch()
 
     def __init__(self, toy_level=3, **options):
@@ -93,7 +93,7 @@ def test_an_eighth_strategy_is_its_file_and_a_registry_entry(tmp_path, toy_env, 
                  f"--workdir={tmp_path / 'run'}"], env=toy_env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "tfdist: toy: level 7" in p.stdout
-    assert "tfdist: toy: train.eval_steps=2 (recommended" in p.stdout
+    assert "tfdist: toy: train.log_every_steps=2 (recommended" in p.stdout
     assert "done: 4 steps run" in p.stdout
 
     bad = run_cli(["train", *flags, "--strategy=toy", "--config.strategy.toy_level=12",
