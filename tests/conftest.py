@@ -4,7 +4,6 @@ import os
 
 import pytest
 
-from tests.helpers import ROOT  # noqa: F401  (tests/test_plan.py still imports ROOT from here)
 
 
 def pytest_configure(config):

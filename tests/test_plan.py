@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tfdist import config as tfdist_config
 from tfdist import plan
 
