@@ -1,4 +1,4 @@
-"""This machine: the CPU as `make bench*` measured it (bench_results/*.json, not committed), and
+"""This machine: the CPU as `make bench*` measured it (bench_results/*.json, committed), and
 the benches' figures predicted from their inputs (`tfdist plan --measured`).
 """
 import dataclasses
@@ -16,7 +16,7 @@ BENCH_HINT = {"bench.json": "make bench", "scaling.json": "make bench-scaling",
 
 
 def read_bench(bench_dir, name):
-    """A bench result, or None when it has not been run here (bench_results/ is not committed)."""
+    """A bench result, or None when it has not been run here (a target not run yet)."""
     path = os.path.join(bench_dir, name)
     if not os.path.exists(path):
         return None
