@@ -40,9 +40,9 @@ def run(cmd, timeout=300, env=None, check=True):
     return p
 
 
-def tfdist(*args, timeout=300, check=True):
+def tfdist(*args, timeout=300, check=True, env=None):
     """`python -m tfdist ARGS` from the repository root."""
-    return run([sys.executable, "-m", "tfdist", *args], timeout=timeout, check=check)
+    return run([sys.executable, "-m", "tfdist", *args], timeout=timeout, check=check, env=env)
 
 
 def run_group(cmd, timeout):

@@ -2,16 +2,15 @@
 names, and a new plugin is its own file plus one registry entry."""
 import ast
 import os
-import sys
 import textwrap
 
 import pytest
 
-from tests.helpers import ROOT, run
+from tests.helpers import ROOT, tfdist
 
 
 def run_cli(args, env=None):
-    return run([sys.executable, "-m", "tfdist", *args], env=env, check=False, timeout=600)
+    return tfdist(*args, env=env, check=False, timeout=600)
 
 PACKAGE = os.path.join(ROOT, "tfdist")
 STRATEGY_NAMES = {"single", "mirrored", "multi_worker_mirrored", "parameter_server", "horovod", "tpu"}

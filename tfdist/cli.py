@@ -49,10 +49,15 @@ def quiet_tensorflow_import(argv=None):
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            rest = [line for line in captured.read().decode(errors="replace").splitlines()
-                    if line.strip() and not any(n in line for n in NOISE)]
-            if rest:
-                print("\n".join(rest), file=sys.stderr, flush=True)
+            pass_on_stderr(captured.read())
+
+
+def pass_on_stderr(captured):
+    """Writes captured stderr bytes to stderr, without TensorFlow's start-up noise."""
+    rest = [line for line in captured.decode(errors="replace").splitlines()
+            if line.strip() and not any(n in line for n in NOISE)]
+    if rest:
+        print("\n".join(rest), file=sys.stderr, flush=True)
 
 
 def command_help(module_name, prog):

@@ -280,11 +280,8 @@ def _pass_on(captured):
     if captured is None:
         return
     captured.seek(0)
-    rest = [line for line in captured.read().decode(errors="replace").splitlines()
-            if line.strip() and not any(n in line for n in cli.NOISE)]
+    cli.pass_on_stderr(captured.read())
     captured.close()
-    if rest:
-        print("\n".join(rest), file=sys.stderr, flush=True)
 
 
 def _init_worker():
