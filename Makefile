@@ -30,8 +30,8 @@ demo: $(STAMP)
 test: $(STAMP) $(HOROVOD)
 	$(BIN)/python -m pytest -q -ra
 
-# Under 3 minutes from a fresh clone (pip's wheel cache warm): no Horovod build, no training
-# in subprocesses.
+# Under 3 minutes from a fresh clone (pip's wheel cache warm): no Horovod build, no training in
+# subprocesses, one case of each family of CLI error cases (tests/helpers.py first_fast).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m 'not slow and not horovod'
 

@@ -8,6 +8,8 @@ modules import what they share from here, never from each other.
 * what a run left: `metrics`, `losses`, `executed_steps`, `steps_by_worker`, `weights`,
   `final_weights`, `max_diff`, `tree_digest`;
 * inputs: `load_config` (a file of configs/), `write_nanogpt`, `free_port`, `free_port_run`;
+* tiers: `first_fast` (a CLI case family: its first case in `make test-fast`, the rest in the
+  whole suite);
 * `children` and `task_of` (tfdist's launcher finds its processes with them).
 """
 import hashlib
@@ -22,11 +24,21 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tfdist.launch.local import children, task_of  # noqa: F401  (for the tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(ROOT, "tests", "faulty_train.py")
+
+
+# -- tiers ---------------------------------------------------------------------------------------
+def first_fast(cases):
+    """Parametrize cases of which only the first runs in `make test-fast`; the others are marked
+    `slow` and run in the whole suite. For families of CLI cases where each case starts a
+    `tfdist` process (about 3 s of TensorFlow import on this machine) to check one message."""
+    return [cases[0]] + [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow)
+                         for c in cases[1:]]
 
 
 # -- processes -----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.helpers import run
+from tests.helpers import first_fast, run
 
 COMMANDS = {  # command -> flags it must list (its own, defined in its module)
     "train": ["--workdir", "--strategy", "--devices", "--overwrite", "--prepare_only", "--config"],
@@ -23,7 +23,7 @@ def tfdist(*args, env=None):
     return run([sys.executable, "-m", "tfdist", *args], env=env, check=False, timeout=300)
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("command", first_fast(sorted(COMMANDS)))
 def test_help_lists_the_commands_own_flags(command):
     p = tfdist(command, "--help")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -33,7 +33,7 @@ def test_help_lists_the_commands_own_flags(command):
     assert "(default:" in p.stdout and p.stderr == ""
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("command", first_fast(sorted(COMMANDS)))
 def test_a_bad_flag_is_exactly_one_line(command):
     p = tfdist(command, "--no_such_flag=1")
     assert p.returncode == 2
@@ -41,6 +41,7 @@ def test_a_bad_flag_is_exactly_one_line(command):
     assert lines == ["tfdist: error: Unknown command line flag 'no_such_flag'"], lines
 
 
+@pytest.mark.slow
 def test_verbose_shows_tensorflows_start_up_messages():
     """The companion: the noise is really there, and --verbose lets it through."""
     p = tfdist("train", "--no_such_flag=1", "--verbose")

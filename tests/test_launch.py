@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, one_error_line, tfdist, wait_until
+from tests.helpers import ROOT, first_fast, one_error_line, tfdist, wait_until
 
 PY = sys.executable
 BACKOFF = 0.2  # seconds before the first restart; it doubles at each one
@@ -18,7 +18,7 @@ def launch(*args, timeout=120):
     return tfdist("launch", f"--backoff={BACKOFF}", *args, timeout=timeout, check=False)
 
 
-@pytest.mark.parametrize("args,needle", [
+@pytest.mark.parametrize("args,needle", first_fast([
     ([], "nothing to run"),
     (["--workers=0", "--", "--config=configs/gpt_nano.py"], "--workers must be between 1 and 64"),
     (["--strategy=mirrored", "--", "--config=configs/gpt_nano.py"], "cannot start strategy 'mirrored'"),
@@ -29,7 +29,7 @@ def launch(*args, timeout=120):
     (["--strategy=parameter_server", "--ps=0", "--", PY, "-c", "pass"], "--ps must be between 1 and 16"),
     (["--", "--config=configs/nope.py"], "config file 'configs/nope.py' not found"),
     (["--", "--config=configs/gpt_nano.py", "--config.model.n_layer=0"], "model.n_layer"),
-])
+]))
 def test_bad_usage_is_one_line_and_exit_2(args, needle):
     p = launch(*args)
     assert p.returncode == 2, (p.stdout, p.stderr)
@@ -100,6 +100,7 @@ def test_a_failed_group_is_restarted_with_backoff_until_it_succeeds(tmp_path):
         line for a in range(failing) for line in (f"{a} waiting", f"{a} stopped by SIGTERM")]
 
 
+@pytest.mark.slow
 def test_the_restart_budget_runs_out_with_exit_1():
     max_restarts = 2
     p = launch("--workers=2", f"--max_restarts={max_restarts}", "--", PY, "-c",
@@ -110,6 +111,7 @@ def test_the_restart_budget_runs_out_with_exit_1():
             f"(--max_restarts={max_restarts})") in one_error_line(p)
 
 
+@pytest.mark.slow
 def test_a_worker_exiting_2_is_bad_usage_and_not_restarted():
     p = launch("--workers=2", "--max_restarts=3", "--", PY, "-c", "import sys; sys.exit(2)")
     assert p.returncode == 2
@@ -117,6 +119,7 @@ def test_a_worker_exiting_2_is_bad_usage_and_not_restarted():
     assert "exited with status 2 (bad usage); not restarting" in p.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_workers_and_exits_143(tmp_path):
     pidfile = tmp_path / "pids"
     prog = f"import os, time; open({str(pidfile)!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(120)"

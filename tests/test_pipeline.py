@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, ROOT, assert_usage_error, driver, max_diff, metrics, run,
+from tests.helpers import (DRIVER, ROOT, assert_usage_error, driver, first_fast, max_diff, metrics, run,
                            run_group, tfdist, weights)
 from tfdist.strategies.horovod import horovodrun_argv
 
@@ -22,7 +22,7 @@ def probe(*args):
     return json.loads(line[len("PROBE "):])
 
 
-@pytest.mark.parametrize("k,m,extra", [(2, 4, ""), (4, 4, ""), (2, 4, "recompute")])
+@pytest.mark.parametrize("k,m,extra", first_fast([(2, 4, ""), (4, 4, ""), (2, 4, "recompute")]))
 def test_gradients_equal_the_unsplit_model(k, m, extra):
     r = probe("grads", k, m, *([extra] if extra else []))
     assert r["n"] == 52  # every trainable variable of the 4-block GPT has a gradient
@@ -31,6 +31,7 @@ def test_gradients_equal_the_unsplit_model(k, m, extra):
     assert r["max_grad"] > 1e-2  # the gradients compared are not all ~0
 
 
+@pytest.mark.slow
 def test_losses_over_ten_steps_equal_the_unsplit_model():
     r = probe("losses", 2, 4)
     assert len(r["plain"]) == len(r["pipeline"]) == 10
@@ -38,6 +39,7 @@ def test_losses_over_ten_steps_equal_the_unsplit_model():
     assert r["plain"][-1] != r["plain"][0]  # it trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_every_stage_is_on_its_device(k):
     r = probe("placement", k, 4)
@@ -113,14 +115,14 @@ def test_backup_restores_into_another_split_and_not_into_the_plain_model(tmp_pat
     assert "pipeline" in assert_usage_error(p, "different layout")
 
 
-@pytest.mark.parametrize("flags,needle", [
+@pytest.mark.parametrize("flags,needle", first_fast([
     (["--config.pipeline.stages=3"], "cannot exceed the model's blocks"),
     (["--config.pipeline.stages=2", "--config.pipeline.microbatches=3"], "must divide the batch"),
     (["--config.pipeline.stages=2", "--config.pipeline.layers_per_stage=2,1"], "adding up to"),
     (["--config.pipeline.stages=2", "--config.pipeline.devices=/cpu:0"], "lists 1 device"),
     (["--config.pipeline.stages=2", "--strategy=mirrored", "--devices=2"], "one replica per process"),
     (["--config.pipeline.microbatches=0"], "pipeline.microbatches"),
-])
+]))
 def test_bad_pipeline_configs_are_one_line(tmp_path, flags, needle):
     p = tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
                "--config.train.batch_size=8", *flags, check=False)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, first_fast
 from tfdist import config as tfdist_config
 from tfdist import plan
 
@@ -36,6 +36,7 @@ def test_zero_paper_figure_1():
     # ZeRO-3 is 1.875 GB: 1.3 % under the printed 1.9, which is 1.875 rounded to one decimal
 
 
+@pytest.mark.slow
 def test_zero_figure_1_from_the_command_line():
     r = tfdist_plan("--params=7.5e9", "--devices=64", "--batch=64")
     assert r.returncode == 0, r.stderr
@@ -61,6 +62,7 @@ def test_predicts_llama2_70b_gpu_hours_within_15_percent():
     assert abs(row["error"]) <= 0.15, row
 
 
+@pytest.mark.slow
 def test_validate_prints_the_table():
     r = tfdist_plan("--validate")
     assert r.returncode == 0, r.stderr
@@ -195,6 +197,7 @@ def test_command_line_writes_table_chart_and_json(tmp_path):
 
 # --- this machine ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_command_keeps_the_users_model_changes_and_pinned_dims(tmp_path):
     r = tfdist_plan("--config=configs/gpt_mini.py", "--config.model.n_layer=4", "--n_embd=192", "--devices=2",
                     "--batch=32", "--device=a100-40gb", f"--out={tmp_path}")
@@ -221,6 +224,7 @@ def _fake_bench(d, with_pipeline=True):
              "speedup_vs_1_inter_op_thread": 2.0}]}))
 
 
+@pytest.mark.slow
 def test_measured_predicts_the_benches_from_their_inputs(tmp_path):
     _fake_bench(tmp_path)
     mini = plan.model_from_config(plan._config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
@@ -238,6 +242,7 @@ def test_measured_predicts_the_benches_from_their_inputs(tmp_path):
     assert "predicted" in r.stdout and "not measured here: run `make bench-scaling-horovod`" in r.stdout
 
 
+@pytest.mark.slow
 def test_cpu_device_without_a_bench_is_one_clear_line(tmp_path):
     r = tfdist_plan("--device=cpu", "--devices=2", "--config=configs/gpt_mini.py", f"--bench_dir={tmp_path}")
     assert r.returncode == 2 and r.stdout == ""
@@ -252,7 +257,7 @@ def test_cpu_device_without_a_bench_is_one_clear_line(tmp_path):
     assert "tfdist train --config=" in r.stdout or "tfdist launch --workers 2" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("args, message", first_fast([
     (["--model=gpt3-175b", "--device=b200"], "unknown --device 'b200'; choose one of a100-40gb"),
     (["--model=gpt3-175b", "--devices=-8"], "--devices=-8 must be > 0"),
     (["--model=gpt3-175b", "--devices=64", "--batch=100", "--dp=8"],
@@ -266,7 +271,7 @@ def test_cpu_device_without_a_bench_is_one_clear_line(tmp_path):
     (["--config=configs/nope.py"], "config file 'configs/nope.py' not found"),
     (["--model=gpt3-175b", "--efficiency=1.5"], "--efficiency=1.5 is a fraction of peak"),
     (["--model=gpt3-175b", "--devices=64", "--pp=2", "--zero=3"], "--zero=3 with --pp=2: ZeRO-2/3 shard"),
-])
+]))
 def test_bad_input_is_one_line_and_exit_2(args, message):
     r = tfdist_plan(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)

@@ -107,6 +107,7 @@ def test_an_eighth_strategy_is_its_file_and_a_registry_entry(tmp_path, toy_env, 
     assert "[w0] tfdist: toy: level 3" in launched.stdout
 
 
+@pytest.mark.slow
 def test_launch_refuses_a_strategy_without_a_launch_spec():
     p = run_cli(["launch", "--strategy=mirrored", "--", "--config=configs/gpt_nano.py"])
     assert p.returncode == 2

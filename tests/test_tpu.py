@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_usage_error, free_port, one_error_line, run, tfdist
+from tests.helpers import ROOT, assert_usage_error, first_fast, free_port, one_error_line, run, tfdist
 from tfdist import config as config_lib
 
 # No TPU hardware here: everything that needs one is marked so.
@@ -44,6 +44,7 @@ def test_no_tpu_here_is_one_line_without_waiting_for_the_timeout(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_closed_port_is_refused_at_once_in_one_line(tmp_path):
     from tfdist.strategies.tpu import REACH_TIMEOUT
     port = free_port()  # nothing listens there
@@ -54,6 +55,7 @@ def test_a_closed_port_is_refused_at_once_in_one_line(tmp_path):
             f"{REACH_TIMEOUT:g} s)") in one_error_line(p)
 
 
+@pytest.mark.slow
 def test_an_address_that_never_answers_hits_the_timeout(tmp_path):
     """A listener that accepts TCP and never speaks: TF's connect would wait forever. The run is
     contacted there, and ends by the configured timeout (its message names it)."""
@@ -71,11 +73,11 @@ def test_an_address_that_never_answers_hits_the_timeout(tmp_path):
             in one_error_line(p))
 
 
-@pytest.mark.parametrize("flag,needle", [
+@pytest.mark.parametrize("flag,needle", first_fast([
     ("--config.strategy.tpu_timeout=0", "strategy.tpu_timeout"),
     ("--config.strategy.tpu= ", "strategy.tpu"),
     ("--config.train.steps_per_execution=3", "must divide train.steps_per_epoch"),
-])
+]))
 def test_bad_tpu_config_is_one_line(tmp_path, flag, needle):
     assert_usage_error(train_tpu(tmp_path, flag), needle)
 
