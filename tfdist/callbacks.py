@@ -1,14 +1,24 @@
 """Callbacks: step-exact BackupAndRestore, and the per-step training log (progress, TensorBoard,
 metrics.json, loss curve).
 
-Example:
+Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resumes at step 6):
 
-    import tfdist.callbacks as cb
-    backup = cb.BackupAndRestore("/tmp/run/backup", every_steps=50, total_steps=1000)
-    start = backup.restore(model)          # model and optimizer built; 0 if there is no backup
-    strategy.fit(model, data, epochs=10, steps_per_epoch=100, initial_step=start,
-                 callbacks=[backup, cb.TrainingLog("/tmp/run", tokens_per_step=32 * 256,
-                                                   initial_step=start)])
+    >>> import tempfile, keras, tensorflow as tf, tfdist.strategies
+    >>> import tfdist.callbacks as cb
+    >>> run = tempfile.mkdtemp()
+    >>> strategy = tfdist.strategies.get("single")
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    ...     model.optimizer.build(model.trainable_variables)
+    >>> data = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat()
+    >>> backup = cb.BackupAndRestore(run + "/backup", every_steps=2, total_steps=10)
+    >>> start = backup.restore(model)      # model and optimizer built; 0 if there is no backup
+    >>> history = strategy.fit(model, data, epochs=3, steps_per_epoch=2, initial_step=start,
+    ...                        callbacks=[backup, cb.TrainingLog(run, tokens_per_step=8,
+    ...                                                          initial_step=start)], verbose=0)
+    >>> start, cb.BackupAndRestore(run + "/backup", total_steps=10).restore(model)
+    (0, 6)
 """
 import json
 import math

@@ -5,11 +5,12 @@ a `ClusterSpec`.
 
 Example:
 
-    from tfdist import cluster
-    spec = cluster.from_tf_config('{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},'
-                                  ' "task": {"type": "worker", "index": 1}}')
-    spec.is_chief, spec.num_workers          # (False, 2)
-    resolver = spec.resolver()               # for tf.distribute strategies
+    >>> from tfdist import cluster
+    >>> spec = cluster.from_tf_config('{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},'
+    ...                               ' "task": {"type": "worker", "index": 1}}')
+    >>> spec.is_chief, spec.num_workers
+    (False, 2)
+    >>> resolver = spec.resolver()           # for tf.distribute strategies
 """
 import dataclasses
 import json

@@ -6,10 +6,15 @@ value, from a file or from a command-line override (`--config.model.n_layer=4`),
 
 Example:
 
-    from tfdist import config
-    c = config.default_config()
-    c.model.n_layer = 4
-    config.validate(c)
+    >>> from tfdist import config
+    >>> c = config.default_config()
+    >>> c.model.n_layer = 4
+    >>> c = config.validate(c)
+    >>> c.model.n_head = 3
+    >>> config.validate(c)
+    Traceback (most recent call last):
+    ...
+    tfdist.errors.UsageError: model.n_embd (64) must be divisible by model.n_head (3)
 """
 import ml_collections
 

@@ -2,9 +2,11 @@
 
 Example:
 
-    from tfdist import config
-    from tfdist.optimizers import make_optimizer
-    opt = make_optimizer(config.default_config().train, total_steps=1000)
+    >>> from tfdist import config
+    >>> from tfdist.optimizers import make_optimizer
+    >>> opt = make_optimizer(config.default_config().train, total_steps=1000)
+    >>> type(opt).__name__
+    'AdamW'
 """
 import keras
 

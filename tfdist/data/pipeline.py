@@ -17,13 +17,17 @@ pipeline and inside the functions a parameter-server coordinator schedules on it
 
 Example:
 
-    import numpy as np
-    from tfdist.data import store
-    from tfdist.data.pipeline import Windows
-    s = store.from_arrays("/tmp/hello-store", train=np.frombuffer(b"hello world " * 100, np.uint8),
-                          val=np.frombuffer(b"hello there " * 10, np.uint8))
-    w = Windows(s.split("train"), block_size=8, global_batch=4, seed=0)
-    x, y = next(iter(w.dataset_fn(start_step=0, num_steps=10)(None)))   # (4, 8) each; y is x shifted
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> from tfdist.data import store
+    >>> from tfdist.data.pipeline import Windows
+    >>> s = store.from_arrays(os.path.join(tempfile.mkdtemp(), "hello-store"),
+    ...                       train=np.frombuffer(b"hello world " * 100, np.uint8),
+    ...                       val=np.frombuffer(b"hello there " * 10, np.uint8))
+    >>> w = Windows(s.split("train"), block_size=8, global_batch=4, seed=0)
+    >>> x, y = next(iter(w.dataset_fn(start_step=0, num_steps=10)(None)))
+    >>> tuple(x.shape), tuple(y.shape), bool((x[:, 1:] == y[:, :-1]).numpy().all())
+    ((4, 8), (4, 8), True)
 """
 import tensorflow as tf
 

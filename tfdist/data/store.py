@@ -26,11 +26,15 @@ with the corpus.
 
 Example:
 
-    import numpy as np
-    from tfdist.data import store
-    s = store.from_arrays("/tmp/tiny-store", train=np.arange(5000) % 256, val=np.arange(900) % 256,
-                          vocab_size=256, shard_tokens=1024)
-    x = s.split("train").windows([0, 1020], 9)        # int32 (2, 9), the second spans two shards
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> from tfdist.data import store
+    >>> s = store.from_arrays(os.path.join(tempfile.mkdtemp(), "tiny-store"),
+    ...                       train=np.arange(5000) % 256, val=np.arange(900) % 256,
+    ...                       vocab_size=256, shard_tokens=1024)
+    >>> x = s.split("train").windows([0, 1020], 9)    # the second window spans two shards
+    >>> x.dtype.name, tuple(x.shape), x.numpy()[1, :6].tolist()
+    ('int32', (2, 9), [252, 253, 254, 255, 0, 1])
 """
 import hashlib
 import json

@@ -16,11 +16,13 @@ newline.
 
 Example:
 
-    from tfdist.data.tokenizer import ByteTokenizer, train_bpe
-    tok = ByteTokenizer()
-    assert tok.decode(tok.encode("héllo")) == "héllo"
-    bpe = train_bpe(["def f(x):\\n    return x\\n"] * 50, vocab_size=300)
-    assert bpe.decode(bpe.encode("def g(y): return y")) == "def g(y): return y"
+    >>> from tfdist.data.tokenizer import ByteTokenizer, train_bpe
+    >>> tok = ByteTokenizer()
+    >>> tok.decode(tok.encode("héllo"))
+    'héllo'
+    >>> bpe = train_bpe(["def f(x):\\n    return x\\n"] * 50, vocab_size=300)
+    >>> bpe.decode(bpe.encode("def g(y): return y"))
+    'def g(y): return y'
 """
 import json
 import os

@@ -5,11 +5,14 @@ LayerNorm and an output head tied to the token embedding. Initialisation follows
 
 Example:
 
-    import numpy as np
-    from tfdist.models.gpt import GPT
-    model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
-    logits = model(np.zeros((1, 8), "int32"))            # (1, 8, 256)
-    tokens = model.generate(np.array([[104, 105]]), max_new_tokens=5, top_k=10, seed=0)
+    >>> import numpy as np
+    >>> from tfdist.models.gpt import GPT
+    >>> model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    >>> tuple(model(np.zeros((1, 8), "int32")).shape)
+    (1, 8, 256)
+    >>> tokens = model.generate(np.array([[104, 105]]), max_new_tokens=5, top_k=10, seed=0)
+    >>> tuple(tokens.shape)
+    (1, 7)
 """
 import math
 

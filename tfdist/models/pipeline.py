@@ -23,16 +23,19 @@ backward pass but computed again, trading compute for memory.
 
 Example (2 logical CPU devices, 4 microbatches):
 
-    import tensorflow as tf
-    from tfdist.models.gpt import GPT
-    from tfdist.models.pipeline import Pipeline
-    from tfdist.strategies.base import configure_logical_cpus
-    configure_logical_cpus(2)
-    model = Pipeline(GPT(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
-                     stages=2, microbatches=4)
-    model.build()
-    print(model.describe())   # stage 0: embed + blocks 0-1 on /device:CPU:0 ...
-    logits = model(tf.zeros((8, 32), tf.int32))
+    >>> import tensorflow as tf
+    >>> from tfdist.models.gpt import GPT
+    >>> from tfdist.models.pipeline import Pipeline
+    >>> from tfdist.strategies.base import configure_logical_cpus
+    >>> configure_logical_cpus(2)
+    >>> model = Pipeline(GPT(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
+    ...                  stages=2, microbatches=4)
+    >>> model.build()
+    >>> print(model.describe())  # doctest: +NORMALIZE_WHITESPACE
+    pipeline of 2 stages, 4 microbatch(es): stage 0: embed + blocks 0-1 on /device:CPU:0;
+    stage 1: blocks 2-3 + head on /device:CPU:1
+    >>> tuple(model(tf.zeros((8, 32), tf.int32)).shape)
+    (8, 32, 256)
 """
 import keras
 import numpy as np

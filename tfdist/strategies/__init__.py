@@ -7,9 +7,12 @@ A plugin from outside the package is registered with TFDIST_PLUGINS=name=module:
 
 Example:
 
-    import tfdist.strategies
-    print(tfdist.strategies.names())            # ['mirrored', 'single']
-    strategy = tfdist.strategies.get("mirrored", devices=2)
+    >>> import tfdist.strategies
+    >>> tfdist.strategies.names()
+    ['horovod', 'mirrored', 'multi_worker_mirrored', 'parameter_server', 'single', 'tpu']
+    >>> strategy = tfdist.strategies.get("mirrored", devices=2)
+    >>> strategy.num_replicas
+    2
 """
 import importlib
 import os

@@ -1,6 +1,6 @@
-"""The protocol every strategy plugin implements. Small on purpose.
+"""The protocol every strategy plugin implements: one file per strategy owns all its behaviour.
 
-A plugin wraps one `tf.distribute.Strategy` and answers five things:
+A plugin wraps one `tf.distribute.Strategy`. What it does at run time:
 
 * `scope()`: create the model, its variables and the optimizer under it;
 * `num_replicas`, `is_chief`, `worker_index`, `num_workers`: batch sizing, logging and who writes
@@ -11,17 +11,26 @@ A plugin wraps one `tf.distribute.Strategy` and answers five things:
   corrections of `tfdist.compat.set_gradient_reduction`, and callbacks (Horovod: an initial
   broadcast);
 * `fit(model, data, ...)`: Keras `model.fit`, in segments so that training can resume at any step.
-  A plugin overrides it only when its strategy cannot use Keras `fit` (parameter server).
+  A plugin overrides it only when its strategy cannot use Keras `fit` (parameter server);
+* `serve()`: what a server task does (parameter server: serve until stopped, then end).
+
+What it declares, so that `tfdist train`, `tfdist launch` and `tfdist plan` ask it instead of
+comparing names: `options` (its config keys with default, rule and help, checked once by
+`check_options`), `recommended` config values, `uses_local_devices`, `supports_pipeline`,
+`supports_jit_compile`, `collective_checkpoints`, `launch` (a `Launch`: roles, restart policy,
+server tasks, wrapper command) and `plan_command` (the planner's command line).
 
 Example (any registered strategy; see `tfdist.strategies.names()`):
 
-    import keras, tensorflow as tf, tfdist.strategies
-    strategy = tfdist.strategies.get("single")
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse")
-    ds = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat()
-    strategy.fit(model, ds, epochs=2, steps_per_epoch=5, verbose=0)
+    >>> import keras, tensorflow as tf, tfdist.strategies
+    >>> strategy = tfdist.strategies.get("single")
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    >>> ds = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat()
+    >>> history = strategy.fit(model, ds, epochs=2, steps_per_epoch=5, verbose=0)
+    >>> len(history.history["loss"])
+    2
 """
 import dataclasses
 

@@ -28,7 +28,7 @@ Keras 3 variables (`'Variable' object has no attribute 'ref'`) and its callbacks
   over tfdist's warmup; the default keeps the single-process learning rate, since tfdist's batch
   size is already global.
 
-Example (inside a program started by `horovodrun -np 2 ...`):
+Usage (not run as a doctest: inside a program started by `horovodrun -np 2 ...`):
 
     import keras, tensorflow as tf, tfdist.strategies
     strategy = tfdist.strategies.get("horovod")

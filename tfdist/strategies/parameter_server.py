@@ -24,7 +24,7 @@ Keras 3 `fit` does not support ParameterServerStrategy (keras-team/keras#18624).
 On worker and ps tasks there is nothing to train: `serve()` runs a `tf.distribute.Server` until
 the process is stopped (the launcher stops them when the chief is done).
 
-Example (a chief with TF_CONFIG listing chief, worker and ps tasks, the others serving):
+Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps tasks, the others serving):
 
     strategy = tfdist.strategies.get("parameter_server")
     with strategy.scope():

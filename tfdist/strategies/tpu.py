@@ -18,7 +18,7 @@ static shapes, as XLA on TPUs needs: tfdist's pipeline gathers every batch at it
 tfdist reads or writes goes through `tf.io.gfile`, so backups, logs and TFDS data can be on
 `gs://`, which TPU hosts need.
 
-Example (with a resolver of your own, e.g. a test double):
+Usage (not run as a doctest: needs a TPU, or a resolver of your own such as a test double):
 
     import tfdist.strategies
     strategy = tfdist.strategies.get("tpu", resolver=my_resolver)
