@@ -78,7 +78,7 @@ bench-scaling-horovod: $(HOROVOD)
 bench-pipeline: $(STAMP)
 	$(BIN)/python tools/bench.py --pipeline
 
-# allreduce bus bandwidth, 1-64 MB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
+# allreduce bus bandwidth, 1-64 MiB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
 bench-allreduce: $(HOROVOD)
 	$(BIN)/python tools/bench_allreduce.py
 

@@ -77,6 +77,7 @@ def test_an_address_that_never_answers_hits_the_timeout(tmp_path):
     ("--config.strategy.tpu_timeout=0", "strategy.tpu_timeout"),
     ("--config.strategy.tpu= ", "strategy.tpu"),
     ("--config.train.steps_per_execution=3", "must divide train.steps_per_epoch"),
+    ("--config.pipeline.stages=2", "strategy tpu cannot run a pipeline"),  # supports_pipeline
 ]))
 def test_bad_tpu_config_is_one_line(tmp_path, flag, needle):
     assert_usage_error(train_tpu(tmp_path, flag), needle)

@@ -1,7 +1,7 @@
 """Who am I: the cluster this process belongs to, from TF_CONFIG or Slurm, validated.
 
-This is the one module (with `train.py`'s flags) that reads the environment. Everything else gets
-a `ClusterSpec`.
+This is the one module that reads TF_CONFIG and Slurm's variables. Everything else gets a
+`ClusterSpec`.
 
 Example:
 

@@ -135,6 +135,9 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     tf.config.threading.set_inter_op_parallelism_threads(c.train.inter_op_threads)
     p = c.pipeline
     pipelined = p.stages > 1 or p.microbatches > 1
+    if pipelined and not strategies.get_class(c.strategy.name).supports_pipeline:
+        raise UsageError(f"strategy {c.strategy.name} cannot run a pipeline (pipeline.stages / "
+                         f"pipeline.microbatches); leave them at 1 or pick another strategy")
     if p.stages > 1 and not p.devices and len(tf.config.list_physical_devices("GPU")) < p.stages:
         plugin = strategies.get_class(c.strategy.name)
         if plugin.uses_local_devices:

@@ -11,7 +11,7 @@ gradient of the mean of their losses, so gradients accumulate over the microbatc
 optimizer update follows (GPipe's schedule: all forwards, then all backwards). Nothing is
 scheduled by hand: the step is one TF graph, and TF's executor runs stage s of microbatch m+1
 while stage s+1 works on microbatch m, because the two are independent ops on different
-devices. Two facts make that work (both measured, ../shared/DESIGN.md):
+devices. Two facts make that work (both measured on TF 2.21):
 
 * the gradient is taken with `tf.gradients`, which puts each backward op on the device of its
   forward op (`GradientTape` would put all of them on the default device);

@@ -116,7 +116,7 @@ class TPU(Strategy):
             return "tfdist train --strategy=tpu " + " ".join(flags)
         return None
 
-    def __init__(self, tpu="local", tpu_zone="", tpu_project="", tpu_timeout=30.0, resolver=None,
+    def __init__(self, tpu="local", tpu_zone="", tpu_project="", tpu_timeout=120.0, resolver=None,
                  **unused_options):
         if resolver is None:
             if tpu.startswith("grpc://"):
