@@ -271,7 +271,7 @@ def pipeline_main():
         print(f"  {name}: " + "; ".join(lines))
     write_json({"config": os.path.basename(config_flags_filename()), "stages": k,
                 "batch": c.train.batch_size, "context": c.model.block_size,
-                "threads": "unsplit: 1 intra + 1 inter; pipelined: 1 intra + 2 inter",
+                "threads": "unsplit: 1 intra + 2 inter; unsplit-1: 1 intra + 1 inter; pipelined: 1 intra + 2 inter",
                 "rows": rows, "memory": memory}, "bench_results/pipeline.json")
 
 

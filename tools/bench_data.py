@@ -1,6 +1,6 @@
 """Benchmarks of the data path: memory against corpus size, input cost, tokenizers.
 
-    python tools/bench_data.py --memory       # a generated 2.5 G-token store vs a 10 MB store:
+    python tools/bench_data.py --memory       # a generated 2.6 G-token store vs a 10 MB store:
                                               # each process's peak RSS, single / 2-worker MWMS /
                                               # parameter server (2 workers + 1 ps), gpt_nano
     python tools/bench_data.py --input        # gpt_mini step time, store-backed vs in-memory
