@@ -143,17 +143,10 @@ class Horovod(Strategy):
         """The gradient all-reduce Keras calls before every update: one grouped Horovod average."""
         hvd = self.hvd
         compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
-        grads_and_vars = list(grads_and_vars)
-        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
-        reduced = hvd.grouped_allreduce([grads_and_vars[i][0] for i in present], op=hvd.Average,
-                                        compression=compression)
-        out = list(grads_and_vars)
-        for i, g in zip(present, reduced):
-            out[i] = (g, grads_and_vars[i][1])
-        return out
+        return allreduce_gradients(hvd, grads_and_vars, compression=compression)
 
     def callbacks(self):
-        return [_BroadcastFromRankZero(self.hvd), _AverageLogs(self.hvd)]
+        return [BroadcastFromRoot(self.hvd), AverageLogs(self.hvd)]
 
     def fit(self, model, data, *, verbose="auto", callbacks=None, **kwargs):
         # Keras puts its progress bar first; here it goes after the averaging so that it shows
@@ -192,21 +185,45 @@ class _Scaled(keras.optimizers.schedules.LearningRateSchedule):
         return cls(keras.optimizers.schedules.deserialize(config["schedule"]), config["factor"])
 
 
-class _BroadcastFromRankZero(keras.callbacks.Callback):
-    """Rank 0's model and optimizer state to every rank, before the first step of each `fit`.
-    (Keras builds the optimizer's variables before `on_train_begin`.)"""
+def allreduce_gradients(hvd, grads_and_vars, compression=None, op=None, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """`grads_and_vars` with the gradients reduced over the ranks in one grouped allreduce (one
+    group: Horovod fuses it into few ring operations); `op` defaults to the average."""
+    grads_and_vars = list(grads_and_vars)
+    present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+    reduced = hvd.grouped_allreduce([grads_and_vars[i][0] for i in present],
+                                    op=hvd.Average if op is None else op,
+                                    compression=compression or hvd.Compression.none,
+                                    prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor)
+    out = list(grads_and_vars)
+    for i, g in zip(present, reduced):
+        out[i] = (g, grads_and_vars[i][1])
+    return out
 
-    def __init__(self, hvd):
+
+def broadcast_variables(hvd, variables, root_rank=0):
+    """Horovod's broadcast for Keras 3 variables too: they are not tf.Variables, so Horovod
+    broadcasts into the TF variables they wrap (`'Variable' object has no attribute 'ref'`
+    otherwise)."""
+    hvd.broadcast_variables([v.value if isinstance(v, keras.Variable) else v for v in variables],
+                            root_rank=root_rank)
+
+
+class BroadcastFromRoot(keras.callbacks.Callback):
+    """The root rank's model and optimizer state to every rank, before the first step of each
+    `fit`. (Keras builds the optimizer's variables before `on_train_begin`.)"""
+
+    def __init__(self, hvd, root_rank=0):
         super().__init__()
-        self.hvd = hvd
+        self.hvd, self.root_rank = hvd, root_rank
 
     def on_train_begin(self, logs=None):
         variables = list(self.model.variables) + list(self.model.optimizer.variables)
-        # Keras 3 variables are not tf.Variables; Horovod broadcasts into the TF variables they wrap.
-        self.hvd.broadcast_variables([v.value for v in variables], root_rank=0)
+        broadcast_variables(self.hvd, variables, self.root_rank)
 
 
-class _AverageLogs(keras.callbacks.Callback):
+class AverageLogs(keras.callbacks.Callback):
     """The logged metrics (loss, val_loss, ...) averaged over ranks, at every batch and epoch end:
     each rank's Keras metrics see only its own rows of the batch. (Validation: `fit` hands the
     `val_` metrics to `on_epoch_end`.)"""
