@@ -16,17 +16,21 @@ Example:
 
     >>> from tfdist import compat
     >>> sorted(compat.PATCHES)[:2]
-    ['gradient_reduction', 'keras_fit_under_parameter_server']
+    ['gradient_reduction', 'keras_methods_follow_the_strategy']
     >>> compat.version_warning({"keras": "3.15.1", "tensorflow": "2.21.0"}) is None
     True
 """
+import functools
+import inspect
 import os
 import sys
+import threading
 
 import keras
 import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as _tf_trainer
+from keras.src.trainers import trainer as _trainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 
 #: The versions every patch here was written and tested for.
@@ -50,10 +54,12 @@ PATCHES = {
         "reduce_per_replica(..., 'mean') under MultiWorkerMirrored fails on the scalar loss "
         "(axis 0) or reports worker 0's loss only",
         "tests/test_multi_worker.py::test_each_keras_correction_is_needed[2]"),
-    "keras_fit_under_parameter_server": (
-        "keras-team/keras#18624",
-        "Keras 3 model.fit has no ParameterServerStrategy path",
-        "tests/test_parameter_server.py::test_a_users_model_trains_with_plain_model_fit"),
+    "keras_methods_follow_the_strategy": (
+        "keras-team/keras#18624 (no ParameterServerStrategy path in fit); Keras 3 has no hook "
+        "for a strategy that is not a tf.distribute one (Horovod)",
+        "a user's compile/fit/evaluate/predict/save under tfdist's strategies: gradient "
+        "all-reduce without wrap_optimizer, split input, the parameter server's coordinator",
+        "tests/test_keras_programs.py::test_without_routing_horovod_ranks_read_whole_batches"),
     "pending_closures": (
         "none (no public API): tf.distribute.coordinator.ClusterCoordinator's queue length",
         "polling a step counter on the ps instead costs the ps and the chief about a quarter "
@@ -169,6 +175,11 @@ def set_gradient_reduction(optimizer, all_reduce=None):
     return optimizer
 
 
+def has_gradient_reduction(optimizer):
+    """Whether `set_gradient_reduction` has been applied to `optimizer`."""
+    return getattr(optimizer, "_tfdist_reduction", False)
+
+
 def update_on_variable_device(optimizer):
     """Runs each variable's optimizer update on that variable's device ("update_on_variable_device").
     Keras 3 (TF backend, default strategy) leaves the update math without a device, so TF would
@@ -207,6 +218,18 @@ def track_loss(model, loss, batch_size):
     model._loss_tracker.update_state(unscale_loss_for_distribution(loss), sample_weight=batch_size)
 
 
+def test_step_given(model, x, y, y_pred, sample_weight=None):
+    """Keras's `test_step` for outputs `y_pred` computed elsewhere (the parameter server's
+    workers): the compiled loss into the model's loss tracker, then the compiled metrics."""
+    y_pred = tree.map_structure(tf.convert_to_tensor, y_pred)
+    loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                               training=False)
+    first = next(i for i in tree.flatten(x) if i is not None)
+    model._loss_tracker.update_state(unscale_loss_for_distribution(loss),
+                                     sample_weight=tf.shape(first)[0])
+    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
 # -- Keras fit under MultiWorkerMirroredStrategy (keras-team/keras#20585) -----------------------
 
 def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -225,7 +248,11 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
 
 
 _upstream = {"reduce_per_replica": _tf_trainer.reduce_per_replica,
-             "fit": _tf_trainer.TensorFlowTrainer.fit}
+             "compile": _trainer.Trainer.compile,
+             "fit": _tf_trainer.TensorFlowTrainer.fit,
+             "evaluate": _tf_trainer.TensorFlowTrainer.evaluate,
+             "predict": _tf_trainer.TensorFlowTrainer.predict,
+             "save": keras.Model.save}
 
 
 def _reduce_per_replica(values, strategy, reduction):
@@ -233,7 +260,11 @@ def _reduce_per_replica(values, strategy, reduction):
     worker has one replica and they arrive as plain tensors: upstream would report worker 0's)."""
     if (reduction in ("auto", "mean") and _tf_trainer._collective_all_reduce_multi_worker(strategy)
             and not isinstance(strategy, tf.distribute.TPUStrategy)):
-        return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+        # A metric whose result() is a variable (SUM on read): its read is the total already,
+        # as upstream leaves it under MirroredStrategy.
+        return tree.map_structure(
+            lambda v: strategy.reduce("MEAN", v, axis=None)
+            if isinstance(v, (tf.Tensor, tf.distribute.DistributedValues)) else v, values)
     return _upstream["reduce_per_replica"](values, strategy, reduction)
 
 
@@ -246,31 +277,117 @@ def fix_fit_under_multi_worker():
         _tf_trainer.reduce_per_replica = _reduce_per_replica
 
 
-# -- Keras fit under ParameterServerStrategy (keras-team/keras#18624) ---------------------------
+# -- Keras methods follow the strategy (keras-team/keras#18624 and no hook upstream) ------------
 
-def route_fit(plugin_for):
-    """Routes Keras 3 `model.fit` to `plugin_for(model)(model, x, **fit_arguments)` when that
-    returns a function for the model, else to Keras's own `fit`. Keras 3 has no
-    ParameterServerStrategy path."""
-    if "keras_fit_under_parameter_server" in disabled:
+def route_keras(owner_of):
+    """Routes Keras 3 `compile`, `fit`, `evaluate`, `predict` and `Model.save` of a model to the
+    tfdist strategy plugin that owns it ("keras_methods_follow_the_strategy").
+
+    Keras 3 has no hook through which a strategy adapts these methods: its `fit` has no
+    ParameterServerStrategy path (keras-team/keras#18624), and Horovod, which is no
+    tf.distribute strategy, has no way at all to all-reduce gradients or split input. So:
+
+    * `compile(...)` runs Keras's own, then `owner_of(model, compiling=True)` (the plugin whose
+      scope is active, which adopts the model: its gradient handling on the compiled optimizer);
+    * `fit`/`evaluate`/`predict`/`save`: `owner_of(model)`; a plugin then gets the call as
+      `plugin.keras_call(method, model, upstream, arguments)` (arguments bound by name), where
+      `upstream(model, **arguments)` is Keras's own method. Without an owner, Keras's own runs.
+
+    Idempotent. Calls Keras makes itself (fit's validation evaluates with
+    `_use_cached_eval_dataset`) and calls from inside a plugin's `keras_call` go to Keras's own.
+    """
+    if _trainer.Trainer.compile is not _upstream["compile"]:
         return
-    upstream_fit = _upstream["fit"]
+    if "keras_methods_follow_the_strategy" in disabled:
+        return
 
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
-            sample_weight=None, initial_epoch=0, validation_batch_size=None,
-            validation_steps=None, validation_freq=1, steps_per_epoch=None):
-        own = plugin_for(self)
-        if own is None:
-            return upstream_fit(self, x, y, batch_size, epochs, verbose, callbacks,
-                                validation_split, validation_data, shuffle, class_weight,
-                                sample_weight, initial_epoch, validation_batch_size,
-                                validation_steps, validation_freq, steps_per_epoch)
-        return own(self, x, y=y, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                   validation_data=validation_data, initial_epoch=initial_epoch,
-                   validation_steps=validation_steps, steps_per_epoch=steps_per_epoch)
+    @functools.wraps(_upstream["compile"])  # keeps Keras's `_is_default` marks, which saving reads
+    def compile(self, *args, **kwargs):
+        owner = owner_of(self, compiling=True)
+        if owner is not None:
+            arguments = _bind("compile", self, args, kwargs)
+            owner.before_compile(self, arguments)
+            _upstream["compile"](self, **arguments)
+            owner.after_compile(self)
+            return
+        _upstream["compile"](self, *args, **kwargs)
 
-    _tf_trainer.TensorFlowTrainer.fit = fit
+    def routed(method):
+        @functools.wraps(_upstream[method])
+        def call(self, *args, **kwargs):
+            inside = getattr(_inside, "active", False)
+            owner = None if kwargs.get("_use_cached_eval_dataset") or inside else owner_of(self)
+            if owner is None:
+                return _upstream[method](self, *args, **kwargs)
+            arguments = _bind(method, self, args, kwargs)
+            _inside.active = True
+            try:
+                return owner.keras_call(method, self, _upstream[method], arguments)
+            finally:
+                _inside.active = False
+        return call
+
+    _trainer.Trainer.compile = compile  # Trainer's: Keras compiles a loaded model only when
+    # `compile` is Trainer's own
+    for method in ("fit", "evaluate", "predict"):
+        setattr(_tf_trainer.TensorFlowTrainer, method, routed(method))
+    keras.Model.save = routed("save")
+
+
+def _bind(method, model, args, kwargs):
+    """The call's arguments by name (defaults included), as Keras's own method takes them."""
+    bound = inspect.signature(_upstream[method]).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
+
+
+_inside = threading.local()
+
+
+def keras_method(name):
+    """Keras's own `fit`/`evaluate`/`predict`/`compile`/`save`, as if tfdist had not routed it."""
+    return _upstream[name]
+
+
+def optimizer_strategy(optimizer):
+    """The tf.distribute strategy a Keras 3 optimizer was created under (it keeps it from
+    construction and creates its variables under it)."""
+    return optimizer._distribution_strategy
+
+
+def flatten_metrics(model, logs):
+    """`evaluate`'s return value from its logs, as Keras orders them (`return_dict=False`)."""
+    return model._flatten_metrics_in_order(logs)
+
+
+def redirect_backup(callback, directory):
+    """Keras's `BackupAndRestore` writing to `directory` from now on (it keeps the paths it
+    reads and writes in private attributes)."""
+    callback.backup_dir = directory
+    callback._weights_path = os.path.join(directory, "latest.weights.h5")
+    callback._training_metadata_path = os.path.join(directory, "training_metadata.json")
+    callback._prev_weights_path = callback._weights_path + ".bkp"
+    callback._prev_training_metadata_path = callback._training_metadata_path + ".bkp"
+
+
+def build_for(model, dataset):
+    """Builds the model, its compiled loss and metrics and its optimizer for `dataset`'s batches,
+    from their specs, as Keras's `fit` does under a tf.distribute strategy (a subclassed model is
+    otherwise built by its first step: too late for a broadcast of its weights or a
+    BackupAndRestore)."""
+    if isinstance(dataset, tf.data.Dataset):
+        with model.distribute_strategy.scope():
+            model._symbolic_build(data_batch=dataset.element_spec)
+
+
+def take_initial_epoch(model):
+    """The epoch Keras's `BackupAndRestore` restored into the model (None if none), cleared as
+    Keras's `fit` clears it."""
+    epoch, model._initial_epoch = model._initial_epoch, None
+    return epoch
 
 
 def pending_closures(coordinator):

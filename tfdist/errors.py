@@ -1,4 +1,11 @@
-"""The one exception type for bad input. The CLI prints it as one line and exits with status 2."""
+"""The one exception type for bad input. The CLI prints it as one line and exits with status 2.
+
+A user's own program (`python my_training.py`) gets the same contract: once tfdist's strategies
+are imported, an uncaught `UsageError` prints `tfdist: error: <message>` and ends the process
+with status 2, without a traceback (`install_excepthook`). Other exceptions are untouched.
+"""
+import os
+import sys
 
 
 class UsageError(Exception):
@@ -7,3 +14,20 @@ class UsageError(Exception):
     The message names what is wrong and what to do. Nothing on disk has been changed when it is
     raised.
     """
+
+
+def install_excepthook():
+    """An uncaught UsageError in any program that imported tfdist: one line, exit status 2."""
+    if getattr(sys.excepthook, "tfdist", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if not isinstance(value, UsageError):
+            return previous(kind, value, traceback)
+        sys.stdout.flush()
+        print(f"tfdist: error: {value}", file=sys.stderr, flush=True)
+        os._exit(2)  # an excepthook cannot choose the exit status otherwise (it would be 1)
+
+    hook.tfdist = True
+    sys.excepthook = hook

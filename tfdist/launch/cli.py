@@ -73,6 +73,8 @@ def main(argv):
             raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after -- "
                              f"start with -, e.g. --config=...)")
         argv = rest
+    server_argv = ([sys.executable, "-m", spec.server_module]
+                   if spec.server_module and not rest[0].startswith("-") else None)
 
     counts = {"chief": 1, "worker": n, "ps": _PS.value}
     if spec.wrapper:  # one process (e.g. horovodrun) that starts and stops the ranks itself
@@ -81,7 +83,8 @@ def main(argv):
         roles = [(role, i) for role in spec.roles for i in range(counts[role])]
     code = Supervisor(argv, roles, restart_alone=spec.restart_alone, servers=spec.servers,
                       max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
-                      env=env, log_dir=_LOG_DIR.value, tf_config=not spec.wrapper).run()
+                      env=env, log_dir=_LOG_DIR.value, tf_config=not spec.wrapper,
+                      server_argv=server_argv).run()
     sys.exit(code)
 
 

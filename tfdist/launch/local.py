@@ -210,7 +210,8 @@ class Supervisor:
     A dead task of a role in `restart_alone` is restarted alone, at its address, and rejoins;
     any other failure restarts the whole group. The run is done when the chief exits 0; tasks
     still running then are stopped: at once for `servers`, which never exit by themselves,
-    else after FINISH_GRACE seconds.
+    else after FINISH_GRACE seconds. `server_argv`, if given, is what the `servers` run instead
+    of `argv` (a user's own program then runs on the other tasks only).
 
     Example (any program that reads TF_CONFIG):
 
@@ -222,8 +223,9 @@ class Supervisor:
     FINISH_GRACE = 120.0  # seconds the others may take to exit after the chief has finished
 
     def __init__(self, argv, roles, *, restart_alone=(), servers=(), max_restarts=3, backoff=2.0,
-                 env=None, log_dir=None, output=None, tf_config=True):
+                 env=None, log_dir=None, output=None, tf_config=True, server_argv=None):
         self.argv, self.roles, self.tf_config = argv, list(roles), tf_config
+        self.server_argv = server_argv
         self.restart_alone, self.servers = tuple(restart_alone), tuple(servers)
         self.n = sum(role == "worker" for role, _ in self.roles)
         self.max_restarts, self.backoff = max_restarts, backoff
@@ -253,7 +255,8 @@ class Supervisor:
             name = "hvd"
         read_fd, write_fd = os.pipe()
         try:
-            p = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=write_fd,
+            argv = self.server_argv if self.server_argv and role in self.servers else self.argv
+            p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=write_fd,
                                  stderr=write_fd, start_new_session=True)
         finally:
             os.close(write_fd)

@@ -14,6 +14,12 @@ A plugin wraps one `tf.distribute.Strategy`. What it does at run time:
   A plugin overrides it only when its strategy cannot use Keras `fit` (parameter server);
 * `serve()`: what a server task does (parameter server: serve until stopped, then end).
 
+A user's own Keras program needs none of that: `model.compile(...)` inside `scope()` hands the
+model to its plugin, and from then on Keras's `compile`, `fit`, `evaluate`, `predict` and `save`
+go through `keras_call` (one mechanism for every strategy, `tfdist.compat.route_keras`). The
+plugin adds its gradient handling to the compiled optimizer (also an optimizer given as a string),
+its callbacks, its split of plain datasets, and lets only the chief write files.
+
 What it declares, so that `tfdist train`, `tfdist launch` and `tfdist plan` ask it instead of
 comparing names: `options` (its config keys with default, rule and help, checked once by
 `check_options`), `recommended` config values, `uses_local_devices`, `supports_pipeline`,
@@ -32,14 +38,21 @@ Example (any registered strategy; see `tfdist.strategies.names()`):
     >>> len(history.history["loss"])
     2
 """
+import contextlib
 import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import weakref
 
 import keras
 import tensorflow as tf
 
 from tfdist import compat
 from tfdist.callbacks import STEPS_KEY
-from tfdist.errors import UsageError
+from tfdist.errors import UsageError, install_excepthook
 
 
 def configure_logical_cpus(n):
@@ -77,12 +90,35 @@ class Launch:
     `restart_alone`: roles whose dead task is restarted alone; any other failure restarts the
     whole group (abort and restart, for synchronous training). `servers`: roles that serve until
     stopped, stopped as soon as the chief is done. `wrapper(n, argv)`: the argv of one process
-    that starts the n ranks itself (horovodrun; no TF_CONFIG then), or None.
+    that starts the n ranks itself (horovodrun; no TF_CONFIG then), or None. `server_module`: a
+    module that serves (`python -m <it>`), run on the `servers` when the launched command is a
+    user's own program, so that the program runs on the chief only.
     """
     roles: tuple = ("worker",)
     restart_alone: tuple = ()
     servers: tuple = ()
     wrapper: object = None
+    server_module: str = None
+
+
+_ACTIVE = threading.local()  # .stack: the plugins whose scope() is entered, innermost last
+_OWNERS = weakref.WeakKeyDictionary()  # model -> the plugin it was compiled under
+_BY_TF_STRATEGY = weakref.WeakValueDictionary()  # id(tf.distribute strategy) -> plugin
+_PROCESS_WIDE = []  # a plugin that owns every model of its process (Horovod)
+
+
+def owner_of(model, compiling=False):
+    """The plugin that owns `model`. At `compile`: the plugin whose scope is active, else the one
+    whose tf.distribute strategy the model was built under, else a process-wide plugin; the
+    model then stays its plugin's."""
+    if not compiling:
+        return _OWNERS.get(model)
+    stack = getattr(_ACTIVE, "stack", [])
+    plugin = (stack[-1] if stack else _BY_TF_STRATEGY.get(id(model.distribute_strategy))
+              or (_PROCESS_WIDE[-1] if _PROCESS_WIDE else None))
+    if plugin is not None:
+        _OWNERS[model] = plugin
+    return plugin
 
 
 class Strategy:
@@ -109,8 +145,18 @@ class Strategy:
     #: How `tfdist launch` starts it (None: it cannot; start it by hand or with its own tool).
     launch = None
 
+    #: It owns every model compiled in its process, inside its scope or not (Horovod: a process
+    #: is one rank).
+    process_wide = False
+
     def __init__(self, tf_strategy=None, **unused_options):
         self.tf_strategy = tf_strategy or tf.distribute.get_strategy()
+        if self.tf_strategy is not tf.distribute.get_strategy():  # not TF's default strategy
+            _BY_TF_STRATEGY[id(self.tf_strategy)] = self
+        if self.process_wide:
+            _PROCESS_WIDE.append(self)
+        compat.route_keras(owner_of)
+        install_excepthook()
 
     @classmethod
     def check_options(cls, options):
@@ -162,8 +208,16 @@ class Strategy:
     collective_checkpoints = True
 
     # -- what it adds --------------------------------------------------------------------------
+    @contextlib.contextmanager
     def scope(self):
-        return self.tf_strategy.scope()
+        """The tf.distribute strategy's scope; a model compiled in it belongs to this plugin."""
+        stack = _ACTIVE.__dict__.setdefault("stack", [])
+        with self.tf_strategy.scope() as tf_strategy:
+            stack.append(self)
+            try:
+                yield tf_strategy
+            finally:
+                stack.remove(self)
 
     def distribute(self, dataset_fn):
         """Per-replica datasets from `dataset_fn(input_context)`."""
@@ -179,6 +233,74 @@ class Strategy:
 
     def callbacks(self):
         return []
+
+    # -- a user's Keras program (compat.route_keras) ------------------------------------------
+    def before_compile(self, model, arguments):
+        """An optimizer built before the scope was entered belongs to another tf.distribute
+        strategy (TF: "Mixing different tf.distribute.Strategy objects"): it is rebuilt from its
+        config in this scope, or refused when it already holds state."""
+        optimizer = arguments.get("optimizer")
+        if (not isinstance(optimizer, keras.optimizers.Optimizer)
+                or compat.optimizer_strategy(optimizer) is tf.distribute.get_strategy()):
+            return
+        if optimizer.built or int(optimizer.iterations.numpy()):
+            raise UsageError(f"the optimizer {optimizer.name} was built outside "
+                             f"strategy.scope() and has state already; create it inside the scope")
+        arguments["optimizer"] = type(optimizer).from_config(optimizer.get_config())
+        print(f"tfdist: optimizer {optimizer.name} was created outside strategy.scope(); rebuilt "
+              f"from its config inside it", file=sys.stderr, flush=True)
+
+    def after_compile(self, model):
+        """The strategy's gradient handling on the compiled optimizer (once: an optimizer passed
+        through `wrap_optimizer` keeps its own)."""
+        if model.optimizer is not None and not compat.has_gradient_reduction(model.optimizer):
+            self.wrap_optimizer(model.optimizer)
+
+    def keras_call(self, method, model, upstream, arguments):
+        """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own
+        (`upstream`) with the strategy's callbacks first, and file-writing callbacks and `save`
+        kept to the chief (`for_this_process`)."""
+        if method == "save":
+            return self.save(model, upstream, arguments)
+        own = self.callbacks() if method == "fit" else []
+        arguments["callbacks"] = own + self.for_this_process(arguments.get("callbacks"))
+        return upstream(model, **arguments)
+
+    def for_this_process(self, callbacks):
+        """`callbacks` as this process should run them: unchanged on the chief. Elsewhere the
+        callbacks that write files (ModelCheckpoint, BackupAndRestore, CSVLogger, TensorBoard)
+        write nothing: where saving is a collective operation (`collective_checkpoints`) a
+        checkpoint goes to a temporary directory removed when training ends, as TF's
+        multi-worker guide does; a BackupAndRestore still restores from the chief's backup."""
+        callbacks = list(callbacks or [])
+        if self.is_chief:
+            return callbacks
+        out = []
+        for cb in callbacks:
+            if isinstance(cb, (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)):
+                continue
+            if isinstance(cb, keras.callbacks.ModelCheckpoint):
+                if self.collective_checkpoints:
+                    out += [_Scratch(cb, "filepath")]
+                continue
+            if isinstance(cb, keras.callbacks.BackupAndRestore):
+                out += [_ReadOnlyBackup(cb, self.collective_checkpoints)]
+                continue
+            out.append(cb)
+        return out
+
+    def save(self, model, upstream, arguments):
+        """`model.save`: the chief writes; the others write to a temporary directory they remove
+        (where reading the variables may be collective) or not at all."""
+        if self.is_chief:
+            return upstream(model, **arguments)
+        if self.collective_checkpoints:
+            scratch = tempfile.mkdtemp(prefix="tfdist-save-")
+            try:
+                upstream(model, **{**arguments, "filepath": os.path.join(
+                    scratch, os.path.basename(str(arguments["filepath"])))})
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
@@ -217,17 +339,69 @@ class Strategy:
         def train_data(start):
             return self.distribute(data(start)) if positionable else data
 
+        keras_fit = compat.keras_method("fit")  # Keras's own: the strategy's part is done here
         history = None
         if done_in_epoch and first_epoch < epochs:  # finish the interrupted epoch
-            history = model.fit(train_data(initial_step), epochs=first_epoch + 1,
+            history = keras_fit(model, train_data(initial_step), epochs=first_epoch + 1,
                                 initial_epoch=first_epoch,
                                 steps_per_epoch=steps_per_epoch - done_in_epoch,
                                 callbacks=callbacks, validation_data=validation_data,
                                 validation_steps=validation_steps, verbose=verbose, shuffle=False)
             first_epoch += 1
         if first_epoch < epochs and not model.stop_training:
-            history = model.fit(train_data(first_epoch * (steps_per_epoch or 0)), epochs=epochs,
+            history = keras_fit(model, train_data(first_epoch * (steps_per_epoch or 0)), epochs=epochs,
                                 initial_epoch=first_epoch, steps_per_epoch=steps_per_epoch,
                                 callbacks=callbacks, validation_data=validation_data,
                                 validation_steps=validation_steps, verbose=verbose, shuffle=False)
         return history
+
+
+_HOOKS = [name for name in dir(keras.callbacks.Callback) if name.startswith("on_")]
+
+
+class _Scratch(keras.callbacks.Callback):
+    """A file-writing callback run with its path (attribute `attr`) in a temporary directory,
+    removed when training ends: on a worker that must take part in a collective save but whose
+    file nobody reads. Every hook it does not define itself goes to the wrapped callback."""
+
+    def __init__(self, callback, attr=None):
+        super().__init__()
+        self.callback = callback
+        self.scratch = tempfile.mkdtemp(prefix="tfdist-scratch-")
+        if attr:
+            setattr(callback, attr, os.path.join(self.scratch, os.path.basename(
+                str(getattr(callback, attr)))))
+        for name in _HOOKS:
+            if getattr(type(self), name) is getattr(keras.callbacks.Callback, name):
+                setattr(self, name, self._hook(name))
+
+    def _hook(self, name):
+        return getattr(self.callback, name)
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def on_train_end(self, logs=None):
+        self.callback.on_train_end(logs)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class _ReadOnlyBackup(_Scratch):
+    """Keras's BackupAndRestore on a worker that is not the chief: it restores from the chief's
+    backup (the directory must be shared, as Keras requires), then writes only to a temporary
+    directory (`collective`: saving takes every worker) or not at all, and deletes nothing."""
+
+    def __init__(self, callback, collective):
+        self.collective = collective
+        super().__init__(callback)
+
+    def _hook(self, name):
+        return getattr(self.callback, name) if self.collective else (lambda *a, **k: None)
+
+    def on_train_begin(self, logs=None):
+        self.callback.on_train_begin(logs)  # reads the chief's backup
+        compat.redirect_backup(self.callback, self.scratch)
+
+    def on_train_end(self, logs=None):
+        shutil.rmtree(self.scratch, ignore_errors=True)  # not the chief's backup

@@ -23,6 +23,13 @@ Keras 3 variables (`'Variable' object has no attribute 'ref'`) and its callbacks
   (`[v.value for v in ...]`, which Horovod accepts), and the logged metrics averaged over ranks.
 * `distribute`: each rank reads its own rows of every global batch (`InputContext` with
   `hvd.size()` pipelines), so `train.batch_size` stays the global batch as for every strategy.
+* a user's own program (`model.compile` in `strategy.scope()`, or anywhere in the process: a
+  process is one rank) needs none of the above: the compiled optimizer all-reduces, `fit` adds the
+  callbacks, and a plain batched `tf.data.Dataset` given to `fit`, `evaluate` or `predict` is
+  split as tf.distribute splits it (each global batch cut into `hvd.size()` pieces, rank r
+  taking piece r). `evaluate` returns the metrics averaged over ranks and `predict` every row, in
+  order, on every rank. A dataset whose batch size is unknown (batched without
+  `drop_remainder=True`) or not a multiple of the ranks cannot be split: one line, exit 2.
 * rank 0 is the chief: it alone writes backups, logs and the final model.
 * `lr_scaling="linear"` multiplies the learning rate by the number of ranks (Goyal et al.), reached
   over tfdist's warmup; the default keeps the single-process learning rate, since tfdist's batch
@@ -34,9 +41,9 @@ Usage (not run as a doctest: inside a program started by `horovodrun -np 2 ...`)
     strategy = tfdist.strategies.get("horovod")
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer=strategy.wrap_optimizer(keras.optimizers.SGD()), loss="mse")
+        model.compile(optimizer="sgd", loss="mse")
     ds = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat()
-    strategy.fit(model, ds, epochs=1, steps_per_epoch=5)   # ranks hold identical weights after
+    model.fit(ds, epochs=1, steps_per_epoch=5)   # 4 rows per rank; identical weights after
 """
 import os
 import shutil
@@ -85,6 +92,7 @@ class Horovod(Strategy):
     }
     # One horovodrun, which starts and stops the ranks itself; any failure restarts it.
     launch = Launch(wrapper=horovodrun_argv)
+    process_wide = True  # a rank's every model trains under it
 
     def __init__(self, compression="none", lr_scaling="none", **unused_options):
         # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (default 1). With Gloo,
@@ -146,7 +154,62 @@ class Horovod(Strategy):
         return allreduce_gradients(hvd, grads_and_vars, compression=compression)
 
     def callbacks(self):
-        return [BroadcastFromRoot(self.hvd), AverageLogs(self.hvd)]
+        return [BroadcastFromRoot(self.hvd), AverageState(self.hvd), AverageLogs(self.hvd)]
+
+    # -- a user's Keras program --------------------------------------------------------------
+    def keras_call(self, method, model, upstream, arguments):
+        if method == "save":
+            return self.save(model, upstream, arguments)
+        arguments["x"], rows = self.split(arguments["x"], method)
+        callbacks = self.for_this_process(arguments.get("callbacks"))
+        verbose = arguments["verbose"]
+        arguments["verbose"] = verbose if self.is_chief else 0
+        if method == "fit":
+            arguments["validation_data"], _ = self.split(arguments["validation_data"], "validate")
+            show = [keras.callbacks.ProgbarLogger()] if self.is_chief and verbose != 0 else []
+            arguments["callbacks"] = self.callbacks() + show + callbacks  # metrics averaged first
+            compat.build_for(model, arguments["x"])  # before the broadcast of its weights
+            return upstream(model, **arguments)
+        arguments["callbacks"] = callbacks
+        if method == "evaluate":
+            return_dict, arguments["return_dict"] = arguments["return_dict"], True
+            logs = average_logs(self.hvd, upstream(model, **arguments), "evaluate")
+            return logs if return_dict else compat.flatten_metrics(model, logs)
+        return self.gather_rows(upstream(model, **arguments), rows)  # predict
+
+    def split(self, data, what):
+        """This rank's share of a plain batched dataset: each batch of B rows cut into
+        `hvd.size()` pieces of B/size, rank r taking piece r of every batch (the rows
+        tf.distribute's auto-sharding gives replica r). Returns (dataset, B/size); other data
+        unchanged, (data, None)."""
+        n = self.hvd.size()
+        if n == 1 or not isinstance(data, tf.data.Dataset):
+            return data, None
+        shapes = [spec.shape for spec in tf.nest.flatten(data.element_spec)]
+        batch = shapes[0][0] if shapes and shapes[0].rank else None
+        if batch is None or batch % n:
+            got = "unknown (batched without drop_remainder=True)" if batch is None else batch
+            raise UsageError(f"horovod splits every batch of the dataset given to {what} over "
+                             f"{n} ranks, but its batch size is {got}; batch it with a multiple "
+                             f"of {n} and drop_remainder=True")
+        rows, first = batch // n, batch // n * self.hvd.rank()
+        # Slicing keeps the dataset's cardinality; `rebatch(rows).shard(n, rank)` selects the same
+        # rows but loses it, and Keras 3 then counts a phantom last batch in evaluate's mean.
+        return data.map(lambda *batch: tf.nest.map_structure(
+            lambda t: t[first:first + rows], batch if len(batch) > 1 else batch[0])), rows
+
+    def gather_rows(self, outputs, rows):
+        """`predict`'s outputs of every rank, in the order of the unsplit dataset: rank r holds
+        piece r of every batch, `rows` rows each."""
+        if rows is None:
+            return outputs
+        n = self.hvd.size()
+
+        def gather(local):
+            every = self.hvd.allgather(tf.constant(local)).numpy()  # rank 0's rows, rank 1's, ...
+            pieces = every.reshape((n, -1, rows) + every.shape[1:])  # rank, batch, row
+            return pieces.swapaxes(0, 1).reshape((-1,) + every.shape[1:])
+        return tf.nest.map_structure(gather, outputs)
 
     def fit(self, model, data, *, verbose="auto", callbacks=None, **kwargs):
         # Keras puts its progress bar first; here it goes after the averaging so that it shows
@@ -191,11 +254,23 @@ def allreduce_gradients(hvd, grads_and_vars, compression=None, op=None, prescale
     group: Horovod fuses it into few ring operations); `op` defaults to the average."""
     grads_and_vars = list(grads_and_vars)
     present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
-    reduced = hvd.grouped_allreduce([grads_and_vars[i][0] for i in present],
+    grads = [grads_and_vars[i][0] for i in present]
+    if not tf.executing_eagerly():
+        # In a graph Horovod names the collective after its first and last tensors, and ranks
+        # meet by name. Those names follow Keras's automatic layer and optimizer names, which
+        # differ between ranks once one rank has built a model more (the chief loading a saved
+        # one): the ranks then wait for each other forever. Names of our own, the same on every
+        # rank (an absolute name scope):
+        with tf.name_scope("tfdist_allreduce/"):
+            grads = [tf.IndexedSlices(tf.identity(g.values, name=f"gradient_{k}"),
+                                      tf.identity(g.indices, name=f"indices_{k}"), g.dense_shape)
+                     if isinstance(g, tf.IndexedSlices) else tf.identity(g, name=f"gradient_{k}")
+                     for k, g in enumerate(grads)]
+    reduced = hvd.grouped_allreduce(grads,
                                     op=hvd.Average if op is None else op,
                                     compression=compression or hvd.Compression.none,
                                     prescale_factor=prescale_factor,
-                                    postscale_factor=postscale_factor)
+                                    postscale_factor=postscale_factor, ignore_name_scope=True)
     out = list(grads_and_vars)
     for i, g in zip(present, reduced):
         out[i] = (g, grads_and_vars[i][1])
@@ -223,6 +298,34 @@ class BroadcastFromRoot(keras.callbacks.Callback):
         broadcast_variables(self.hvd, variables, self.root_rank)
 
 
+class AverageState(keras.callbacks.Callback):
+    """The model's non-trainable float variables (BatchNormalization's moving statistics)
+    averaged over ranks before validation, at each epoch end and when training ends. Each rank
+    updates them from its own rows, as each replica does under MirroredStrategy, which averages
+    the updates; an average of moving averages that started equal is the moving average of the
+    averaged statistics, so both end the same (and the ranks' weights identical)."""
+
+    def __init__(self, hvd):
+        super().__init__()
+        self.hvd = hvd
+
+    def _average(self):
+        state = [v for v in self.model.non_trainable_variables if "float" in str(v.dtype)]
+        if state:
+            means = self.hvd.grouped_allreduce([v.value for v in state], op=self.hvd.Average)
+            for v, mean in zip(state, means):
+                v.assign(mean)
+
+    def on_test_begin(self, logs=None):
+        self._average()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._average()
+
+    def on_train_end(self, logs=None):
+        self._average()
+
+
 class AverageLogs(keras.callbacks.Callback):
     """The logged metrics (loss, val_loss, ...) averaged over ranks, at every batch and epoch end:
     each rank's Keras metrics see only its own rows of the batch. (Validation: `fit` hands the
@@ -232,20 +335,22 @@ class AverageLogs(keras.callbacks.Callback):
         super().__init__()
         self.hvd = hvd
 
-    def _average(self, logs, prefix):
-        if not logs:
-            return
-        keys = sorted(k for k, v in logs.items()  # the same keys, in the same order, on every rank
-                      if not k.startswith("tfdist/") and np.ndim(v) == 0)
-        if not keys:
-            return
-        values = tf.constant([float(logs[k]) for k in keys], tf.float64)
-        mean = self.hvd.allreduce(values, op=self.hvd.Average, name=f"tfdist_logs_{prefix}").numpy()
-        for k, v in zip(keys, mean):
-            logs[k] = float(v)
-
     def on_train_batch_end(self, batch, logs=None):
-        self._average(logs, "batch")
+        average_logs(self.hvd, logs, "batch")
 
     def on_epoch_end(self, epoch, logs=None):
-        self._average(logs, "epoch")
+        average_logs(self.hvd, logs, "epoch")
+
+
+def average_logs(hvd, logs, name):
+    """`logs` (a dict of metrics), its scalars replaced by their average over ranks, in place."""
+    if not logs:
+        return logs
+    keys = sorted(k for k, v in logs.items()  # the same keys, in the same order, on every rank
+                  if not k.startswith("tfdist/") and np.ndim(v) == 0)
+    if keys:
+        values = tf.constant([float(logs[k]) for k in keys], tf.float64)
+        mean = hvd.allreduce(values, op=hvd.Average, name=f"tfdist_logs_{name}").numpy()
+        for k, v in zip(keys, mean):
+            logs[k] = float(v)
+    return logs

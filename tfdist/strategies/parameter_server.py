@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
 from tfdist import compat
-from tfdist.callbacks import EXTRA_LOG_PREFIX, STEPS_KEY
+from tfdist.callbacks import EXTRA_LOG_PREFIX, STEPS_KEY, TrainingLog
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Launch, Strategy
 
@@ -54,7 +54,8 @@ class ParameterServer(Strategy):
     supports_jit_compile = False
     # A chief (the coordinator), workers and ps tasks. A dead worker is restarted alone and
     # rejoins (asynchronous training goes on without it); the servers run until stopped.
-    launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"))
+    launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"),
+                    server_module="tfdist.strategies.parameter_server")
 
     def __init__(self, cluster=None, **unused_options):
         self.cluster = cluster or cluster_lib.from_environment(allowed_roles=_ROLES)
@@ -68,20 +69,20 @@ class ParameterServer(Strategy):
         self.coordinator = None
         if self.cluster.task_type != "chief":
             super().__init__(tf.distribute.get_strategy())
-            return
+            self.serve()  # a worker or ps task serves; its program goes no further
+        _wait_for_tasks(self.cluster.cluster, float(os.environ.get(
+            "TFDIST_PS_CONNECT_TIMEOUT", self.CONNECT_TIMEOUT)))
         # No variable_partitioner: Keras 3 cannot train sharded variables. Its TF variable wrapper
         # hands `tape.gradient` the `.handle` of the wrapped variable, and a ShardedVariable has
         # none ("AttributeError: 'ShardedVariable' object has no attribute 'handle'", Keras 3.15).
         super().__init__(tf.distribute.ParameterServerStrategy(self.cluster.resolver()))
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.tf_strategy)
-        compat.route_fit(_fit_for)  # Keras 3 model.fit has no PS path (keras-team/keras#18624)
         with self.tf_strategy.scope():
             self.runs = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_ps_runs")
             self.worker_steps = tf.Variable(tf.zeros([self.num_workers], tf.int64),
                                             trainable=False, name="tfdist_ps_worker_steps")
             self.loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                         name="tfdist_ps_loss_sum")
-        _PLUGINS[id(self.tf_strategy)] = self
 
     # -- who am I ------------------------------------------------------------------------------
     @property
@@ -106,6 +107,7 @@ class ParameterServer(Strategy):
                 f"task(s), asynchronous")
 
     ORPHAN_TIMEOUT = 60.0  # seconds; TFDIST_SERVER_ORPHAN_TIMEOUT overrides
+    CONNECT_TIMEOUT = 45.0  # seconds the chief waits for every task to listen; TFDIST_PS_CONNECT_TIMEOUT
 
     def serve(self):
         """On a worker or ps task: serves the coordinator's requests, then ends the process (exit
@@ -148,6 +150,86 @@ class ParameterServer(Strategy):
                     return
             time.sleep(2)
 
+    # -- a user's Keras program --------------------------------------------------------------
+    def keras_call(self, method, model, upstream, arguments):
+        """Keras 3 has no ParameterServerStrategy path (keras-team/keras#18624): `fit` is the
+        coordinator loop, `evaluate` and `predict` schedule their batches on the workers."""
+        a = arguments
+        if method in ("fit", "evaluate", "predict"):
+            compat.build_for(model, a["x"])  # here: a worker cannot create the variables
+        if method == "fit":
+            if a["y"] is not None or not (isinstance(a["x"], tf.data.Dataset) or callable(a["x"])
+                                          or _step_addressed(a["x"])):
+                raise UsageError("under parameter_server, fit takes a tf.data.Dataset (or a "
+                                 "dataset_fn) of (x, y) batches, not arrays")
+            return self.fit(model, a["x"], epochs=a["epochs"], steps_per_epoch=a["steps_per_epoch"],
+                            initial_step=a["initial_epoch"] * (a["steps_per_epoch"] or 0),
+                            callbacks=a["callbacks"], validation_data=a["validation_data"],
+                            validation_steps=a["validation_steps"], verbose=a["verbose"])
+        if method == "evaluate":
+            logs = self.evaluate(model, _as_dataset(a["x"], a["y"], a["sample_weight"],
+                                                    a["batch_size"], "evaluate"),
+                                 steps=a["steps"], callbacks=a["callbacks"], verbose=a["verbose"])
+            return logs if a["return_dict"] else compat.flatten_metrics(model, logs)
+        if method == "predict":
+            return self.predict(model, _as_dataset(a["x"], None, None, a["batch_size"], "predict"),
+                                steps=a["steps"], callbacks=a["callbacks"], verbose=a["verbose"])
+        return super().keras_call(method, model, upstream, arguments)
+
+    def _forward_on_workers(self, model, dataset, steps, on_batch):
+        """Each batch of `dataset` (at most `steps`) goes to a free worker, which returns the
+        model's outputs; `on_batch(index, batch, outputs)` gets them here, in the dataset's order.
+        At most 2 x workers batches are in flight."""
+
+        @tf.function
+        def forward(x):
+            return self.tf_strategy.run(lambda x: model(x, training=False), args=(x,))
+
+        pending = []
+        for index, batch in enumerate(dataset.take(steps) if steps else dataset):
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+            pending.append((index, batch, self.coordinator.schedule(forward, args=(x,))))
+            if len(pending) >= 2 * self.num_workers:
+                index, batch, outputs = pending.pop(0)
+                on_batch(index, batch, outputs.fetch())
+        for index, batch, outputs in pending:
+            on_batch(index, batch, outputs.fetch())
+
+    def evaluate(self, model, dataset, steps=None, callbacks=None, verbose="auto"):
+        """Keras `evaluate`: the forward passes on the workers, the loss and metrics here (their
+        state is updated in one place, exactly). Returns the logs."""
+        cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose not in (0, False),
+                                           verbose=verbose, model=model, epochs=1, steps=steps)
+        model.reset_metrics()
+        cbs.on_test_begin()
+
+        def on_batch(index, batch, y_pred):
+            cbs.on_test_batch_begin(index)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+            compat.test_step_given(model, x, y, y_pred, sample_weight)
+            cbs.on_test_batch_end(index, _logs(model))
+
+        self._forward_on_workers(model, dataset, steps, on_batch)
+        logs = _logs(model)
+        cbs.on_test_end(logs)
+        return logs
+
+    def predict(self, model, dataset, steps=None, callbacks=None, verbose="auto"):
+        """Keras `predict`: the batches' outputs computed on the workers, in the dataset's order."""
+        cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose not in (0, False),
+                                           verbose=verbose, model=model, epochs=1, steps=steps)
+        cbs.on_predict_begin()
+        outputs = []
+
+        def on_batch(index, batch, y_pred):
+            cbs.on_predict_batch_begin(index)
+            outputs.append(y_pred)
+            cbs.on_predict_batch_end(index, {"outputs": y_pred})
+
+        self._forward_on_workers(model, dataset, steps, on_batch)
+        cbs.on_predict_end()
+        return tf.nest.map_structure(lambda *rows: np.concatenate(rows), *outputs)
+
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
             validation_data=None, validation_steps=None, verbose="auto", log_every_steps=None,
@@ -161,6 +243,7 @@ class ParameterServer(Strategy):
             raise UsageError("parameter_server needs step-addressed data (with batch(step)) or a "
                              "tf.data.Dataset")
         callbacks = list(callbacks or [])
+        extra_logs = any(isinstance(c, TrainingLog) for c in callbacks)
         every = log_every_steps or max(1, min(steps_per_epoch, 10))
         backup_every = [c.every_steps for c in callbacks if getattr(c, "every_steps", 0)]
         history = keras.callbacks.History()
@@ -168,6 +251,11 @@ class ParameterServer(Strategy):
                                            steps=steps_per_epoch, verbose=0)
         show = verbose not in (0, False)
         total = epochs * steps_per_epoch
+        model.stop_training = False
+        cbs.on_train_begin()
+        restored = compat.take_initial_epoch(model)  # by Keras's BackupAndRestore
+        if restored:
+            initial_step = max(initial_step, restored * steps_per_epoch)
         with self.tf_strategy.scope():  # step s done <=> done_mask[s] == 1 (see _count)
             self.done_mask = tf.Variable(tf.cast(tf.range(total) < initial_step, tf.int8),
                                          trainable=False, name="tfdist_ps_done_mask")
@@ -175,8 +263,6 @@ class ParameterServer(Strategy):
         train_fn = self._train_closure(model, data)
         self.runs.assign(initial_step)
         model.optimizer.iterations.assign(initial_step)
-        model.stop_training = False
-        cbs.on_train_begin()
         done = scheduled = initial_step
         self._runs_and_loss = tf.function(lambda: (self.runs.read_value(), self.loss_sum.read_value()))
         last_runs, last_loss_sum = (float(v) for v in self._runs_and_loss())
@@ -201,16 +287,24 @@ class ParameterServer(Strategy):
                     losses = (loss_sum - last_loss_sum) / (runs - last_runs)
                 n, done, last_loss_sum, last_runs = now - done, now, loss_sum, runs
                 model.optimizer.iterations.assign(done)  # the exact count (see module doc)
-                logs = {"loss": losses, STEPS_KEY: n,  # + steps run by each worker so far
-                        EXTRA_LOG_PREFIX + "worker_steps": self.worker_steps.numpy().tolist()}
+                logs = {"loss": losses, STEPS_KEY: n}
+                if extra_logs:  # + steps run by each worker so far (not a scalar: only for
+                    # tfdist's log; Keras's TensorBoard would write it as one)
+                    logs[EXTRA_LOG_PREFIX + "worker_steps"] = self.worker_steps.numpy().tolist()
                 cbs.on_train_batch_end((done - 1) % steps_per_epoch, logs)
                 if bar:
                     bar.update(done - epoch * steps_per_epoch,
                                values=[("loss", logs["loss"]),
                                        ("steps/s", n / (time.perf_counter() - t0))])
             epoch_logs = {"loss": (last_loss_sum - epoch_loss_sum) / max(last_runs - epoch_runs, 1)}
-            if validation_data is not None:
+            if _step_addressed(validation_data):
                 epoch_logs["val_loss"] = self._validate(model, validation_data, validation_steps)
+            elif validation_data is not None:
+                val = validation_data
+                if isinstance(val, tuple):
+                    val = _as_dataset(*(list(val) + [None])[:3], None, "validation_data")
+                epoch_logs.update({f"val_{k}": v for k, v in self.evaluate(
+                    model, val, steps=validation_steps, verbose=0).items()})
             cbs.on_epoch_end(epoch, epoch_logs)  # tfdist's log adds val_bits_per_byte
             if bar and validation_data is not None:
                 print(" - ".join(f"{k}: {v:.4f}" for k, v in epoch_logs.items()
@@ -247,8 +341,9 @@ class ParameterServer(Strategy):
         strategy, runs, worker_steps = self.tf_strategy, self.runs, self.worker_steps
         done_mask = self.done_mask
         by_step = _step_addressed(data)
-        if not by_step:
-            # a dataset_fn, or a tf.data.Dataset (serialized and sent to every worker)
+        if not by_step:  # a dataset_fn, or a tf.data.Dataset: each worker reads its share
+            if isinstance(data, tf.data.Dataset):
+                data = _by_worker(data, self.num_workers)
             iterator = iter(self.coordinator.create_per_worker_dataset(data))
 
         loss_sum = self.loss_sum
@@ -290,9 +385,6 @@ class ParameterServer(Strategy):
             return tf.reduce_sum(tf.cast(self.done_mask, tf.int64))
 
     def _validate(self, model, validation_data, steps):
-        if not _step_addressed(validation_data):
-            raise UsageError("parameter_server validates on step-addressed data (tfdist.data.Windows)")
-
         @tf.function
         def eval_step(step):
             def replica_fn(step):
@@ -312,22 +404,57 @@ def _step_addressed(data):
             and hasattr(data, "dataset_fn"))
 
 
-def _fit_for(model):
-    """This plugin's `fit` for a model built under a ParameterServerStrategy scope, else None."""
-    plugin = _PLUGINS.get(id(model.distribute_strategy))
-    if plugin is None:
-        return None
+def _wait_for_tasks(cluster, timeout):
+    """Returns once every worker and ps task of `cluster` accepts a TCP connection; after
+    `timeout` seconds, one line (TF would wait for them forever)."""
+    deadline = time.monotonic() + timeout
+    for role in ("ps", "worker"):
+        for index, address in enumerate(cluster.get(role, [])):
+            host, _, port = address.rpartition(":")
+            while True:
+                try:
+                    socket.create_connection((host, int(port)), timeout=2).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise UsageError(
+                            f"parameter_server: {role} {index} at {address} did not answer within "
+                            f"{timeout:g} s; start every task of the cluster (tfdist launch "
+                            f"--strategy=parameter_server starts them all) and check TF_CONFIG")
+                    time.sleep(0.5)
 
-    def fit(model, x, y=None, epochs=1, verbose="auto", callbacks=None, validation_data=None,
-            initial_epoch=0, validation_steps=None, steps_per_epoch=None):
-        if y is not None or not (isinstance(x, tf.data.Dataset) or callable(x) or _step_addressed(x)):
-            raise UsageError("under parameter_server, fit takes a tf.data.Dataset (or a dataset_fn) "
-                             "of (x, y) batches, not arrays")
-        return plugin.fit(model, x, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                          initial_step=initial_epoch * (steps_per_epoch or 0), callbacks=callbacks,
-                          validation_data=validation_data, validation_steps=validation_steps,
-                          verbose=verbose)
-    return fit
+
+def _logs(model):
+    """The model's metrics now, as Keras logs them (numbers)."""
+    return {k: float(v) if np.ndim(v) == 0 else np.asarray(v)
+            for k, v in model.get_metrics_result().items()}
 
 
-_PLUGINS = {}  # id(tf.distribute strategy) -> plugin, for model.fit routing
+def _by_worker(dataset, workers):
+    """A per-worker dataset_fn: worker w reads batches w, w + workers, ... of `dataset` (rebuilt
+    on each worker from its serialized graph, as TF sends a dataset), so that the workers do not
+    train on the same batches."""
+    graph = tf.raw_ops.DatasetToGraphV2(input_dataset=tf.data.experimental.to_variant(dataset),
+                                        external_state_policy=0, strip_device_assignment=True)
+    spec = dataset.element_spec  # external_state_policy 0: warn about state it cannot send
+
+    def dataset_fn():
+        copy = tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
+        return copy.shard(workers, tf.distribute.coordinator.experimental_get_current_worker_index())
+    return dataset_fn
+
+
+def _as_dataset(x, y, sample_weight, batch_size, what):
+    """A dataset of the (x, y, sample_weight) batches Keras would make of arrays."""
+    if isinstance(x, tf.data.Dataset):
+        return x
+    if x is None or callable(x):
+        raise UsageError(f"under parameter_server, {what} takes a tf.data.Dataset or arrays")
+    rows = tuple(v for v in (x, y, sample_weight) if v is not None)
+    return tf.data.Dataset.from_tensor_slices(rows if len(rows) > 1 else rows[0]).batch(
+        batch_size or 32)
+
+
+if __name__ == "__main__":  # a server task started by `tfdist launch` for a user's own program
+    from tfdist import cli
+    cli.run(lambda argv: ParameterServer(), sys.argv)  # serves, then ends the process
