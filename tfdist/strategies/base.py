@@ -52,7 +52,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.callbacks import STEPS_KEY
-from tfdist.errors import UsageError, install_excepthook
+from tfdist.errors import UsageError
 
 
 def configure_logical_cpus(n):
@@ -156,7 +156,6 @@ class Strategy:
         if self.process_wide:
             _PROCESS_WIDE.append(self)
         compat.route_keras(owner_of)
-        install_excepthook()
 
     @classmethod
     def check_options(cls, options):

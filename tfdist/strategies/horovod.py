@@ -48,6 +48,7 @@ Usage (not run as a doctest: inside a program started by `horovodrun -np 2 ...`)
 import os
 import shutil
 import sys
+import weakref
 
 import keras
 import numpy as np
@@ -104,6 +105,7 @@ class Horovod(Strategy):
         self.hvd.init()
         self.compression = compression
         self.lr_scaling = lr_scaling
+        self._per_rank = weakref.WeakSet()
         super().__init__(tf.distribute.get_strategy())  # one device per rank; Horovod reduces
 
     # -- who am I ------------------------------------------------------------------------------
@@ -137,9 +139,11 @@ class Horovod(Strategy):
     def distribute(self, dataset_fn):
         """This rank's dataset: `dataset_fn` sees `hvd.size()` pipelines, one replica each."""
         n = self.hvd.size()
-        return dataset_fn(tf.distribute.InputContext(num_input_pipelines=n,
-                                                     input_pipeline_id=self.hvd.rank(),
-                                                     num_replicas_in_sync=n))
+        dataset = dataset_fn(tf.distribute.InputContext(num_input_pipelines=n,
+                                                        input_pipeline_id=self.hvd.rank(),
+                                                        num_replicas_in_sync=n))
+        self._per_rank.add(dataset)  # already this rank's share: `split` leaves it
+        return dataset
 
     def wrap_optimizer(self, optimizer):
         """Averages the gradients over ranks (one grouped allreduce) before the update."""
@@ -183,7 +187,7 @@ class Horovod(Strategy):
         tf.distribute's auto-sharding gives replica r). Returns (dataset, B/size); other data
         unchanged, (data, None)."""
         n = self.hvd.size()
-        if n == 1 or not isinstance(data, tf.data.Dataset):
+        if n == 1 or not isinstance(data, tf.data.Dataset) or data in self._per_rank:
             return data, None
         shapes = [spec.shape for spec in tf.nest.flatten(data.element_spec)]
         batch = shapes[0][0] if shapes and shapes[0].rank else None
@@ -301,9 +305,9 @@ class BroadcastFromRoot(keras.callbacks.Callback):
 class AverageState(keras.callbacks.Callback):
     """The model's non-trainable float variables (BatchNormalization's moving statistics)
     averaged over ranks before validation, at each epoch end and when training ends. Each rank
-    updates them from its own rows, as each replica does under MirroredStrategy, which averages
-    the updates; an average of moving averages that started equal is the moving average of the
-    averaged statistics, so both end the same (and the ranks' weights identical)."""
+    updates them from its own rows (as each replica does under MirroredStrategy, which keeps them
+    per replica); averaged, the ranks hold identical weights, and an average of moving averages
+    that started equal is the moving average of the averaged batch statistics."""
 
     def __init__(self, hvd):
         super().__init__()

@@ -139,7 +139,7 @@ class ParameterServer(Strategy):
         seen, down_since = False, None
         while True:
             try:
-                socket.create_connection((host, int(port)), timeout=2).close()
+                socket.create_connection((host, int(port)), timeout=1).close()
                 seen, down_since = True, None
             except OSError:
                 down_since = down_since or time.monotonic()
@@ -148,7 +148,7 @@ class ParameterServer(Strategy):
                           f"{self.cluster.task_type} {self.cluster.task_index} stops", flush=True)
                     del server
                     return
-            time.sleep(2)
+            time.sleep(0.5)  # often enough to see a chief that is up for a second only
 
     # -- a user's Keras program --------------------------------------------------------------
     def keras_call(self, method, model, upstream, arguments):

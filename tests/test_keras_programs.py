@@ -1,0 +1,266 @@
+"""A user's own Keras program (launchers/examples/keras_cnn.py) under every strategy, with only the
+strategy's name changed: a Sequential CNN with BatchNormalization and Dropout, a functional model
+with 2 inputs and 2 outputs, and a subclassed model. Each trains with `fit` (validation data and
+EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard),
+then runs `evaluate`, `predict` and `save`, and the chief reloads the saved file on one device.
+
+Every process runs in its own working directory (tests/own_dir.py), so the program's relative
+paths show who wrote what: only the chief may. `--min_delta=1e9` makes EarlyStopping stop, and
+ReduceLROnPlateau halve the rate, after the second epoch, in every process.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, assert_usage_error
+
+PROGRAM = os.path.join(ROOT, "launchers", "examples", "keras_cnn.py")
+MODELS = ("cnn", "functional", "subclassed")
+ROWS = 8 * 64  # rows of the global batches of one epoch
+TIMEOUT = 420
+
+
+def launch(strategy):
+    """The command that starts `strategy`'s processes, each running what follows it."""
+    python = [sys.executable]
+    if strategy in ("single", "mirrored"):
+        return python
+    flags = {"multi_worker_mirrored": ["--workers=2"], "horovod": ["--strategy=horovod", "--workers=2"],
+             "parameter_server": ["--strategy=parameter_server", "--workers=2", "--ps=1"]}[strategy]
+    return python + ["-m", "tfdist", "launch", *flags, "--max_restarts=0", "--"] + python
+
+
+def run_program(strategy, base, models=MODELS, env=None):
+    """Runs the program under `strategy`; returns ({(task dir, model): result}, output)."""
+    tmp = base / "tmp"
+    tmp.mkdir(parents=True)
+    argv = launch(strategy) + [os.path.join(ROOT, "tests", "own_dir.py"), str(base), PROGRAM,
+                               f"--strategy={strategy}", "--devices=2", "--epochs=3",
+                               "--min_delta=1e9", "--models=" + ",".join(models)]
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+                       env={**os.environ, "TMPDIR": str(tmp), **(env or {})})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    results = {}
+    for line in out.splitlines():
+        if "RESULT " in line:
+            r = json.loads(line.split("RESULT ", 1)[1])
+            results[r["worker"], r["chief"], r["model"]] = r
+    return results, out
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    results, _ = run_program("single", tmp_path_factory.mktemp("single"))
+    return {model: r for (_, _, model), r in results.items()}
+
+
+def check_every_process(results, processes):
+    """Callbacks acted everywhere, and every process ran every model."""
+    assert len(results) == processes * len(MODELS), sorted(results)
+    for r in results.values():
+        assert r["epochs_run"] == 2, r  # EarlyStopping ended every process after epoch 2
+        assert r["learning_rate"] == pytest.approx(0.005), r  # ReduceLROnPlateau: 0.01 -> 0.005
+
+
+def check_only_the_chief_wrote(base):
+    dirs = {d.name: d for d in base.iterdir() if d.name != "tmp"}
+    chief = next(n for n in dirs if n in ("single", "chief0", "worker0", "rank0"))
+    for name, d in dirs.items():
+        if name != chief:
+            assert not any(d.rglob("*")), f"{name} wrote {sorted(map(str, d.rglob('*')))}"
+    for model in MODELS:
+        out = dirs[chief] / "keras_cnn_out" / model
+        assert sorted(p.name for p in out.iterdir()) == [
+            "epoch1.keras", "epoch2.keras", "log.csv", "model.keras", "tensorboard"]  # backup deleted
+        assert len((out / "log.csv").read_text().splitlines()) == 3  # header + 2 epochs
+        assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert not list((base / "tmp").glob("tfdist-*")), "temporary directories left behind"
+
+
+def check_synchronous(results, single, bn_synchronised):
+    """Same global batches as `single`: equal losses on the models without Dropout and BN, and
+    every process holds the same weights (also BatchNormalization's statistics where the strategy
+    synchronises them: Horovod; under tf.distribute they are per replica, as in Keras)."""
+    for model in MODELS:
+        mine = [r for (_, _, m), r in results.items() if m == model]
+        if model != "cnn" or bn_synchronised:
+            assert len({r["weights_sha256"] for r in mine}) == 1, f"{model}: weights differ"
+        if model == "cnn":
+            continue
+        for r in mine:
+            for key in ("loss", "val_loss"):
+                assert r[key] == pytest.approx(single[model][key], abs=1e-5), (model, key)
+            assert r["predict_sum"] == pytest.approx(single[model]["predict_sum"], rel=1e-5)
+            for k, v in single[model]["evaluate"].items():
+                if not k.endswith("rows"):
+                    assert r["evaluate"][k] == pytest.approx(v, abs=1e-5), (model, k)
+
+
+def check_rows_split(results, processes):
+    """Each process trained on 1/processes of each global batch (the last epoch's rows)."""
+    for r in results.values():
+        assert r["rows_last_epoch"] == ROWS / processes, r
+
+
+def check_chief_reload(results, bn_exact):
+    """The saved file predicts as the trained model did (the CNN's BatchNormalization: the file
+    holds the first replica's statistics, which predicted only its rows, unless synchronised)."""
+    chiefs = [r for (_, chief, _), r in results.items() if chief]
+    assert len(chiefs) == len(MODELS)
+    for r in chiefs:
+        exact = r["model"] != "cnn" or bn_exact
+        assert r["reload_max_diff"] < (1e-5 if exact else 0.05), r
+
+
+@pytest.mark.slow
+def test_single(single, tmp_path):
+    for model in MODELS:
+        assert single[model]["rows_last_epoch"] == ROWS
+        assert single[model]["reload_max_diff"] == 0.0
+        assert single[model]["epochs_run"] == 2
+
+
+CASES = {"mirrored": 1, "multi_worker_mirrored": 2, "horovod": 2, "parameter_server": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [
+    "mirrored", "multi_worker_mirrored",
+    pytest.param("horovod", marks=pytest.mark.horovod), "parameter_server"])
+def test_the_same_program_under_every_strategy(strategy, single, tmp_path):
+    results, out = run_program(strategy, tmp_path)
+    processes = CASES[strategy]
+    check_every_process(results, processes)
+    check_only_the_chief_wrote(tmp_path)
+    check_chief_reload(results, bn_exact=strategy in ("horovod", "parameter_server"))
+    if strategy != "parameter_server":  # asynchronous: its losses are its own
+        check_synchronous(results, single, bn_synchronised=strategy == "horovod")
+    if strategy in ("multi_worker_mirrored", "mirrored"):
+        check_rows_split(results, 1)  # the metric's variable sums over replicas
+    if strategy == "horovod":
+        check_rows_split(results, 2)
+    if strategy == "parameter_server":
+        assert "serving at" in out  # the servers: tfdist's own, not the program (it has no serve())
+        assert {r["worker"] for r in results.values()} == {0} and all(
+            chief for (_, chief, _) in results)
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_without_routing_horovod_ranks_read_whole_batches(tmp_path):
+    """Companion: without tfdist's routing of Keras's methods (the previous behaviour) each rank
+    trains on every row of every batch and nothing is all-reduced; the check above fails."""
+    results, _ = run_program("horovod", tmp_path, models=("functional",),
+                             env={"TFDIST_DISABLE_PATCHES": "keras_methods_follow_the_strategy"})
+    with pytest.raises(AssertionError):
+        check_rows_split(results, 2)
+    assert all(r["rows_last_epoch"] == ROWS for r in results.values())
+
+
+# -- bad use: one line, exit 2, within a bound ---------------------------------------------------
+
+BAD_USE = r"""
+import sys, keras, numpy as np, tensorflow as tf, tfdist.strategies
+case = sys.argv[1]
+strategy = tfdist.strategies.get(sys.argv[2], devices=2)
+x = np.ones((60, 4), "float32")
+optimizer = keras.optimizers.SGD(0.1)  # built outside the scope
+if case == "trained_optimizer":
+    optimizer.build([keras.Variable(np.zeros(4, "float32"))])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer, loss="mse")
+ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1]))
+if case == "unknown_batch":
+    ds = ds.batch(30)  # the last batch may be short: its size is unknown
+else:
+    ds = ds.batch(15 if case == "odd_batch" else 30, drop_remainder=True)
+print("RESULT", model.fit(ds.repeat(), epochs=2, steps_per_epoch=2, verbose=0).history["loss"], flush=True)
+"""
+
+
+def bad_use(tmp_path, case, strategy, horovod=False, env=None):
+    prog = tmp_path / "bad_use.py"
+    prog.write_text(BAD_USE)
+    argv = [sys.executable, str(prog), case, strategy]
+    if horovod:
+        argv = launch("horovod") + argv[1:]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_an_optimizer_built_outside_the_scope_is_rebuilt_or_refused(tmp_path):
+    p = bad_use(tmp_path, "fresh_optimizer", "mirrored")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rebuilt from its config" in p.stderr and "RESULT" in p.stdout  # TF: "Mixing different
+    # tf.distribute.Strategy objects" without it
+    assert_usage_error(bad_use(tmp_path, "trained_optimizer", "mirrored"), "built outside strategy.scope()")
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+@pytest.mark.parametrize("case, needle", [("unknown_batch", "batch size is unknown"),
+                                          ("odd_batch", "batch size is 15")])
+def test_a_dataset_horovod_cannot_split_is_one_line(tmp_path, case, needle):
+    p = bad_use(tmp_path, case, "horovod", horovod=True)
+    assert p.returncode != 0
+    errors = [line for line in (p.stdout + p.stderr).splitlines()
+              if line.startswith("[r") and "tfdist: error:" in line]
+    assert len(errors) == 2 and all(needle in e for e in errors), p.stdout[-3000:]  # each rank
+    assert "Traceback" not in "\n".join(l for l in p.stdout.splitlines() if l.startswith("[r"))
+
+
+@pytest.mark.slow
+def test_a_chief_whose_tasks_never_start_fails_in_one_line(tmp_path):
+    from tfdist.launch.local import free_ports
+    ports = iter(free_ports(4))  # nothing listens on them
+    cluster = {role: [f"127.0.0.1:{next(ports)}" for _ in range(n)]
+               for role, n in (("chief", 1), ("worker", 2), ("ps", 1))}
+    env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}}),
+           "TFDIST_PS_CONNECT_TIMEOUT": "5"}
+    p = bad_use(tmp_path, "drop", "parameter_server", env=env)
+    assert_usage_error(p, "did not answer within 5 s")
+
+
+@pytest.mark.slow
+def test_a_program_without_serve_lines_serves_on_the_server_tasks(tmp_path):
+    """Started by hand on every task of a parameter-server cluster (no launcher), a program with
+    no `strategy.serve()` serves on the worker and ps tasks inside `tfdist.strategies.get`, and
+    trains on the chief (before, the workers trained alone and the chief waited forever)."""
+    from tfdist.launch.local import free_ports
+    prog = tmp_path / "bad_use.py"
+    prog.write_text(BAD_USE)
+    ports = iter(free_ports(4))
+    cluster = {role: [f"127.0.0.1:{next(ports)}" for _ in range(n)]
+               for role, n in (("chief", 1), ("worker", 2), ("ps", 1))}
+    procs = {}
+    try:
+        for role, n in (("ps", 1), ("worker", 2), ("chief", 1)):
+            for i in range(n):
+                env = {**os.environ, "TFDIST_SERVER_ORPHAN_TIMEOUT": "2", "TF_CONFIG": json.dumps(
+                    {"cluster": cluster, "task": {"type": role, "index": i}})}
+                with open(tmp_path / f"{role}{i}.log", "w") as log:  # files: a full pipe
+                    procs[role, i] = subprocess.Popen(  # would block the task writing to it
+                        [sys.executable, str(prog), "drop", "parameter_server"], cwd=ROOT,
+                        env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs["chief", 0].wait(timeout=180)
+        for p in procs.values():  # servers end once the chief has been gone for 2 s (if they
+            try:  # saw it come up; else this test stops them)
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        outs = {(role, i): (tmp_path / f"{role}{i}.log").read_text() for role, i in procs}
+    finally:
+        for p in procs.values():  # only what this test started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs["chief", 0].returncode == 0 and "RESULT" in outs["chief", 0], outs["chief", 0][-3000:]
+    for task in (("worker", 0), ("worker", 1), ("ps", 0)):
+        assert procs[task].returncode in (0, -9) and "serving at" in outs[task], outs[task][-3000:]
+        assert "RESULT" not in outs[task]  # it did not go on to train alone
