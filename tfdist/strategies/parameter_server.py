@@ -9,7 +9,7 @@ Keras 3 `fit` does not support ParameterServerStrategy (keras-team/keras#18624).
 * tfdist's own data (`tfdist.data.Windows`) is addressed by step: the closure for global step `s`
   computes batch `s` on its worker, so every step's batch is trained on exactly once, also when a
   closure is rescheduled after a worker failure. A plain `tf.data.Dataset` is read through
-  per-worker datasets (`create_per_worker_dataset`);
+  per-worker datasets (`create_per_worker_dataset`), worker w taking batches w, w + N, ...;
 * the step count is exact: each step marks itself done in a mask on the ps (an idempotent
   scatter: a closure that TF's coordinator re-runs after a worker failure counts once), and per
   worker runs are counted with atomic `assign_add`s. Keras 3's `optimizer.iterations.assign_add`
@@ -20,16 +20,22 @@ Keras 3 `fit` does not support ParameterServerStrategy (keras-team/keras#18624).
   mean loss. Before a backup and at each epoch end the loop is a barrier: it schedules nothing
   new and waits for every step in flight (`join`), so a backup holds exactly the steps counted.
 * validation is inline: its batches are scheduled on the workers and the losses averaged here.
+  `evaluate`, `predict` and a plain `validation_data` send each batch to a free worker, which
+  returns the model's outputs; loss and metrics are computed here, in the dataset's order.
 
-On worker and ps tasks there is nothing to train: `serve()` runs a `tf.distribute.Server` until
-the process is stopped (the launcher stops them when the chief is done).
+On worker and ps tasks there is nothing to train: building the plugin there runs a
+`tf.distribute.Server` and ends the process when the chief is gone (`serve()`), so a user's
+program needs no serve lines; `tfdist launch` starts those tasks as
+`python -m tfdist.strategies.parameter_server` for a user's program. The chief waits at most
+`CONNECT_TIMEOUT` seconds for every task to listen, then stops with one line.
 
-Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps tasks, the others serving):
+Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps tasks):
 
-    strategy = tfdist.strategies.get("parameter_server")
+    strategy = tfdist.strategies.get("parameter_server")   # on a worker or ps task: serves here
     with strategy.scope():
-        model = ...; model.compile(optimizer=strategy.wrap_optimizer(keras.optimizers.Adam()), loss=...)
+        model = ...; model.compile(optimizer="adam", loss=...)
     model.fit(dataset, epochs=2, steps_per_epoch=100)     # steps_per_epoch is required
+    model.evaluate(val_dataset); model.predict(test_dataset)
 """
 import os
 import socket
