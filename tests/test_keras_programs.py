@@ -264,3 +264,38 @@ def test_a_program_without_serve_lines_serves_on_the_server_tasks(tmp_path):
     for task in (("worker", 0), ("worker", 1), ("ps", 0)):
         assert procs[task].returncode in (0, -9) and "serving at" in outs[task], outs[task][-3000:]
         assert "RESULT" not in outs[task]  # it did not go on to train alone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [
+    "multi_worker_mirrored", pytest.param("horovod", marks=pytest.mark.horovod), "parameter_server"])
+def test_keras_backup_and_restore_resumes_every_process(strategy, tmp_path):
+    """Keras's BackupAndRestore in a shared directory: the chief's backup of epoch 1 (the run
+    then ends) is restored by every process, which all train epochs 2 and 3 only, to the same
+    losses as a run never interrupted (the parameter server, asynchronous: its coordinator
+    resumes at epoch 2)."""
+    models = ("subclassed",)  # built by tfdist before fit: Keras restores into built models only
+    shared = ["--out=" + str(tmp_path / "shared")]
+
+    def run(base, env=None, check=True):
+        argv = launch(strategy) + [os.path.join(ROOT, "tests", "own_dir.py"), str(base), PROGRAM,
+                                   f"--strategy={strategy}", "--epochs=3",
+                                   "--models=" + ",".join(models), *shared]
+        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+                           env={**os.environ, **(env or {})})
+        assert (p.returncode == 0) == check, (p.stdout + p.stderr)[-4000:]
+        return {(r["worker"], r["model"]): r for r in map(
+            lambda line: json.loads(line.split("RESULT ", 1)[1]),
+            filter(lambda line: "RESULT " in line, p.stdout.splitlines()))}
+
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "interrupted", env={"TFDIST_TEST_EXIT_AFTER_EPOCH": "1"}, check=False)
+    resumed = run(tmp_path / "resumed")
+    processes = 1 if strategy == "parameter_server" else 2  # the program runs on the chief only
+    assert len(resumed) == processes * len(models)
+    for (worker, model), r in resumed.items():
+        assert r["epochs_run"] == 2, r  # epochs 2 and 3: epoch 1 came from the backup
+        if strategy == "parameter_server":
+            continue
+        assert r["loss"] == pytest.approx(whole[worker, model]["loss"][1:], abs=1e-5), r
+        assert r["weights_sha256"] == resumed[0, model]["weights_sha256"]

@@ -177,7 +177,7 @@ def test_a_paused_worker_does_not_stop_the_other(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])  # `make chaos-ps` repeats it over many seeds
 def test_a_killed_worker_is_restarted_alone_and_no_step_is_lost(tmp_path, data_dir, seed):
     """SIGKILL a worker at a random step of the first epoch: it is restarted alone, during the
     run (a new process of that task before the chief's end), and the counted steps are the
