@@ -179,7 +179,11 @@ if case == "unknown_batch":
     ds = ds.batch(30)  # the last batch may be short: its size is unknown
 else:
     ds = ds.batch(15 if case == "odd_batch" else 30, drop_remainder=True)
-print("RESULT", model.fit(ds.repeat(), epochs=2, steps_per_epoch=2, verbose=0).history["loss"], flush=True)
+if case == "arrays":
+    ds, kwargs = x, dict(y=x[:, :1], batch_size=30)
+else:
+    ds, kwargs = ds.repeat(), dict(steps_per_epoch=2)
+print("RESULT", model.fit(ds, epochs=2, verbose=0, **kwargs).history["loss"], flush=True)
 """
 
 
@@ -213,6 +217,17 @@ def test_a_dataset_horovod_cannot_split_is_one_line(tmp_path, case, needle):
               if line.startswith("[r") and "tfdist: error:" in line]
     assert len(errors) == 2 and all(needle in e for e in errors), p.stdout[-3000:]  # each rank
     assert "Traceback" not in "\n".join(l for l in p.stdout.splitlines() if l.startswith("[r"))
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_arrays_horovod_does_not_split_are_said_once(tmp_path):
+    p = bad_use(tmp_path, "arrays", "horovod", horovod=True)
+    assert p.returncode == 0, p.stdout[-3000:]
+    out = p.stdout + p.stderr
+    notes = [line for line in out.splitlines() if "is not split over the 2 ranks" in line]
+    assert len(notes) == 1 and notes[0].startswith("[r0]"), out[-3000:]  # the chief's only
+    assert out.count("RESULT") == 2
 
 
 @pytest.mark.slow

@@ -23,12 +23,15 @@ Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resum
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import compat
 from tfdist.errors import UsageError
 
 
@@ -303,3 +306,56 @@ def plot_losses(history, path):
     with tf.io.gfile.GFile(path, "wb") as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+# -- Keras's file-writing callbacks on a process that is not the chief (Strategy.for_this_process)
+
+_HOOKS = [name for name in dir(keras.callbacks.Callback) if name.startswith("on_")]
+
+
+class Scratch(keras.callbacks.Callback):
+    """A file-writing callback run with its path (attribute `attr`) in a temporary directory,
+    removed when training ends: on a worker that must take part in a collective save but whose
+    file nobody reads. Every hook it does not define itself goes to the wrapped callback."""
+
+    def __init__(self, callback, attr=None):
+        super().__init__()
+        self.callback = callback
+        self.scratch = tempfile.mkdtemp(prefix="tfdist-scratch-")
+        if attr:
+            setattr(callback, attr, os.path.join(self.scratch, os.path.basename(
+                str(getattr(callback, attr)))))
+        for name in _HOOKS:
+            if getattr(type(self), name) is getattr(keras.callbacks.Callback, name):
+                setattr(self, name, self._hook(name))
+
+    def _hook(self, name):
+        return getattr(self.callback, name)
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def on_train_end(self, logs=None):
+        self.callback.on_train_end(logs)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class ReadOnlyBackup(Scratch):
+    """Keras's BackupAndRestore on a worker that is not the chief: it restores from the chief's
+    backup (the directory must be shared, as Keras requires), then writes only to a temporary
+    directory (`collective`: saving takes every worker) or not at all, and deletes nothing."""
+
+    def __init__(self, callback, collective):
+        self.collective = collective
+        super().__init__(callback)
+
+    def _hook(self, name):
+        return getattr(self.callback, name) if self.collective else (lambda *a, **k: None)
+
+    def on_train_begin(self, logs=None):
+        self.callback.on_train_begin(logs)  # reads the chief's backup
+        compat.redirect_backup(self.callback, self.scratch)
+
+    def on_train_end(self, logs=None):
+        shutil.rmtree(self.scratch, ignore_errors=True)  # not the chief's backup

@@ -15,6 +15,8 @@ Example:
 import dataclasses
 import json
 import os
+import socket
+import time
 
 from tfdist.errors import UsageError
 
@@ -150,3 +152,65 @@ def from_environment(allowed_roles=ROLES, env=None):
             raise UsageError(f"TFDIST_SLURM_PS={ps!r} is not a number of ps tasks")
         return from_slurm(port_base=int(port), env=env, ps=int(ps))
     return None
+
+
+def wait_for_tasks(cluster, roles, timeout, how):
+    """Returns once every task of `roles` in `cluster` (role -> addresses) accepts a TCP
+    connection; after `timeout` seconds, UsageError naming the first that did not (`how`: what
+    starts them). TensorFlow would wait for them forever."""
+    deadline = time.monotonic() + timeout
+    for role in roles:
+        for index, address in enumerate(cluster.get(role, [])):
+            while not _accepts(address):
+                if time.monotonic() > deadline:
+                    raise UsageError(f"{role} {index} at {address} did not answer within "
+                                     f"{timeout:g} s; start every task of the cluster ({how}) "
+                                     f"and check TF_CONFIG")
+                time.sleep(0.5)
+
+
+def serve_until_chief_gone(spec, orphan_timeout):
+    """Runs this task's `tf.distribute.Server` (a parameter server's worker or ps task) until the
+    chief, after having been up, has been unreachable for `orphan_timeout` seconds."""
+    import tensorflow as tf
+    # The server runs the coordinator's ops with its own thread pools, sized by this config;
+    # `tf.config.threading` (set by `tfdist train`) does not reach them. One inter-op thread
+    # deadlocks a worker (a function's receive from the ps waits on the only thread), so at
+    # least 2; they mostly wait, the compute is in the intra-op pool.
+    threads = tf.config.threading
+    config = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=threads.get_intra_op_parallelism_threads(),
+        inter_op_parallelism_threads=max(2, threads.get_inter_op_parallelism_threads()))
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec.cluster), job_name=spec.task_type,
+                                  task_index=spec.task_index, config=config, protocol="grpc",
+                                  start=True)
+    print(f"tfdist: {spec.task_type} {spec.task_index} serving at "
+          f"{spec.cluster[spec.task_type][spec.task_index]}", flush=True)
+    wait_until_gone(spec.cluster["chief"][0], orphan_timeout)
+    print(f"tfdist: the chief has been gone for {orphan_timeout:g} s; {spec.task_type} "
+          f"{spec.task_index} stops", flush=True)
+    del server
+
+
+def wait_until_gone(address, timeout):
+    """Returns once `address`, after having accepted a connection, has refused them for
+    `timeout` seconds (a chief whose run is over). Polls twice a second: often enough to see a
+    chief that is up for a second only."""
+    seen, down_since = False, None
+    while True:
+        if _accepts(address):
+            seen, down_since = True, None
+        else:
+            down_since = down_since or time.monotonic()
+            if seen and time.monotonic() - down_since > timeout:
+                return
+        time.sleep(0.5)
+
+
+def _accepts(address):
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False

@@ -283,18 +283,13 @@ def route_keras(owner_of):
     """Routes Keras 3 `compile`, `fit`, `evaluate`, `predict` and `Model.save` of a model to the
     tfdist strategy plugin that owns it ("keras_methods_follow_the_strategy").
 
-    Keras 3 has no hook through which a strategy adapts these methods: its `fit` has no
-    ParameterServerStrategy path (keras-team/keras#18624), and Horovod, which is no
-    tf.distribute strategy, has no way at all to all-reduce gradients or split input. So:
-
-    * `compile(...)` runs Keras's own, then `owner_of(model, compiling=True)` (the plugin whose
-      scope is active, which adopts the model: its gradient handling on the compiled optimizer);
-    * `fit`/`evaluate`/`predict`/`save`: `owner_of(model)`; a plugin then gets the call as
-      `plugin.keras_call(method, model, upstream, arguments)` (arguments bound by name), where
-      `upstream(model, **arguments)` is Keras's own method. Without an owner, Keras's own runs.
-
-    Idempotent. Calls Keras makes itself (fit's validation evaluates with
-    `_use_cached_eval_dataset`) and calls from inside a plugin's `keras_call` go to Keras's own.
+    Keras 3 has no hook through which a strategy adapts them: `fit` has no ParameterServerStrategy
+    path (keras-team/keras#18624), and Horovod, no tf.distribute strategy, has no way to
+    all-reduce gradients or split input. `compile` asks `owner_of(model, compiling=True)` (the
+    plugin then adopts the model: `before_compile`, Keras's compile, `after_compile`); the others
+    go to `owner_of(model).keras_call(method, model, upstream, arguments)` (arguments bound by
+    name; `upstream` is Keras's own), or to Keras's own without an owner. Idempotent. Calls Keras
+    makes itself (fit's validation) and calls from inside a `keras_call` go to Keras's own.
     """
     if _trainer.Trainer.compile is not _upstream["compile"]:
         return
@@ -353,8 +348,7 @@ def keras_method(name):
 
 
 def optimizer_strategy(optimizer):
-    """The tf.distribute strategy a Keras 3 optimizer was created under (it keeps it from
-    construction and creates its variables under it)."""
+    """The tf.distribute strategy a Keras 3 optimizer was created (and creates variables) under."""
     return optimizer._distribution_strategy
 
 
@@ -374,10 +368,8 @@ def redirect_backup(callback, directory):
 
 
 def build_for(model, dataset):
-    """Builds the model, its compiled loss and metrics and its optimizer for `dataset`'s batches,
-    from their specs, as Keras's `fit` does under a tf.distribute strategy (a subclassed model is
-    otherwise built by its first step: too late for a broadcast of its weights or a
-    BackupAndRestore)."""
+    """Builds the model, compiled loss and metrics and optimizer from `dataset`'s specs, as `fit`
+    does under a tf.distribute strategy (else a subclassed model is built by its first step)."""
     if isinstance(dataset, tf.data.Dataset):
         with model.distribute_strategy.scope():
             model._symbolic_build(data_batch=dataset.element_spec)

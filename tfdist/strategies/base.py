@@ -51,6 +51,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist import callbacks as callbacks_lib
 from tfdist.callbacks import STEPS_KEY
 from tfdist.errors import UsageError
 
@@ -280,10 +281,10 @@ class Strategy:
                 continue
             if isinstance(cb, keras.callbacks.ModelCheckpoint):
                 if self.collective_checkpoints:
-                    out += [_Scratch(cb, "filepath")]
+                    out += [callbacks_lib.Scratch(cb, "filepath")]
                 continue
             if isinstance(cb, keras.callbacks.BackupAndRestore):
-                out += [_ReadOnlyBackup(cb, self.collective_checkpoints)]
+                out += [callbacks_lib.ReadOnlyBackup(cb, self.collective_checkpoints)]
                 continue
             out.append(cb)
         return out
@@ -353,54 +354,3 @@ class Strategy:
                                 callbacks=callbacks, validation_data=validation_data,
                                 validation_steps=validation_steps, verbose=verbose, shuffle=False)
         return history
-
-
-_HOOKS = [name for name in dir(keras.callbacks.Callback) if name.startswith("on_")]
-
-
-class _Scratch(keras.callbacks.Callback):
-    """A file-writing callback run with its path (attribute `attr`) in a temporary directory,
-    removed when training ends: on a worker that must take part in a collective save but whose
-    file nobody reads. Every hook it does not define itself goes to the wrapped callback."""
-
-    def __init__(self, callback, attr=None):
-        super().__init__()
-        self.callback = callback
-        self.scratch = tempfile.mkdtemp(prefix="tfdist-scratch-")
-        if attr:
-            setattr(callback, attr, os.path.join(self.scratch, os.path.basename(
-                str(getattr(callback, attr)))))
-        for name in _HOOKS:
-            if getattr(type(self), name) is getattr(keras.callbacks.Callback, name):
-                setattr(self, name, self._hook(name))
-
-    def _hook(self, name):
-        return getattr(self.callback, name)
-
-    def set_model(self, model):
-        super().set_model(model)
-        self.callback.set_model(model)
-
-    def on_train_end(self, logs=None):
-        self.callback.on_train_end(logs)
-        shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-class _ReadOnlyBackup(_Scratch):
-    """Keras's BackupAndRestore on a worker that is not the chief: it restores from the chief's
-    backup (the directory must be shared, as Keras requires), then writes only to a temporary
-    directory (`collective`: saving takes every worker) or not at all, and deletes nothing."""
-
-    def __init__(self, callback, collective):
-        self.collective = collective
-        super().__init__(callback)
-
-    def _hook(self, name):
-        return getattr(self.callback, name) if self.collective else (lambda *a, **k: None)
-
-    def on_train_begin(self, logs=None):
-        self.callback.on_train_begin(logs)  # reads the chief's backup
-        compat.redirect_backup(self.callback, self.scratch)
-
-    def on_train_end(self, logs=None):
-        shutil.rmtree(self.scratch, ignore_errors=True)  # not the chief's backup

@@ -187,6 +187,10 @@ class Horovod(Strategy):
         tf.distribute's auto-sharding gives replica r). Returns (dataset, B/size); other data
         unchanged, (data, None)."""
         n = self.hvd.size()
+        if n > 1 and data is not None and not isinstance(data, tf.data.Dataset) and self.is_chief:
+            print(f"tfdist: horovod: the {type(data).__name__} given to {what} is not split over "
+                  f"the {n} ranks (each rank reads all of it: correct, but no faster); pass a "
+                  f"batched tf.data.Dataset to split it", file=sys.stderr, flush=True)
         if n == 1 or not isinstance(data, tf.data.Dataset) or data in self._per_rank:
             return data, None
         shapes = [spec.shape for spec in tf.nest.flatten(data.element_spec)]

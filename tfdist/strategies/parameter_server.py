@@ -3,30 +3,26 @@
 Keras 3 `fit` does not support ParameterServerStrategy (keras-team/keras#18624). This plugin runs
 `fit` as a `tf.distribute.coordinator.ClusterCoordinator` loop on the chief (the coordinator):
 
-* every optimizer step is a closure scheduled on whichever worker is free (asynchronous: a slow or
-  paused worker does not hold the others up); at most `2 x workers` closures are in flight, and
-  the loop never waits for one particular step except at a barrier (below);
-* tfdist's own data (`tfdist.data.Windows`) is addressed by step: the closure for global step `s`
-  computes batch `s` on its worker, so every step's batch is trained on exactly once, also when a
-  closure is rescheduled after a worker failure. A plain `tf.data.Dataset` is read through
-  per-worker datasets (`create_per_worker_dataset`), worker w taking batches w, w + N, ...;
+* every step is a closure scheduled on whichever worker is free (asynchronous), at most
+  `2 x workers` in flight; the loop waits for particular steps only at a barrier (below);
+* tfdist's data (`tfdist.data.Windows`) is addressed by step: closure `s` computes batch `s` on
+  its worker, so each batch is trained on once, also when a closure is rescheduled after a worker
+  failure. A plain `tf.data.Dataset` is read through per-worker datasets, worker w taking
+  batches w, w + N, ...;
 * the step count is exact: each step marks itself done in a mask on the ps (an idempotent
-  scatter: a closure that TF's coordinator re-runs after a worker failure counts once), and per
-  worker runs are counted with atomic `assign_add`s. Keras 3's `optimizer.iterations.assign_add`
-  is a read-modify-write that loses increments under concurrency, so `iterations` is set from
-  the exact count at every report;
-* callbacks run on the coordinator every 10 completed steps (`log_every_steps`): one
-  `on_train_batch_end` stands for the steps since the last one (`logs["tfdist/steps"]`), with their
-  mean loss. Before a backup and at each epoch end the loop is a barrier: it schedules nothing
-  new and waits for every step in flight (`join`), so a backup holds exactly the steps counted.
-* validation is inline: its batches are scheduled on the workers and the losses averaged here.
-  `evaluate`, `predict` and a plain `validation_data` send each batch to a free worker, which
-  returns the model's outputs; loss and metrics are computed here, in the dataset's order.
+  scatter), and per-worker runs are counted with atomic `assign_add`s. Keras 3's
+  `optimizer.iterations.assign_add` is a read-modify-write that loses increments under
+  concurrency, so `iterations` is set from the exact count at every report;
+* callbacks run on the coordinator every 10 completed steps (`log_every_steps`; one
+  `on_train_batch_end` stands for the steps since the last, `logs["tfdist/steps"]`). Before a
+  backup and at each epoch end the loop waits for every step in flight (`join`), so a backup
+  holds exactly the steps counted;
+* validation, `evaluate` and `predict` send each batch to a free worker; loss and metrics are
+  computed here, in order.
 
-On worker and ps tasks there is nothing to train: building the plugin there runs a
-`tf.distribute.Server` and ends the process when the chief is gone (`serve()`), so a user's
-program needs no serve lines; `tfdist launch` starts those tasks as
-`python -m tfdist.strategies.parameter_server` for a user's program. The chief waits at most
+Worker and ps tasks only serve: building the plugin there runs a `tf.distribute.Server` until the
+chief is gone, then ends the process, so a program needs no serve lines (`tfdist launch` starts
+them as `python -m tfdist.strategies.parameter_server`). The chief waits at most
 `CONNECT_TIMEOUT` seconds for every task to listen, then stops with one line.
 
 Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps tasks):
@@ -38,7 +34,6 @@ Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps
     model.evaluate(val_dataset); model.predict(test_dataset)
 """
 import os
-import socket
 import sys
 import time
 
@@ -76,11 +71,11 @@ class ParameterServer(Strategy):
         if self.cluster.task_type != "chief":
             super().__init__(tf.distribute.get_strategy())
             self.serve()  # a worker or ps task serves; its program goes no further
-        _wait_for_tasks(self.cluster.cluster, float(os.environ.get(
-            "TFDIST_PS_CONNECT_TIMEOUT", self.CONNECT_TIMEOUT)))
-        # No variable_partitioner: Keras 3 cannot train sharded variables. Its TF variable wrapper
-        # hands `tape.gradient` the `.handle` of the wrapped variable, and a ShardedVariable has
-        # none ("AttributeError: 'ShardedVariable' object has no attribute 'handle'", Keras 3.15).
+        cluster_lib.wait_for_tasks(self.cluster.cluster, ("ps", "worker"), float(os.environ.get(
+            "TFDIST_PS_CONNECT_TIMEOUT", self.CONNECT_TIMEOUT)), "tfdist launch "
+            "--strategy=parameter_server starts them all")
+        # No variable_partitioner: Keras 3.15 hands `tape.gradient` a variable's `.handle`, which a
+        # ShardedVariable lacks ("'ShardedVariable' object has no attribute 'handle'").
         super().__init__(tf.distribute.ParameterServerStrategy(self.cluster.resolver()))
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.tf_strategy)
         with self.tf_strategy.scope():
@@ -113,48 +108,18 @@ class ParameterServer(Strategy):
                 f"task(s), asynchronous")
 
     ORPHAN_TIMEOUT = 60.0  # seconds; TFDIST_SERVER_ORPHAN_TIMEOUT overrides
-    CONNECT_TIMEOUT = 45.0  # seconds the chief waits for every task to listen; TFDIST_PS_CONNECT_TIMEOUT
+    CONNECT_TIMEOUT = 45.0  # the chief's wait for every task to listen; TFDIST_PS_CONNECT_TIMEOUT
 
     def serve(self):
-        """On a worker or ps task: serves the coordinator's requests, then ends the process (exit
-        0; TF's server threads would keep it alive) once the chief, after having been up, has
-        been unreachable for ORPHAN_TIMEOUT seconds: under Slurm or by hand nothing else would
-        end a server after a finished run (the local launcher and a TFJob stop them
-        themselves). On the chief it returns at once."""
+        """On a worker or ps task: serves, then ends the process (TF's server threads would keep
+        it alive) once the chief, after having been up, has been unreachable for ORPHAN_TIMEOUT
+        seconds (under Slurm or by hand nothing else ends a server). On the chief: returns."""
         if self.cluster.task_type == "chief":
             return
-        self._serve()
+        cluster_lib.serve_until_chief_gone(self.cluster, float(os.environ.get(
+            "TFDIST_SERVER_ORPHAN_TIMEOUT", self.ORPHAN_TIMEOUT)))
         sys.stdout.flush()
         os._exit(0)
-
-    def _serve(self):
-        # The server runs the coordinator's ops with its own thread pools, sized by this config;
-        # `tf.config.threading` (set by `tfdist train`) does not reach them. One inter-op thread
-        # deadlocks a worker (a function's receive from the ps waits on the only thread), so at
-        # least 2; they mostly wait, the compute is in the intra-op pool.
-        config = tf.compat.v1.ConfigProto(
-            intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
-            inter_op_parallelism_threads=max(2, tf.config.threading.get_inter_op_parallelism_threads()))
-        server = tf.distribute.Server(tf.train.ClusterSpec(self.cluster.cluster),
-                                      job_name=self.cluster.task_type, config=config,
-                                      task_index=self.cluster.task_index, protocol="grpc", start=True)
-        print(f"tfdist: {self.cluster.task_type} {self.cluster.task_index} serving at "
-              f"{self.cluster.cluster[self.cluster.task_type][self.cluster.task_index]}", flush=True)
-        timeout = float(os.environ.get("TFDIST_SERVER_ORPHAN_TIMEOUT", self.ORPHAN_TIMEOUT))
-        host, _, port = self.cluster.cluster["chief"][0].rpartition(":")
-        seen, down_since = False, None
-        while True:
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-                seen, down_since = True, None
-            except OSError:
-                down_since = down_since or time.monotonic()
-                if seen and time.monotonic() - down_since > timeout:
-                    print(f"tfdist: the chief has been gone for {timeout:g} s; "
-                          f"{self.cluster.task_type} {self.cluster.task_index} stops", flush=True)
-                    del server
-                    return
-            time.sleep(0.5)  # often enough to see a chief that is up for a second only
 
     # -- a user's Keras program --------------------------------------------------------------
     def keras_call(self, method, model, upstream, arguments):
@@ -182,57 +147,47 @@ class ParameterServer(Strategy):
                                 steps=a["steps"], callbacks=a["callbacks"], verbose=a["verbose"])
         return super().keras_call(method, model, upstream, arguments)
 
-    def _forward_on_workers(self, model, dataset, steps, on_batch):
-        """Each batch of `dataset` (at most `steps`) goes to a free worker, which returns the
-        model's outputs; `on_batch(index, batch, outputs)` gets them here, in the dataset's order.
-        At most 2 x workers batches are in flight."""
+    def evaluate(self, model, dataset, steps=None, callbacks=None, verbose="auto"):
+        """Keras `evaluate`: the forward passes on the workers, the loss and metrics here, in
+        one place (exact). Returns the logs."""
+        return self._on_workers("test", model, dataset, steps, callbacks, verbose)
 
-        @tf.function
-        def forward(x):
-            return self.tf_strategy.run(lambda x: model(x, training=False), args=(x,))
+    def predict(self, model, dataset, steps=None, callbacks=None, verbose="auto"):
+        """Keras `predict`: the batches' outputs computed on the workers, in the dataset's order."""
+        return self._on_workers("predict", model, dataset, steps, callbacks, verbose)
 
-        pending = []
+    def _on_workers(self, mode, model, dataset, steps, callbacks, verbose):
+        """Each batch (at most `steps`) goes to a free worker, which returns the model's outputs
+        (at most 2 x workers in flight); they are taken here in the dataset's order."""
+        cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose not in (0, False),
+                                           verbose=verbose, model=model, epochs=1, steps=steps)
+        forward = tf.function(lambda x: self.tf_strategy.run(
+            lambda x: model(x, training=False), args=(x,)))
+        model.reset_metrics()
+        getattr(cbs, f"on_{mode}_begin")()
+        outputs, pending = [], []
+
+        def take(index, batch, y_pred):
+            getattr(cbs, f"on_{mode}_batch_begin")(index)
+            if mode == "test":
+                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+                compat.test_step_given(model, x, y, y_pred, sample_weight)
+            outputs.append(y_pred)
+            getattr(cbs, f"on_{mode}_batch_end")(index, _logs(model) if mode == "test"
+                                                 else {"outputs": y_pred})
+
         for index, batch in enumerate(dataset.take(steps) if steps else dataset):
             x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
             pending.append((index, batch, self.coordinator.schedule(forward, args=(x,))))
             if len(pending) >= 2 * self.num_workers:
-                index, batch, outputs = pending.pop(0)
-                on_batch(index, batch, outputs.fetch())
-        for index, batch, outputs in pending:
-            on_batch(index, batch, outputs.fetch())
-
-    def evaluate(self, model, dataset, steps=None, callbacks=None, verbose="auto"):
-        """Keras `evaluate`: the forward passes on the workers, the loss and metrics here (their
-        state is updated in one place, exactly). Returns the logs."""
-        cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose not in (0, False),
-                                           verbose=verbose, model=model, epochs=1, steps=steps)
-        model.reset_metrics()
-        cbs.on_test_begin()
-
-        def on_batch(index, batch, y_pred):
-            cbs.on_test_batch_begin(index)
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            compat.test_step_given(model, x, y, y_pred, sample_weight)
-            cbs.on_test_batch_end(index, _logs(model))
-
-        self._forward_on_workers(model, dataset, steps, on_batch)
-        logs = _logs(model)
-        cbs.on_test_end(logs)
-        return logs
-
-    def predict(self, model, dataset, steps=None, callbacks=None, verbose="auto"):
-        """Keras `predict`: the batches' outputs computed on the workers, in the dataset's order."""
-        cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose not in (0, False),
-                                           verbose=verbose, model=model, epochs=1, steps=steps)
-        cbs.on_predict_begin()
-        outputs = []
-
-        def on_batch(index, batch, y_pred):
-            cbs.on_predict_batch_begin(index)
-            outputs.append(y_pred)
-            cbs.on_predict_batch_end(index, {"outputs": y_pred})
-
-        self._forward_on_workers(model, dataset, steps, on_batch)
+                index, batch, y_pred = pending.pop(0)
+                take(index, batch, y_pred.fetch())
+        for index, batch, y_pred in pending:
+            take(index, batch, y_pred.fetch())
+        if mode == "test":
+            logs = _logs(model)
+            cbs.on_test_end(logs)
+            return logs
         cbs.on_predict_end()
         return tf.nest.map_structure(lambda *rows: np.concatenate(rows), *outputs)
 
@@ -410,28 +365,7 @@ def _step_addressed(data):
             and hasattr(data, "dataset_fn"))
 
 
-def _wait_for_tasks(cluster, timeout):
-    """Returns once every worker and ps task of `cluster` accepts a TCP connection; after
-    `timeout` seconds, one line (TF would wait for them forever)."""
-    deadline = time.monotonic() + timeout
-    for role in ("ps", "worker"):
-        for index, address in enumerate(cluster.get(role, [])):
-            host, _, port = address.rpartition(":")
-            while True:
-                try:
-                    socket.create_connection((host, int(port)), timeout=2).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise UsageError(
-                            f"parameter_server: {role} {index} at {address} did not answer within "
-                            f"{timeout:g} s; start every task of the cluster (tfdist launch "
-                            f"--strategy=parameter_server starts them all) and check TF_CONFIG")
-                    time.sleep(0.5)
-
-
-def _logs(model):
-    """The model's metrics now, as Keras logs them (numbers)."""
+def _logs(model):  # the model's metrics now, as Keras logs them
     return {k: float(v) if np.ndim(v) == 0 else np.asarray(v)
             for k, v in model.get_metrics_result().items()}
 
