@@ -23,7 +23,6 @@ Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resum
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 
@@ -310,6 +309,11 @@ def plot_losses(history, path):
 
 # -- Keras's file-writing callbacks on a process that is not the chief (Strategy.for_this_process)
 
+def _remove(directory):
+    if tf.io.gfile.exists(directory):  # local, but through gfile as every path here
+        tf.io.gfile.rmtree(directory)
+
+
 _HOOKS = [name for name in dir(keras.callbacks.Callback) if name.startswith("on_")]
 
 
@@ -338,7 +342,7 @@ class Scratch(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.callback.on_train_end(logs)
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        _remove(self.scratch)
 
 
 class ReadOnlyBackup(Scratch):
@@ -358,4 +362,4 @@ class ReadOnlyBackup(Scratch):
         compat.redirect_backup(self.callback, self.scratch)
 
     def on_train_end(self, logs=None):
-        shutil.rmtree(self.scratch, ignore_errors=True)  # not the chief's backup
+        _remove(self.scratch)  # not the chief's backup
