@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import UsageError
+from tfdist.models import state
 
 
 def write_json_atomic(path, obj):
@@ -60,8 +61,9 @@ def steps_in(logs):
 
 
 def model_signature(model):
-    """Shapes of the model's weights, in order: what a checkpoint must match to be restored."""
-    return [list(map(int, w.shape)) for w in model.weights]
+    """{name: shape} of the model's unsplit weights: what a checkpoint must match to be restored,
+    whatever the layout (tfdist.models.state)."""
+    return state.shapes(model)
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -110,17 +112,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         return os.path.join(self.backup_dir, "backup.json")
 
     def _metadata(self, model):
-        return {"format": 1, "weights": model_signature(model), **self.signature}
+        return {"format": 2, "weights": model_signature(model), **self.signature}
 
     def _make_checkpoint(self, model):
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_step")
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_epoch")
-        # Dropout's RNG state lives in Keras SeedGenerators, which tf.train.Checkpoint does not
-        # track through the model; list every model variable explicitly so they are saved too.
-        self._ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=self.step,
-                                         epoch=self.epoch, rng=[v.value for v in model.variables
-                                                                if "seed_generator" in v.path])
+        # The weights and the optimizer's state under the unsplit model's names, whatever the
+        # layout (pipeline stages, tensor-parallel shards: tfdist.models.state). Dropout's RNG
+        # state lives in Keras SeedGenerators, listed here so they are saved too.
+        self._ckpt = tf.train.Checkpoint(
+            weights=state.weights(model), optimizer=state.optimizer_state(model.optimizer, model),
+            step=self.step, epoch=self.epoch,
+            rng=[v.value for v in model.variables if "seed_generator" in v.path])
 
     def restore(self, model):
         """Restores the latest backup into `model` (built, compiled). Returns the step to resume at."""

@@ -86,6 +86,14 @@ def default_config():
     c.pipeline.layers_per_stage = ""  # e.g. "2,4"; "" balances the blocks by compute
     c.pipeline.devices = ""  # e.g. "/gpu:0,/gpu:1"; "" = the GPUs, else the CPU split in K
     c.pipeline.recompute = False  # recompute each stage's activations in the backward pass
+    # "gpipe": all M forwards, then all backwards (keeps M microbatches' activations per stage);
+    # "1f1b": Megatron-LM's one-forward-one-backward (keeps at most K)
+    c.pipeline.schedule = "gpipe"
+
+    # Tensor parallelism (tfdist/models/tensor_parallel.py, Megatron-LM): each block's attention
+    # heads and MLP units split over `parallel` devices of this process (per pipeline stage).
+    c.tensor = ml_collections.ConfigDict()
+    c.tensor.parallel = 1
 
     c.backup = ml_collections.ConfigDict()
     c.backup.enabled = True
@@ -146,6 +154,8 @@ _RULES = {
     "pipeline.microbatches": (lambda v: isinstance(v, int) and 1 <= v <= 4096, "an integer in [1, 4096]"),
     "pipeline.layers_per_stage": (lambda v: v == "" or all(p.strip().isdigit() for p in v.split(",")),
                                   "comma-separated block counts, e.g. 2,4 (\"\": balanced)"),
+    "pipeline.schedule": (lambda v: v in ("gpipe", "1f1b"), "gpipe or 1f1b"),
+    "tensor.parallel": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
     "sample.max_new_tokens": (_positive_int, "an integer > 0"),
@@ -204,9 +214,16 @@ def validate(c):
             raise UsageError(f"pipeline.layers_per_stage ({p.layers_per_stage}) must give "
                              f"{p.stages} positive block counts adding up to model.n_layer "
                              f"({m.n_layer})")
-    if p.devices and len(p.devices.split(",")) != p.stages:
+    tp = c.tensor.parallel
+    if p.devices and len(p.devices.split(",")) != p.stages * tp:
         raise UsageError(f"pipeline.devices lists {len(p.devices.split(','))} device(s); "
-                         f"pipeline.stages is {p.stages}")
+                         f"pipeline.stages x tensor.parallel is {p.stages} x {tp}")
+    if tp > 1:
+        check_tensor_parallel(m.n_head, m.n_embd, tp)
+    if p.schedule == "1f1b" and p.microbatches < p.stages:
+        raise UsageError(f"pipeline.schedule=1f1b needs at least as many microbatches as stages "
+                         f"(pipeline.microbatches {p.microbatches} < pipeline.stages {p.stages}); "
+                         f"raise the microbatches or use gpipe")
     if t.steps_per_epoch % t.steps_per_execution:
         raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) must divide "
                          f"train.steps_per_epoch ({t.steps_per_epoch})")
@@ -214,6 +231,15 @@ def validate(c):
         raise UsageError(f"train.steps ({t.steps}) must be a multiple of train.steps_per_epoch "
                          f"({t.steps_per_epoch})")
     return c
+
+
+def check_tensor_parallel(n_head, n_embd, t):
+    """t must divide the heads: each device runs whole heads. (Then it also divides n_embd,
+    which n_head divides, and the MLP width 4 * n_embd.)"""
+    if n_head % t:
+        raise UsageError(f"tensor.parallel={t} must divide model.n_head ({n_head}) and so the "
+                         f"MLP width ({4 * n_embd}): each device runs whole attention heads; "
+                         f"pick t among the divisors of {n_head}")
 
 
 def vocab_size(c):

@@ -133,18 +133,29 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     # the CPU into logical devices).
     tf.config.threading.set_intra_op_parallelism_threads(c.train.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(c.train.inter_op_threads)
-    p = c.pipeline
+    p, tp = c.pipeline, c.tensor.parallel
     pipelined = p.stages > 1 or p.microbatches > 1
-    if pipelined and not strategies.get_class(c.strategy.name).supports_pipeline:
-        raise UsageError(f"strategy {c.strategy.name} cannot run a pipeline (pipeline.stages / "
-                         f"pipeline.microbatches); leave them at 1 or pick another strategy")
-    if p.stages > 1 and not p.devices and len(tf.config.list_physical_devices("GPU")) < p.stages:
-        plugin = strategies.get_class(c.strategy.name)
+    split = pipelined or tp > 1  # the GPT laid out over this process's devices
+    plugin = strategies.get_class(c.strategy.name)
+    if split and not plugin.supports_pipeline:
+        raise UsageError(f"strategy {c.strategy.name} cannot run a pipeline or tensor parallelism "
+                         f"(pipeline.stages / pipeline.microbatches / tensor.parallel); leave them "
+                         f"at 1 or pick another strategy")
+    if tp > 1 and plugin.uses_local_devices:
+        raise UsageError(f"tensor parallelism and the {plugin.name} strategy both want this "
+                         f"process's devices; combine tensor.parallel with one replica per process "
+                         f"(horovod or multi_worker_mirrored)")
+    devices_needed, gpus = p.stages * tp, len(tf.config.list_physical_devices("GPU"))
+    if devices_needed > 1 and not p.devices and gpus < devices_needed:
+        if gpus:
+            raise UsageError(f"pipeline.stages x tensor.parallel = {p.stages} x {tp} needs "
+                             f"{devices_needed} devices and this process sees {gpus} GPU(s); "
+                             f"lower them or give pipeline.devices")
         if plugin.uses_local_devices:
             raise UsageError(f"pipeline stages and the {plugin.name} strategy both want this "
                              f"machine's devices; combine a pipeline with one replica per process "
                              f"(horovod or multi_worker_mirrored)")
-        configure_logical_cpus(p.stages)  # one logical CPU device per stage
+        configure_logical_cpus(devices_needed)  # one logical CPU device per stage and shard
     strategy = strategies.from_config(c)
     strategy.serve()  # a task that only serves others (parameter server) ends here
 
@@ -153,6 +164,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     from tfdist.data import Windows, open_store
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.models.pipeline import Pipeline
+    from tfdist.models.state import plain_gpt
     from tfdist.optimizers import make_optimizer
 
     t = c.train
@@ -183,8 +195,9 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
 
     with strategy.scope():
         model = GPT.from_model_config(c.model)
-        if pipelined:
+        if split:
             model = Pipeline(model, stages=p.stages, microbatches=p.microbatches,
+                             tensor_parallel=tp, schedule=p.schedule,
                              layers_per_stage=[int(x) for x in p.layers_per_stage.split(",")]
                              if p.layers_per_stage else None,
                              devices=p.devices.split(",") if p.devices else None,
@@ -205,10 +218,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
         worker_index=strategy.worker_index, collective=strategy.collective_checkpoints,
         signature={"model": c.model.to_dict(), "data": {
             "store": data.manifest["source"], "fingerprint": data.fingerprint, "seed": c.seed,
-            "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps},
-        # A split restores into another split (same variables); a pipeline's backup does not
-        # restore into the plain model or back (the checkpoint nests the GPT one level deeper).
-        "layout": "pipeline" if pipelined else "plain"})
+            "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps}})
+    # (the backup holds the unsplit GPT's names: it restores into any layout)
     # With --overwrite the chief deletes the old backup; the other workers must not read it
     # meanwhile. Every worker starts at step 0 then (the chief's deletion precedes its first step,
     # which no worker can finish without it).
@@ -223,7 +234,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     if strategy.is_chief:
         save_tokenizer(data, workdir)
     say(f"tfdist: {strategy.describe()}")
-    if pipelined:
+    if split:
         say(f"tfdist: {model.describe()}")
     say(f"tfdist: model {model.num_params():,} parameters; {data.describe()}")
     if start:
@@ -236,10 +247,11 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
                  verbose=verbose if strategy.is_chief else 0,  # one progress bar per cluster
                  strategy_callbacks=hooks.strategy_callbacks(strategy.callbacks()))
 
-    if pipelined:
+    if split:
         for row in model.memory_report(per_replica):
             measured = row["measured_peak_bytes"]
-            say(f"tfdist: stage {row['stage']} on {row['device']}: {row['params']:,} parameters, "
+            where = f"stage {row['stage']}" + (f" shard {row['shard']}" if tp > 1 else "")
+            say(f"tfdist: {where} on {row['device']}: {row['params']:,} parameters, "
                 f"estimated peak {row['total_bytes'] / 2**20:,.1f} MiB; measured peak "
                 + (f"{measured / 2**20:,.1f} MiB ({row['measured_scope']})" if measured is not None
                    else "not available (TF keeps no memory stats for this device)"))
@@ -248,8 +260,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
               "val_loss": last_eval.get("loss"), "val_bits_per_byte": last_eval.get("bits_per_byte"),
               "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": workdir}
     if strategy.is_chief:
-        # The GPT itself (a pipeline's variables are its GPT's): it samples on any device.
-        (model.gpt if pipelined else model).save(os.path.join(workdir, "model.keras"))
+        # The plain GPT (tensor-parallel shards joined): it samples on any device.
+        plain_gpt(model).save(os.path.join(workdir, "model.keras"))
         say(f"tfdist: done: {result['steps_run']} steps run (step {log.step} of {t.steps}), "
             f"validation loss {result['val_loss']:.4f} nats/token"
             + (f" ({result['val_bits_per_byte']:.4f} bits/byte), "

@@ -45,6 +45,7 @@ from keras import ops
 from tfdist import compat
 from tfdist.errors import UsageError
 from tfdist.models import arithmetic
+from tfdist.models import tensor_parallel as tp
 from tfdist.models.gpt import GPT
 
 
@@ -80,16 +81,18 @@ def balanced_split(costs, stages, first_extra=0.0, last_extra=0.0):
     return solve(0, 0)[1]
 
 
-def default_devices(stages):
-    """K devices: the GPUs if there are enough, else the (logical) CPUs."""
+def default_devices(stages, tensor=1):
+    """K x t devices: the GPUs if there are enough, else the (logical) CPUs."""
+    n = stages * tensor
     for kind in ("GPU", "CPU"):
         found = tf.config.list_logical_devices(kind)
-        if len(found) >= stages:
-            return [d.name for d in found[:stages]]
+        if len(found) >= n:
+            return [d.name for d in found[:n]]
     cpus = len(tf.config.list_logical_devices("CPU"))
-    raise UsageError(f"pipeline.stages={stages} needs {stages} devices, and this process has "
-                     f"{cpus} CPU device(s) and no {stages} GPUs; split the CPU first "
-                     f"(tfdist train does) or give pipeline.devices")
+    gpus = len(tf.config.list_logical_devices("GPU"))
+    raise UsageError(f"pipeline.stages x tensor.parallel = {stages} x {tensor} needs {n} devices, "
+                     f"and this process has {cpus} CPU device(s) and {gpus} GPU(s); lower them, "
+                     f"split the CPU first (tfdist train does) or give pipeline.devices")
 
 
 def _with_device(grad, variable):
@@ -104,16 +107,18 @@ def _with_device(grad, variable):
 
 @keras.saving.register_keras_serializable("tfdist")
 class Pipeline(keras.Model):
-    """A GPT split into `stages` on `devices`, trained with `microbatches` per batch (GPipe).
+    """A GPT split into `stages` on `devices`, trained with `microbatches` per batch (GPipe);
+    with `tensor_parallel=t`, each stage's blocks are also split over t devices
+    (tfdist.models.tensor_parallel), on a `keras.distribution.DeviceMesh` of shape (stages, t).
 
-    `layers_per_stage`: blocks per stage (default: balanced by compute). `devices`: one device
-    name per stage (default: `default_devices`). Saved models and checkpoints hold the GPT's
-    variables under the same names whatever the split, so a backup of one split restores into
-    another.
+    `layers_per_stage`: blocks per stage (default: balanced by compute). `devices`: stages x t
+    device names, stage by stage (default: `default_devices`). Checkpoints hold the GPT's
+    variables under the GPT's names whatever the layout (tfdist.models.state), so a backup of one
+    layout restores into another.
     """
 
     def __init__(self, gpt, stages=2, microbatches=1, layers_per_stage=None, devices=None,
-                 recompute=False, **kwargs):
+                 recompute=False, tensor_parallel=1, **kwargs):
         super().__init__(**kwargs)
         if isinstance(gpt, dict):  # from get_config
             gpt = keras.saving.deserialize_keras_object(gpt)
@@ -133,13 +138,24 @@ class Pipeline(keras.Model):
             raise UsageError(f"pipeline.layers_per_stage={','.join(map(str, counts))} must give "
                              f"{stages} positive block counts adding up to model.n_layer="
                              f"{gpt.n_layer}")
-        devices = list(devices or default_devices(stages))
-        if len(devices) != stages:
-            raise UsageError(f"pipeline.devices lists {len(devices)} device(s) for {stages} stages")
+        t = tensor_parallel
+        if t > 1:
+            tp.check_divisible(gpt.n_head, gpt.n_embd, t)
+        devices = list(devices or default_devices(stages, t))
+        if len(devices) != stages * t:
+            raise UsageError(f"pipeline.devices lists {len(devices)} device(s) for {stages} stages "
+                             f"x {t} tensor-parallel device(s)")
         self.gpt, self.stages, self.microbatches = gpt, stages, microbatches
         self.layers_per_stage, self.devices, self.recompute = counts, devices, recompute
+        self.tensor_parallel = t
+        self.mesh = keras.distribution.DeviceMesh((stages, t), ["stage", tp.AXIS], devices)
+        self.stage_devices = [list(row) for row in self.mesh.devices]  # [stage][shard]
+        self.homes = [row[0] for row in self.stage_devices]  # embed, norms, residuals, head
         starts = np.concatenate([[0], np.cumsum(counts)])
         self.stage_blocks = [list(range(starts[s], starts[s + 1])) for s in range(stages)]
+        if t > 1:
+            tp.shard_blocks(gpt, [self.stage_devices[s] for s in range(stages)
+                                  for _ in self.stage_blocks[s]], tp.megatron_layout(self.mesh))
         self._stage_fns = [self._make_stage(s) for s in range(stages)]
 
     # -- forward ---------------------------------------------------------------------------------
@@ -148,7 +164,10 @@ class Pipeline(keras.Model):
 
         def body(x, training):  # the stage's blocks, and the head on the last stage
             for i in self.stage_blocks[s]:
-                x = g.blocks[i](x, training=training)
+                if self.tensor_parallel > 1:
+                    x = tp.parallel_block(g.blocks[i], x, training, self.stage_devices[s])
+                else:
+                    x = g.blocks[i](x, training=training)
             return g.head(x) if s == self.stages - 1 else x
 
         if self.recompute:  # the embedding (int ids in) stays outside: ids have no gradient
@@ -166,7 +185,7 @@ class Pipeline(keras.Model):
     def call(self, idx, training=False):
         x = idx
         for s in range(self.stages):
-            with tf.device(self.devices[s]):
+            with tf.device(self.homes[s]):
                 x = self._stage_fns[s](x, training)
         return x
 
@@ -177,11 +196,14 @@ class Pipeline(keras.Model):
         self.built = True
         g, x = self.gpt, ops.zeros((1, self.gpt.block_size), dtype="int32")
         for s in range(self.stages):
-            with tf.device(self.devices[s]):
+            with tf.device(self.homes[s]):
                 if s == 0:
                     x = g.embed(x)
                 for i in self.stage_blocks[s]:
-                    x = g.blocks[i](x)
+                    if self.tensor_parallel > 1:
+                        x = tp.build_block(g.blocks[i], x, self.stage_devices[s])
+                    else:
+                        x = g.blocks[i](x)
                 if s == self.stages - 1:
                     g.head(x)
         g.built = True
@@ -223,50 +245,71 @@ class Pipeline(keras.Model):
         for s, blocks in enumerate(self.stage_blocks):
             what = (["embed"] if s == 0 else []) + [f"blocks {blocks[0]}-{blocks[-1]}"] + \
                    (["head"] if s == self.stages - 1 else [])
-            parts.append(f"stage {s}: {' + '.join(what)} on {self.devices[s]}")
+            parts.append(("" if self.stages == 1 else f"stage {s}: ") + " + ".join(what) +
+                         " on " + " + ".join(self.stage_devices[s]))
+        t = self.tensor_parallel
+        if self.stages == 1 and self.microbatches == 1 and t > 1:
+            return f"tensor parallel over {t} devices: " + parts[0]
         return (f"pipeline of {self.stages} stages, {self.microbatches} microbatch(es)"
-                f"{', recomputed' if self.recompute else ''}: " + "; ".join(parts))
+                + (f", tensor parallel over {t} devices per stage" if t > 1 else "")
+                + f"{', recomputed' if self.recompute else ''}: " + "; ".join(parts))
+
+    def device_of(self, variable):
+        """(stage, shard) of the device holding `variable` (a Keras variable of this model), read
+        from the variable itself."""
+        device = tf.DeviceSpec.from_string(variable.value.device)
+        for s, row in enumerate(self.stage_devices):
+            for r, d in enumerate(row):
+                want = tf.DeviceSpec.from_string(d)
+                if (want.device_type, want.device_index) == (device.device_type, device.device_index):
+                    return s, r
+        return None, None
 
     def stage_of(self, variable):
-        """The stage whose device holds `variable` (a Keras variable of this model)."""
-        device = tf.DeviceSpec.from_string(variable.value.device)
-        for s, d in enumerate(self.devices):
-            want = tf.DeviceSpec.from_string(d)
-            if (want.device_type, want.device_index) == (device.device_type, device.device_index):
-                return s
-        return None
+        """The stage whose devices hold `variable`."""
+        return self.device_of(variable)[0]
 
     def memory_estimate(self, batch_size, precision="float32", optimizer_slots=2):
-        """Estimated peak bytes per stage, counted by tfdist.models.arithmetic as `tfdist plan`
-        counts them: the stage's parameters' weights, gradients and optimizer slots
-        (`state_bytes_per_param`), plus the activations kept for the backward pass. Per block and
-        microbatch of b sequences those are Korthikanti et al. 2022's b*T*C*(34 + 5*H*T/C) bytes in
-        mixed precision (eq. 2; twice that in float32, less without dropout masks:
-        `activation_bytes_per_layer`); GPipe keeps all M microbatches' (with recomputation, which
-        wraps each stage whole, only the stage's input per microbatch, plus one stage's full set
-        while it is recomputed), and the last stage each microbatch's float32 logits."""
-        g, arch, m = self.gpt, self.gpt.arch, self.microbatches
+        """Estimated peak bytes per device, counted by tfdist.models.arithmetic as `tfdist plan`
+        counts them: the parameters on the device (read from the variables) with their gradients
+        and optimizer slots (`state_bytes_per_param`), plus the activations kept for the backward
+        pass. Per block and microbatch of b sequences those are Korthikanti et al. 2022's
+        b*T*C*(34 + 5*H*T/C) bytes in mixed precision (eq. 2; twice that in float32, less without
+        dropout masks: `activation_bytes_per_layer`), of which 24 + 5HT/C are split over the t
+        tensor-parallel devices and the rest (norms' and residual inputs) stays on the stage's first
+        device. GPipe keeps all M microbatches' (with recomputation, which wraps each stage whole,
+        only the stage's input per microbatch, plus one stage's full set while it is recomputed),
+        and the last stage each microbatch's float32 logits."""
+        g, arch, m, t = self.gpt, self.gpt.arch, self.microbatches, self.tensor_parallel
         tokens = batch_size // m * g.block_size
-        per_block = arch.activation_bytes_per_layer(tokens, precision)
+        per_block = arch.activation_bytes_per_layer(tokens, precision, tp=t)
+        kept = arch.activation_bytes_per_layer(tokens, precision, tp=float("inf"))  # unsplit part
         per_param = sum(arithmetic.state_bytes_per_param(precision, optimizer_slots))
+        params = {}
+        for v in self.trainable_weights:
+            params[self.device_of(v)] = params.get(self.device_of(v), 0) + int(np.prod(v.shape))
         out = []
         for s in range(self.stages):
-            params = sum(int(np.prod(v.shape)) for v in self.trainable_weights if self.stage_of(v) == s)
-            state = params * per_param  # weights, gradients, slots
             n = len(self.stage_blocks[s])
-            if self.recompute:
-                acts = m * arch.activation_bytes_per_layer(tokens, precision, recompute=True) + n * per_block
-            else:
-                acts = m * n * per_block
-            if s == self.stages - 1:
-                acts += m * arch.logits_bytes(tokens)
-            out.append({"stage": s, "device": self.devices[s], "params": params,
-                        "param_state_bytes": int(state), "activation_bytes": int(acts),
-                        "activation_bytes_per_block": int(per_block), "total_bytes": int(state + acts)})
+            for r, device in enumerate(self.stage_devices[s]):
+                mine = per_block if r == 0 else per_block - kept  # per block and microbatch
+                if self.recompute:
+                    input_ = arch.activation_bytes_per_layer(tokens, precision, recompute=True)
+                    acts = (m * input_ if r == 0 else 0) + n * mine
+                else:
+                    acts = m * n * mine
+                if s == self.stages - 1 and r == 0:
+                    acts += m * arch.logits_bytes(tokens)
+                p = params.get((s, r), 0)
+                out.append({"stage": s, "shard": r, "device": device, "params": p,
+                            "param_state_bytes": int(p * per_param),
+                            "activation_bytes": int(acts),
+                            "activation_bytes_per_block": int(mine),
+                            "total_bytes": int(p * per_param + acts)})
         return out
 
     def memory_report(self, batch_size, precision="float32"):
-        """Per stage: the estimate above, and the peak TF measured (`get_memory_info`) where it
+        """Per device: the estimate above, and the peak TF measured (`get_memory_info`) where it
         keeps memory stats. A GPU's are its own; logical CPU devices share the host allocator, so
         theirs is the whole process's peak (`measured_scope` says which)."""
         rows = self.memory_estimate(batch_size, precision)
@@ -284,4 +327,4 @@ class Pipeline(keras.Model):
         return {**super().get_config(), "gpt": keras.saving.serialize_keras_object(self.gpt),
                 "stages": self.stages, "microbatches": self.microbatches,
                 "layers_per_stage": self.layers_per_stage, "devices": self.devices,
-                "recompute": self.recompute}
+                "recompute": self.recompute, "tensor_parallel": self.tensor_parallel}
