@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-pipeline bench-data chaos chaos-ps chaos-horovod plan-validate plan-measured clean
+        bench-allreduce bench-pipeline bench-model-parallel bench-data test-long chaos chaos-ps chaos-horovod plan-validate plan-measured clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,11 @@ demo: $(STAMP)
 	$(BIN)/tfdist sample --model=runs/demo/model.keras --prompt='def ' --max_new_tokens=300
 
 test: $(STAMP) $(HOROVOD)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -m 'not long'
+
+# The trials `make test` leaves out for time (tests marked long).
+test-long: $(STAMP) $(HOROVOD)
+	$(BIN)/python -m pytest -q -ra -m long
 
 # Under 3 minutes from a fresh clone (pip's wheel cache warm): no Horovod build, no training in
 # subprocesses, one case of each family of CLI error cases (tests/helpers.py first_fast).
@@ -77,6 +81,10 @@ bench-scaling-horovod: $(HOROVOD)
 # GPipe: the GPT in 2 stages on 2 logical CPU devices, M = 1..16 microbatches, vs unsplit.
 bench-pipeline: $(STAMP)
 	$(BIN)/python tools/bench.py --pipeline
+
+# 1F1B vs GPipe peak memory (M = 4..32) and t = 2 tensor-parallel speed on gpt_mini.
+bench-model-parallel: $(STAMP)
+	$(BIN)/python tools/bench_model_parallel.py --schedules --tensor
 
 # allreduce bus bandwidth, 1-64 MiB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
 bench-allreduce: $(HOROVOD)

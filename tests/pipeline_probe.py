@@ -1,9 +1,12 @@
 """Run by tests/test_pipeline.py in a fresh process (the CPU must be split into logical devices
 before TF starts). Prints one `PROBE {...}` JSON line.
 
-    python tests/pipeline_probe.py grads  K M [recompute]   # pipelined vs unsplit gradients
-    python tests/pipeline_probe.py losses K M               # 10 fit steps, pipelined vs unsplit
-    python tests/pipeline_probe.py placement K M            # devices of variables and of ops
+    python tests/pipeline_probe.py grads  K M [recompute] [t=T] [schedule=1f1b]
+                                                   # pipelined (and tensor-parallel) vs unsplit
+    python tests/pipeline_probe.py schedules K M [t=T]     # 1F1B vs GPipe gradients
+    python tests/pipeline_probe.py losses K M [t=T]        # 10 fit steps, split vs unsplit
+    python tests/pipeline_probe.py placement K M           # devices of variables and of ops
+    python tests/pipeline_probe.py tensor_placement K M t=T  # where each shard's ops ran
 """
 import json
 import os
@@ -19,21 +22,29 @@ import tensorflow as tf  # noqa: E402
 
 import tfdist.strategies  # noqa: E402
 from tfdist.models.gpt import GPT, loss_fn  # noqa: E402
+from tfdist.models import state  # noqa: E402
 from tfdist.models.pipeline import Pipeline  # noqa: E402
 from tfdist.strategies.base import configure_logical_cpus  # noqa: E402
 
-SIZES = dict(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32)
+SIZES = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
 
-def models(k, m, recompute=False):
+def models(k, m, recompute=False, t=1, schedule="gpipe"):
     keras.utils.set_random_seed(0)
     plain = GPT(**SIZES)
     plain.build()
     keras.utils.set_random_seed(0)
     with tfdist.strategies.get("single").scope():  # as `tfdist train` builds it
-        piped = Pipeline(GPT(**SIZES), stages=k, microbatches=m, recompute=recompute)
+        piped = Pipeline(GPT(**SIZES), stages=k, microbatches=m, recompute=recompute,
+                         tensor_parallel=t, schedule=schedule)
         piped.build()
     return plain, piped
+
+
+def max_abs_diff(a, b):
+    """Largest difference between two {name: tensor} dicts with the same names."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(float(np.max(np.abs(np.asarray(a[n]) - np.asarray(b[n])))) for n in a)
 
 
 def batch(n=8, seed=1):
@@ -42,28 +53,41 @@ def batch(n=8, seed=1):
     return tf.constant(w[:, :-1]), tf.constant(w[:, 1:])
 
 
-def grads(k, m, recompute=False):
-    plain, piped = models(k, m, recompute)
+def grads(k, m, recompute=False, t=1, schedule="gpipe"):
+    plain, piped = models(k, m, recompute, t, schedule)
     x, y = batch()
-    for a, b in zip(plain.weights, piped.weights):
-        assert np.array_equal(a.numpy(), b.numpy()), (a.path, b.path)  # same initial weights
+    same = {n: state._value(v) for n, v in state.weights(plain).items()}
+    assert max_abs_diff(same, {n: state._value(v) for n, v in state.weights(piped).items()}) == 0
     piped.compile(optimizer="sgd", loss=loss_fn())
     plain_loss = loss_fn()
     with tf.GradientTape() as tape:
         ref_loss = plain_loss(y, plain(x, training=True))
-    ref = tape.gradient(ref_loss, plain.trainable_weights)
+    ref = state.by_name(plain, tape.gradient(ref_loss, plain.trainable_weights))
     loss, got = tf.function(piped.compute_gradients)(x, y)
-    diffs = [float(np.max(np.abs(tf.convert_to_tensor(a).numpy() - tf.convert_to_tensor(b).numpy())))
-             for a, b in zip(ref, got)]
-    return {"loss_diff": abs(float(loss) - float(ref_loss)), "max_grad_diff": max(diffs),
-            "max_grad": max(float(np.max(np.abs(tf.convert_to_tensor(a).numpy()))) for a in ref),
-            "n": len(diffs)}
+    got = state.by_name(piped, got)
+    return {"loss_diff": abs(float(loss) - float(ref_loss)), "max_grad_diff": max_abs_diff(ref, got),
+            "max_grad": max(float(np.max(np.abs(g.numpy()))) for g in ref.values()),
+            "n": len(got), "shards": len(piped.trainable_weights)}
 
 
-def losses(k, m, optimizer="sgd"):
+def schedules(k, m, t=1):
+    """1F1B's gradients against GPipe's, same model and batch."""
+    x, y = batch()
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        _, piped = models(k, m, t=t, schedule=schedule)
+        piped.compile(optimizer="sgd", loss=loss_fn())
+        loss, got = tf.function(piped.compute_gradients)(x, y)
+        out[schedule] = (float(loss), state.by_name(piped, got))
+    return {"loss_diff": abs(out["gpipe"][0] - out["1f1b"][0]),
+            "max_grad_diff": max_abs_diff(out["gpipe"][1], out["1f1b"][1]),
+            "n": len(out["1f1b"][1])}
+
+
+def losses(k, m, t=1, optimizer="sgd"):
     """SGD by default: Adam divides by sqrt(v), so a gradient element of 1e-8 moves its weight
     as much as a large one, and float rounding in the gradient (1e-8) becomes 1e-4 in the loss."""
-    plain, piped = models(k, m)
+    plain, piped = models(k, m, t=t)
     out = {}
     xs, ys = zip(*[batch(seed=s) for s in range(10)])
     ds = tf.data.Dataset.from_tensor_slices((tf.stack(xs), tf.stack(ys)))
@@ -108,13 +132,58 @@ def placement(k, m):
                           for b, e in sorted(block_ops.items())},
             "update_ops": update_ops}
 
+def tensor_placement(k, m, t):
+    """Where each tensor-parallel shard's variables are (read from the variables) and where its
+    matmuls ran (TF's partition graphs of an executed train step, after placement), with the
+    bytes of each block's matmul weights per device."""
+    from tensorflow.python.eager import context
+    _, piped = models(k, m, t=t)
+    piped.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss_fn())
+    x, y = batch()
+    ctx = context.context()
+    ctx.enable_run_metadata()  # before the first call: partition graphs are kept at instantiation
+    tf.function(lambda: piped.train_step((x, y)))()
+    meta = ctx.export_run_metadata()
+    ctx.disable_run_metadata()
+    index = lambda device: tf.DeviceSpec.from_string(device).device_index  # noqa: E731
+    want = {(b, r): index(piped.stage_devices[s][r]) for s, blocks in enumerate(piped.stage_blocks)
+            for b in blocks for r in range(t)}
+    ran = {}  # "block/shard/forward|backward" -> devices its matmuls ran on
+    for graph in meta.function_graphs:
+        for part in graph.partition_graphs:
+            for node in part.node:
+                found = re.search(r"/h_(\d+)/tp(\d+)(?:_\d+)?/", node.name)
+                if found and "MatMul" in node.op:
+                    key = f"{found.group(1)}/{found.group(2)}/" + \
+                        ("backward" if "gradients" in node.name else "forward")
+                    ran.setdefault(key, set()).add(index(node.device))
+    matmul_bytes = {}  # "block/device" -> bytes of the block's matmul kernels there
+    for v in piped.weights:
+        found = re.search(r"h_(\d+)/.*kernel", v.path)
+        if found:
+            key = f"{found.group(1)}/{index(v.value.device)}"
+            matmul_bytes[key] = matmul_bytes.get(key, 0) + int(np.prod(v.shape)) * 4
+    return {"want": {f"{b}/{r}": d for (b, r), d in want.items()},
+            "ran": {key: sorted(d) for key, d in ran.items()}, "matmul_bytes": matmul_bytes,
+            "unsplit_block_matmul_bytes": 4 * 12 * SIZES["n_embd"] ** 2,
+            "memory": piped.memory_estimate(8)}
+
+
 if __name__ == "__main__":
     what, k, m = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    configure_logical_cpus(max(k, 1))
+    words = sys.argv[4:]
+    options = dict(w.split("=", 1) for w in words if "=" in w)
+    t = int(options.get("t", 1))
+    configure_logical_cpus(max(k * t, 1))
     if what == "grads":
-        result = grads(k, m, recompute=len(sys.argv) > 4 and sys.argv[4] == "recompute")
+        result = grads(k, m, recompute="recompute" in words, t=t,
+                       schedule=options.get("schedule", "gpipe"))
+    elif what == "schedules":
+        result = schedules(k, m, t)
     elif what == "losses":
-        result = losses(k, m, *sys.argv[4:])
+        result = losses(k, m, t)
+    elif what == "tensor_placement":
+        result = tensor_placement(k, m, t)
     else:
         result = placement(k, m)
     print("PROBE " + json.dumps(result), flush=True)

@@ -283,7 +283,9 @@ def test_a_program_without_serve_lines_serves_on_the_server_tasks(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", [
-    "multi_worker_mirrored", pytest.param("horovod", marks=pytest.mark.horovod), "parameter_server"])
+    "multi_worker_mirrored",  # the other two repeat it (30 s each): `make test-long` runs them
+    pytest.param("horovod", marks=[pytest.mark.horovod, pytest.mark.long]),
+    pytest.param("parameter_server", marks=pytest.mark.long)])
 def test_keras_backup_and_restore_resumes_every_process(strategy, tmp_path):
     """Keras's BackupAndRestore in a shared directory: the chief's backup of epoch 1 (the run
     then ends) is restored by every process, which all train epochs 2 and 3 only, to the same

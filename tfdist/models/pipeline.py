@@ -95,6 +95,20 @@ def default_devices(stages, tensor=1):
                      f"split the CPU first (tfdist train does) or give pipeline.devices")
 
 
+def _check_devices_exist(devices):
+    """Each named device is one of this process's (TF would otherwise place its ops elsewhere
+    without a word)."""
+    have = {(d.device_type, int(d.name.rsplit(":", 1)[1]))
+            for d in tf.config.list_logical_devices()}
+    for name in devices:
+        spec = tf.DeviceSpec.from_string(name)
+        if spec.job is None and (spec.device_type, spec.device_index or 0) not in have:
+            raise UsageError(f"pipeline.devices names {name}, which this process does not have "
+                             f"(it has {len(have)} device(s): "
+                             f"{', '.join(sorted(f'{t}:{i}' for t, i in have))}); pipeline.stages x "
+                             f"tensor.parallel is more than the devices")
+
+
 def _with_device(grad, variable):
     """The gradient as a tensor on its variable's device. (A sum over microbatches from several
     devices has none, and tf.distribute's all-reduce needs one: "destinations can not be
@@ -118,7 +132,7 @@ class Pipeline(keras.Model):
     """
 
     def __init__(self, gpt, stages=2, microbatches=1, layers_per_stage=None, devices=None,
-                 recompute=False, tensor_parallel=1, **kwargs):
+                 recompute=False, tensor_parallel=1, schedule="gpipe", **kwargs):
         super().__init__(**kwargs)
         if isinstance(gpt, dict):  # from get_config
             gpt = keras.saving.deserialize_keras_object(gpt)
@@ -132,6 +146,12 @@ class Pipeline(keras.Model):
                              f"{gpt.n_layer} blocks (model.n_layer)")
         if microbatches < 1:
             raise UsageError(f"pipeline.microbatches={microbatches} must be >= 1")
+        if schedule not in ("gpipe", "1f1b"):
+            raise UsageError(f"pipeline.schedule={schedule!r}: gpipe or 1f1b")
+        if schedule == "1f1b" and microbatches < stages:
+            raise UsageError(f"pipeline.schedule=1f1b needs at least as many microbatches as "
+                             f"stages ({microbatches} < {stages}); raise them or use gpipe")
+        self.schedule = schedule
         blocks, embed, head = block_costs(gpt)
         counts = list(layers_per_stage or balanced_split(blocks, stages, embed, head))
         if len(counts) != stages or min(counts) < 1 or sum(counts) != gpt.n_layer:
@@ -142,6 +162,7 @@ class Pipeline(keras.Model):
         if t > 1:
             tp.check_divisible(gpt.n_head, gpt.n_embd, t)
         devices = list(devices or default_devices(stages, t))
+        _check_devices_exist(devices)
         if len(devices) != stages * t:
             raise UsageError(f"pipeline.devices lists {len(devices)} device(s) for {stages} stages "
                              f"x {t} tensor-parallel device(s)")
@@ -216,6 +237,8 @@ class Pipeline(keras.Model):
     def compute_gradients(self, x, y, scale=lambda loss: loss):
         """(mean loss, gradients of the trainable weights) of batch (x, y) in M microbatches.
         Graph mode only (inside a tf.function, as Keras runs `train_step`)."""
+        if self.schedule == "1f1b":
+            return self._one_forward_one_backward(x, y, scale)
         m = self.microbatches
         xs, ys = tf.split(x, m), tf.split(y, m)
         losses = [compat.compute_loss(self, xi, yi, self(xi, training=True))
@@ -225,6 +248,46 @@ class Pipeline(keras.Model):
         variables = [v.value for v in self.trainable_weights]
         grads = tf.gradients(scale(loss), variables)
         return loss, [_with_device(g, v) for g, v in zip(grads, variables)]
+
+    def _one_forward_one_backward(self, x, y, scale):
+        """Megatron-LM's 1F1B schedule (Narayanan et al. 2021, fig. 4) in one graph: each
+        microbatch's gradient is its own `tf.gradients`, and control dependencies make stage s
+        start the forward of microbatch j only after it has finished the backward of microbatch
+        j - (K - s). So stage s holds at most K - s microbatches' activations (GPipe: all M), and
+        the gradients are GPipe's: the same sum, accumulated microbatch by microbatch."""
+        m, k = self.microbatches, self.stages
+        variables = [v.value for v in self.trainable_weights]
+        stage_vars = [[i for i, v in enumerate(self.trainable_weights) if self.stage_of(v) == s]
+                      for s in range(k)]
+        var_stage = {i: s for s in range(k) for i in stage_vars[s]}
+        done = []  # done[j][s]: stage s finished microbatch j's backward
+        losses, total = [], [None] * len(variables)
+        for j, (xj, yj) in enumerate(zip(tf.split(x, m), tf.split(y, m))):
+            h, inputs = xj, []
+            for s in range(k):
+                with tf.device(self.homes[s]):
+                    if j - (k - s) >= 0:
+                        with tf.control_dependencies([done[j - (k - s)][s]]):
+                            h = tf.identity(h)
+                    inputs.append(h)
+                    h = self._stage_fns[s](h, True)
+            loss = compat.compute_loss(self, xj, yj, h)
+            losses.append(loss)
+            grads = tf.gradients(scale(loss / m), variables + inputs[1:])
+            grads, input_grads = grads[:len(variables)], grads[len(variables):]
+            done.append([tf.group([grads[i] for i in stage_vars[s] if grads[i] is not None]
+                                  + ([input_grads[s - 1]] if s else [])) for s in range(k)])
+            # Accumulate now, so this microbatch's gradients are freed. Each sum waits for the
+            # previous microbatch's backward: Grappler's arithmetic optimizer would otherwise merge
+            # the chain of sums into one AddN of all M gradients, holding them all (measured: the
+            # 1F1B peak grew 1.8x from M=4 to 16); it leaves nodes driven by control dependencies.
+            for i, g in enumerate(grads):
+                if g is not None:
+                    with tf.device(variables[i].device), \
+                            tf.control_dependencies([done[-1][var_stage[i]]]):
+                        g = tf.convert_to_tensor(g)
+                        total[i] = g if total[i] is None else total[i] + g
+        return tf.add_n(losses) / m, total
 
     def train_step(self, data):
         x, y = data[0], data[1]
@@ -277,7 +340,7 @@ class Pipeline(keras.Model):
         b*T*C*(34 + 5*H*T/C) bytes in mixed precision (eq. 2; twice that in float32, less without
         dropout masks: `activation_bytes_per_layer`), of which 24 + 5HT/C are split over the t
         tensor-parallel devices and the rest (norms' and residual inputs) stays on the stage's first
-        device. GPipe keeps all M microbatches' (with recomputation, which wraps each stage whole,
+        device. GPipe keeps all M microbatches' (1F1B: at most K - s on stage s; with recomputation, which wraps each stage whole,
         only the stage's input per microbatch, plus one stage's full set while it is recomputed),
         and the last stage each microbatch's float32 logits."""
         g, arch, m, t = self.gpt, self.gpt.arch, self.microbatches, self.tensor_parallel
@@ -291,6 +354,8 @@ class Pipeline(keras.Model):
         out = []
         for s in range(self.stages):
             n = len(self.stage_blocks[s])
+            m = self.microbatches if self.schedule == "gpipe" else min(self.microbatches,
+                                                                       self.stages - s)
             for r, device in enumerate(self.stage_devices[s]):
                 mine = per_block if r == 0 else per_block - kept  # per block and microbatch
                 if self.recompute:
@@ -327,4 +392,5 @@ class Pipeline(keras.Model):
         return {**super().get_config(), "gpt": keras.saving.serialize_keras_object(self.gpt),
                 "stages": self.stages, "microbatches": self.microbatches,
                 "layers_per_stage": self.layers_per_stage, "devices": self.devices,
-                "recompute": self.recompute, "tensor_parallel": self.tensor_parallel}
+                "recompute": self.recompute, "tensor_parallel": self.tensor_parallel,
+                "schedule": self.schedule}

@@ -128,10 +128,11 @@ def _value(v):
 
 def plain_gpt(model):
     """The unsplit GPT of `model` (a GPT, or a Pipeline of one) holding its weights: the model
-    itself when nothing is split, else a new GPT built on the default device (to save as
-    `model.keras`, or to sample from)."""
+    itself when it is a GPT, else a new GPT built on the default device (to save as `model.keras`,
+    or to sample from). (A pipeline's own GPT was built stage by stage, not by its `build`, so
+    Keras would save it without a build config, and load it without weights.)"""
     gpt = getattr(model, "gpt", model)
-    if not _sharded_layers(gpt):
+    if gpt is model:
         return gpt
     from tfdist.models.gpt import GPT
     plain = GPT.from_config(gpt.get_config())
@@ -140,3 +141,19 @@ def plain_gpt(model):
     for name, v in weights(plain).items():
         v.assign(np.asarray(values[name]))
     return plain
+
+
+def by_name(model, tensors):
+    """{name: tensor} for `tensors` aligned with `model.trainable_weights` (its gradients, say),
+    tensor-parallel shards joined: what the unsplit model's would be."""
+    shards, out, parts = _shard_index(model), {}, {}
+    for v, t in zip(model.trainable_weights, tensors):
+        t = tf.convert_to_tensor(t)
+        if id(v) in shards:
+            name, layer, what, r = shards[id(v)]
+            parts.setdefault(name, (layer, what, {}))[2][r] = t
+        else:
+            out[_name(v)] = t
+    for name, (layer, what, by_shard) in parts.items():
+        out[name] = layer.join_shards([by_shard[r] for r in sorted(by_shard)], what == "kernel")
+    return out

@@ -212,6 +212,11 @@ def parallel_block(block, x, training, devices):
     """One GPT block, x + attn(ln_1(x)) then x + mlp(ln_2(x)), with its heads and hidden units
     split over `devices` (the residual stream and LayerNorms on devices[0]). Computes what
     `Block.call` computes (tests/test_tensor_parallel.py compares gradients)."""
+    with tf.name_scope(block.name):  # ops named <block>/tp<r>/...: tests find each shard's ops
+        return _parallel_block(block, x, training, devices)
+
+
+def _parallel_block(block, x, training, devices):
     attn, home = block.attn, devices[0]
     hd = attn.n_embd // attn.n_head
     heads = attn.n_head // len(devices)
@@ -219,7 +224,7 @@ def parallel_block(block, x, training, devices):
         h = block.ln_1(x)
     parts = []
     for r, device in enumerate(devices):
-        with tf.device(device):
+        with tf.device(device), tf.name_scope(f"tp{r}"):
             B, T = ops.shape(h)[0], ops.shape(h)[1]
             q, k, v = ops.split(attn.c_attn.column(r, h), 3, axis=-1)
             q, k, v = (ops.transpose(ops.reshape(a, (B, T, heads, hd)), (0, 2, 1, 3))
@@ -236,7 +241,7 @@ def parallel_block(block, x, training, devices):
         h = block.ln_2(x)
     parts = []
     for r, device in enumerate(devices):
-        with tf.device(device):
+        with tf.device(device), tf.name_scope(f"tp{r}"):
             parts.append(block.c_proj.row(r, keras.activations.gelu(block.c_fc.column(r, h),
                                                                     approximate=True)))
     with tf.device(home):

@@ -4,8 +4,9 @@ A first-principles model: devices, models, layouts, memory per device, time per 
 search (tfdist/plan/model.py), the published devices, models and runs (published.py), this
 machine's benches (machine.py), and the command line (this file). It covers data parallelism
 (DP), pipeline stages (PP: K stages, M microbatches), tensor parallelism (TP) and ZeRO-1/2/3
-optimizer-state sharding. TP and ZeRO are modelled only: tfdist cannot run them yet, so the
-recommended command is the best layout tfdist runs (DP x PP, no ZeRO).
+optimizer-state sharding. ZeRO is modelled only: tfdist cannot run it yet, so the recommended
+command is the best layout tfdist runs (DP x PP x TP, no ZeRO, with a process's stages and
+tensor-parallel devices on one node, and the embedding and head kept whole as tfdist keeps them).
 The transformer's arithmetic (parameters, FLOPs, activation and model-state bytes) is
 tfdist.models.arithmetic's, which the GPT and the pipeline's memory estimate use too.
 
@@ -42,27 +43,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def strategy_launch(layout, cluster, flags=()):
-    """How tfdist runs a layout (tp = 1, no ZeRO) on the cluster's devices: (whether it can place
-    the layout, the command). The strategy and its command come from the plugins
-    (`Strategy.plan_command`); a process's pipeline stages are on its own node's devices."""
+    """How tfdist runs a layout (no ZeRO) on the cluster's devices: (whether it can place the
+    layout, the command). The strategy and its command come from the plugins
+    (`Strategy.plan_command`); a process's pipeline stages and tensor-parallel devices are on its
+    own node's devices."""
     from tfdist import strategies
-    per_node = max(cluster.node() // layout.pp, 1)  # processes per node, each with its stages
+    local = layout.pp * layout.tp  # devices of one process
+    per_node = max(cluster.node() // local, 1)  # processes per node
     plugin, command = strategies.for_plan(cluster.device.name, layout.dp, per_node, list(flags))
     if plugin is None:
         return False, ""
-    placed = layout.pp <= cluster.node() and (layout.pp == 1 or plugin.supports_pipeline)
+    placed = local <= cluster.node() and (local == 1 or plugin.supports_pipeline)
+    if layout.tp > 1 and plugin.uses_local_devices:
+        placed = False  # one replica per process (horovod, multi_worker_mirrored) only
     return placed, command
 
 
-def tfdist_command(plan_, cluster, batch, config_arg, precision):
-    """The `tfdist train` command for a layout tfdist runs (tp = 1, no ZeRO)."""
+def tfdist_command(plan_, cluster, batch, config_arg, precision, schedule="gpipe"):
+    """The `tfdist train` command for a layout tfdist runs (no ZeRO)."""
     lay = plan_.layout
     m = lay.microbatches(batch)
     flags = [config_arg, f"--config.train.batch_size={batch}"]
     if precision == "mixed":
         flags.append("--config.train.precision=mixed_bfloat16")
+    if lay.tp > 1:
+        flags.append(f"--config.tensor.parallel={lay.tp}")
     if lay.pp > 1:
         flags += [f"--config.pipeline.stages={lay.pp}", f"--config.pipeline.microbatches={m}"]
+        if schedule == "1f1b":
+            flags.append("--config.pipeline.schedule=1f1b")
         if lay.recompute:
             flags.append("--config.pipeline.recompute=True")
     elif m > 1:  # one microbatch at a time: Keras's gradient accumulation
@@ -73,8 +82,8 @@ def tfdist_command(plan_, cluster, batch, config_arg, precision):
 
 def runnable(plan_, cluster):
     lay = plan_.layout
-    if not lay.runs_in_tfdist() or (lay.recompute and lay.pp == 1):
-        return False  # no tensor parallelism or ZeRO yet; recomputation is the pipeline's
+    if not lay.runs_in_tfdist() or (lay.recompute and lay.pp == 1) or not plan_.tfdist_fits:
+        return False  # no ZeRO yet; recomputation is the pipeline's; embedding and head whole
     return strategy_launch(lay, cluster)[0]
 
 
@@ -337,13 +346,14 @@ def _report(model, cluster, batch, plans, opts, config_arg, F):
         print(f"best: {b.layout}: {b.tokens_per_sec:,.0f} tokens/s, MFU {b.mfu:.1%}, "
               f"{b.memory['total'] / GB:.1f} GB per device, bound by {b.time['bottleneck']}")
     if best is None:
-        print("no layout tfdist can run today fits (tfdist has no tensor parallelism or ZeRO yet)")
+        print("no layout tfdist can run today fits (tfdist has no ZeRO yet, and keeps the embedding "
+              "and head whole on one device of each tensor-parallel group)")
     else:
         if best is not feasible[0]:
-            print(f"best that tfdist runs today (no tensor parallelism or ZeRO yet): {best.layout}, "
+            print(f"best that tfdist runs today (no ZeRO yet): {best.layout}, "
                   f"{best.tokens_per_sec / feasible[0].tokens_per_sec:.0%} of the best's speed")
         print("  " + tfdist_command(best, cluster, batch, config_arg or "--config=<your config>",
-                                     opts.precision))
+                                     opts.precision, opts.schedule))
     os.makedirs(F.out, exist_ok=True)
     shown = feasible[:F.top] or over[:F.top]
     chart(shown, cluster, os.path.join(F.out, "plan.png"),

@@ -116,7 +116,7 @@ class Layout:
         return batch // (self.dp * self.microbatch)
 
     def runs_in_tfdist(self):
-        return self.tp == 1 and self.zero == 0
+        return self.zero == 0  # tensor parallelism inside a process (tfdist.models.tensor_parallel)
 
     def __str__(self):
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.microbatch} zero={self.zero}"
@@ -130,6 +130,9 @@ class Options:
     efficiency: float = 0.0  # fraction of peak that matmuls reach; 0: calibrated() on 175B
     usable_memory: float = 0.95  # of the device's memory (runtime context, fragmentation)
     elementwise_passes: float = 3.0  # memory traffic per stored activation byte (see step_time)
+    # Megatron-LM splits the embedding and the logits over the tensor-parallel ranks; tfdist
+    # keeps them whole on each stage's first device (tfdist.models.tensor_parallel)
+    vocab_parallel: bool = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,16 +143,19 @@ class Options:
 STATE_BYTES = arithmetic.STATE_BYTES  # {"mixed": (2, 2, 12), "float32": (4, 4, 8)}
 
 
-def stage_params(model, pp):
+def stage_params(model, pp, tp=1, vocab_parallel=True):
     """Parameters of the largest pipeline stage (blocks split as evenly as possible; the
-    embedding on the first stage, the untied head and final norm on the last)."""
-    layers = math.ceil(model.n_layer / pp) * model.arch.layer_params()
+    embedding on the first stage, the untied head and final norm on the last), per device of its
+    `tp` tensor-parallel ones: the blocks split over them, the embedding and head too when
+    `vocab_parallel` (else whole on one of them)."""
+    layers = math.ceil(model.n_layer / pp) * model.arch.layer_params() / tp
     if model.params_override:
-        return model.params_override / pp
-    emb = model.arch.embedding_params()
+        return model.params_override / pp / tp
+    v = tp if vocab_parallel else 1
+    emb = model.arch.embedding_params() / v
     if pp == 1:
         return layers + emb
-    head = model.arch.head_params()  # the last stage holds the head (a copy, if tied)
+    head = model.arch.head_params() / v  # the last stage holds the head (a copy, if tied)
     return layers + max(emb - (0 if model.tied_embeddings else head), head)
 
 
@@ -165,7 +171,7 @@ def activation_bytes_per_layer(model, layout, tokens, precision):
 def memory(model, layout, batch, opts=Options()):
     """Bytes per device, by part, for the largest stage."""
     pb, gb, ob = STATE_BYTES[opts.precision]
-    n = stage_params(model, layout.pp) / layout.tp
+    n = stage_params(model, layout.pp, layout.tp, opts.vocab_parallel)
     d, z = layout.dp, layout.zero
     parts = {"weights": n * pb / (d if z >= 3 else 1),
              "gradients": n * gb / (d if z >= 2 else 1),
@@ -182,7 +188,8 @@ def memory(model, layout, batch, opts=Options()):
         acts = layers * in_flight * kept + layer
     else:
         acts = layers * in_flight * layer
-    logits = model.arch.logits_bytes(tokens, layout.tp) * (in_flight if opts.schedule == "gpipe" else 1)
+    logits = model.arch.logits_bytes(tokens, layout.tp if opts.vocab_parallel else 1) * \
+        (in_flight if opts.schedule == "gpipe" else 1)
     parts["activations"] = acts + logits
     parts["total"] = sum(parts.values())
     return parts
@@ -235,7 +242,7 @@ def step_time(model, cluster, layout, batch, opts=Options()):
     pipeline = (m + pp - 1) * per_microbatch
     bubble = (pp - 1) * per_microbatch
 
-    n = stage_params(model, pp) / t
+    n = stage_params(model, pp, t)
     grad_bytes = n * STATE_BYTES[opts.precision][1]
     dp = allreduce_seconds(grad_bytes, layout.dp, cluster.bandwidth(t * layout.dp))
     if layout.zero >= 3:
@@ -259,6 +266,7 @@ class Plan:
     mfu: float
     tflops_per_device: float  # hardware FLOP/s as Megatron-LM reports them (recomputation included)
     overflow: str = ""
+    tfdist_fits: bool = True  # also with the embedding and head whole, as tfdist keeps them
 
 
 def evaluate(model, cluster, layout, batch, opts=Options()):
@@ -273,10 +281,12 @@ def evaluate(model, cluster, layout, batch, opts=Options()):
         f"needs {mem['total'] / GB:.1f} GB > {capacity / GB:.1f} GB usable; largest: "
         + ", ".join(f"{k} {v / GB:.1f}" for k, v in sorted(
             ((k, v) for k, v in mem.items() if k != "total"), key=lambda kv: -kv[1])[:2]))
+    whole = memory(model, layout, batch, dataclasses.replace(opts, vocab_parallel=False))
     return Plan(layout, mem, tm, fits, tokens / tm["total"],
                 model.arch.model_flops_per_token() * tokens
                 / (tm["total"] * cluster.count * cluster.device.peak(opts.precision)),
-                hw / (tm["total"] * cluster.count) / 1e12, overflow)
+                hw / (tm["total"] * cluster.count) / 1e12, overflow,
+                tfdist_fits=whole["total"] <= capacity)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+"""Tensor parallelism (Megatron-LM) and the 1F1B schedule: gradients and losses equal the unsplit
+GPT's, every shard's variables and matmuls are on its device (read from the executed graphs), a
+t-way block holds 1/t of its matmul weights per device, 2 processes x t = 2 stay identical, a
+backup of t = 2 restores into t = 1 and into K = 2 x t = 2, 1F1B's gradients equal GPipe's, and bad
+configs are one line."""
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from tests.helpers import (DRIVER, assert_usage_error, driver, final_weights, first_fast,
+                           max_diff, metrics, run_group, tfdist, weights)
+from tests.test_pipeline import common, probe
+from tfdist.strategies.horovod import horovodrun_argv
+
+
+@pytest.mark.parametrize("k,t", first_fast([(1, 2), (1, 4), (2, 2)]))
+def test_gradients_equal_the_unsplit_model(k, t):
+    r = probe("grads", k, 4, f"t={t}")
+    assert r["n"] == 52  # every weight of the unsplit 4-block GPT, its shards joined
+    assert r["shards"] == 52 + 4 * 6 * (t - 1)  # 6 split variables per block, t shards each
+    assert r["loss_diff"] <= 1e-5
+    assert r["max_grad_diff"] <= 1e-5, r
+    assert r["max_grad"] > 1e-2  # the gradients compared are not all ~0
+
+
+@pytest.mark.slow
+def test_losses_over_ten_steps_equal_the_unsplit_model():
+    r = probe("losses", 2, 4, "t=2")
+    assert len(r["plain"]) == len(r["pipeline"]) == 10
+    assert r["max_diff"] <= 1e-5, r
+    assert r["plain"][-1] != r["plain"][0]  # it trained
+
+
+@pytest.mark.parametrize("k,t", first_fast([(1, 2), (2, 2)]))
+def test_one_f_one_b_gradients_equal_gpipes(k, t):
+    r = probe("schedules", max(k, 2), 4, f"t={t}")
+    assert r["n"] == 52
+    assert r["loss_diff"] <= 1e-6 and r["max_grad_diff"] <= 1e-6, r
+
+
+def test_every_shard_runs_on_its_device_and_holds_one_t_th_of_the_matmul_weights():
+    r = probe("tensor_placement", 2, 2, "t=2")
+    want = r["want"]  # "block/shard" -> device index (stage s's devices for its blocks)
+    assert sorted(want) == [f"{b}/{s}" for b in range(4) for s in range(2)]
+    # the devices each shard's matmuls ran on, forward and backward, from the executed graph
+    for key, device in want.items():
+        for direction in ("forward", "backward"):
+            assert r["ran"][f"{key}/{direction}"] == [device], (key, direction, r["ran"])
+    # Companion: the same check with two shards' devices swapped finds them out of place.
+    swapped = {**want, "0/0": want["0/1"], "0/1": want["0/0"]}
+    assert any(r["ran"][f"{key}/forward"] != [d] for key, d in swapped.items())
+    # each device holds 1/t of each of its blocks' matmul weights (counted from the variables)
+    for key, nbytes in r["matmul_bytes"].items():
+        block, device = map(int, key.split("/"))
+        assert device in (want[f"{block}/0"], want[f"{block}/1"])
+        assert nbytes == r["unsplit_block_matmul_bytes"] // 2, (key, nbytes)
+    # the memory estimate: one row per device; the shard-1 devices hold no embedding or norms
+    rows = {(row["stage"], row["shard"]): row for row in r["memory"]}
+    assert sorted(rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert rows[(0, 1)]["params"] < rows[(0, 0)]["params"]
+    assert rows[(0, 1)]["activation_bytes"] < rows[(0, 0)]["activation_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["horovod", "multi_worker_mirrored"])
+def test_two_processes_of_two_shards_stay_identical(tmp_path, data_dir, strategy):
+    o = common(data_dir, **{"strategy.name": strategy, "tensor.parallel": 2,
+                            "backup.enabled": False})
+    program = [sys.executable, DRIVER, str(tmp_path), __import__("json").dumps(o), "--dump-weights"]
+    if strategy == "horovod":
+        cmd = horovodrun_argv(2, program)
+    else:
+        cmd = [sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0", "--",
+               *program]
+    p = run_group(cmd, 300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "tensor parallel over 2 devices" in p.stdout
+    w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)
+    assert len(w0) > 52  # the shards
+    assert max_diff(w0, w1) == 0.0
+    log = metrics(tmp_path)["steps"]
+    assert len(log) == o["train.steps"] and log[-1]["loss"] < log[0]["loss"]
+
+
+@pytest.mark.slow
+def test_a_backup_of_two_shards_restores_into_one_and_into_two_stages_of_two(tmp_path, data_dir):
+    o = common(data_dir, **{"backup.every_steps": 1, "tensor.parallel": 2})
+    driver(tmp_path / "ref", o)
+    reference = final_weights(tmp_path / "ref")
+    # model.keras is the plain GPT: Dense layers, no shards
+    import tfdist.models.gpt  # noqa: F401
+    plain = keras.saving.load_model(tmp_path / "ref" / "model.keras", compile=False)
+    assert type(plain.blocks[0].c_fc).__name__ == "Dense" and len(plain.weights) == 52
+    kill_at, steps = 5, o["train.steps"]
+    for name, resume in (("plain", {"tensor.parallel": 1}),
+                         ("stages", {"pipeline.stages": 2, "tensor.parallel": 2})):
+        p, _ = driver(tmp_path / name, o, "--kill-at-step", str(kill_at), check=False)
+        assert p.returncode == -9  # killed after step 5, its backup written
+        p, res = driver(tmp_path / name, {**o, **resume})
+        assert f"at step {kill_at} of {steps}" in p.stdout, p.stdout[-2000:]
+        assert res["steps_run"] == steps - kill_at
+        assert max_diff(final_weights(tmp_path / name), reference) <= 1e-5, name
+
+
+@pytest.mark.parametrize("flags,needle", first_fast([
+    (["--config.tensor.parallel=3"], "must divide model.n_head"),
+    (["--config.tensor.parallel=2", "--config.pipeline.stages=2",
+      "--config.pipeline.devices=/cpu:0,/cpu:1,/cpu:2,/cpu:3"], "more than the devices"),
+    (["--config.tensor.parallel=2", "--strategy=mirrored", "--devices=2"], "one replica per process"),
+    (["--config.pipeline.stages=2", "--config.pipeline.microbatches=1",
+      "--config.pipeline.schedule=1f1b"], "at least as many microbatches as stages"),
+]))
+def test_bad_tensor_parallel_configs_are_one_line(tmp_path, flags, needle):
+    p = tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
+               "--config.train.batch_size=8", "--config.model.n_head=4", *flags, check=False)
+    assert_usage_error(p, needle)
+    assert not os.listdir(tmp_path)
+
+
+def test_the_planner_recommends_a_runnable_tensor_parallel_layout():
+    from tfdist import plan
+    c = plan._config(os.path.join(os.path.dirname(__file__), "..", "configs", "gpt2_xl.py"))
+    model = plan.model_from_config(c, "gpt2_xl")
+    cluster = plan.Cluster(plan.DEVICES["a100-40gb"], 8)
+    p = plan.evaluate(model, cluster, plan.Layout(4, tp=2), 64)
+    assert plan.runnable(p, cluster)
+    cmd = plan.tfdist_command(p, cluster, 64, "--config=configs/gpt2_xl.py", "mixed", "1f1b")
+    assert "--config.tensor.parallel=2" in cmd and cmd.startswith("tfdist launch --workers 4 ")
+    # tfdist keeps the embedding and head whole: a layout that fits only when they are split
+    # over the tensor-parallel ranks (Megatron's vocabulary-parallel head) is not runnable
+    whole = plan.memory(model, plan.Layout(4, tp=2), 64, plan.Options(vocab_parallel=False))
+    split = plan.memory(model, plan.Layout(4, tp=2), 64, plan.Options())
+    assert whole["weights"] > split["weights"]
+    assert not plan.runnable(plan.evaluate(model, cluster, plan.Layout(4, tp=2, zero=1), 64), cluster)
+    np.testing.assert_equal(p.tfdist_fits, True)

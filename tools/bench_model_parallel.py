@@ -1,0 +1,225 @@
+"""Benchmarks of tfdist's model parallelism on this machine's logical CPU devices.
+
+    python tools/bench_model_parallel.py --schedules   # 1F1B vs GPipe: peak memory at M = 4..32
+    python tools/bench_model_parallel.py --tensor      # t = 2 tensor parallel vs the unsplit model
+
+--schedules: gpt_mini (6 blocks, width 384, context 256) in K = 2 pipeline stages, microbatches of
+--microbatch_size sequences, so that the batch is M of them and the activations GPipe keeps grow
+with M. Each (schedule, M) runs in a fresh process: a training step
+(`train_step` in a tf.function: `compute_gradients` and the optimizer update) traced and run once,
+then TF's CPU allocator's peak over the next step (`tf.config.experimental.get_memory_info`, which on
+logical CPU devices is the whole process's; reset after the first step), and the process's peak RSS
+(VmHWM, which also holds TF's runtime and the traced graphs: M microbatches make a larger graph). Beside them: the estimate of `Pipeline.memory_estimate`, summed over
+the stages. Writes bench_results/schedules.json.
+
+--tensor: gpt_mini, batch --batch of 256 tokens, in three variants, each in its own process and
+alternating for --rounds rounds: the unsplit GPT with 2 intra-op threads (the same threads as the
+split model), the unsplit GPT with 1 thread, and t = 2 tensor parallel on 2 logical CPU devices
+(1 intra-op thread each, 2 inter-op threads). Per variant: the median step time, the speedup of t = 2
+over each unsplit variant, and the share of the step spent summing partial outputs (the AddN ops of
+the row-parallel layers and their transfers, from a profiled step's op times). `tfdist plan`'s
+prediction for this machine (tfdist.plan, with the machine's measured matmul rate) stands beside it,
+with the error. Writes bench_results/tensor.json.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from absl import app, flags
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+_SCHEDULES = flags.DEFINE_bool("schedules", False, "1F1B vs GPipe peak memory.")
+_TENSOR = flags.DEFINE_bool("tensor", False, "t = 2 tensor parallel vs unsplit speed.")
+_MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "--schedules: M values.")
+_MB_SIZE = flags.DEFINE_integer("microbatch_size", 2, "--schedules: sequences per microbatch.")
+_BATCH = flags.DEFINE_integer("batch", 8, "--tensor: sequences per step.")
+_STEPS = flags.DEFINE_integer("steps", 6, "--tensor: timed steps per run (after 2 warm-up steps).")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "--tensor: rounds of the three variants.")
+_WORKER = flags.DEFINE_string("worker", "", "internal: run one measurement (JSON) and print it.")
+
+SIZES = dict(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0)
+
+
+def worker(spec):
+    """One measurement in this (fresh) process; prints `RESULT {...}`."""
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(spec["intra"])
+    tf.config.threading.set_inter_op_parallelism_threads(spec["inter"])
+    from tfdist.strategies.base import configure_logical_cpus
+    configure_logical_cpus(spec["stages"] * spec["tensor"])
+    import keras
+    from tfdist.models.gpt import GPT, loss_fn
+    from tfdist.models.pipeline import Pipeline
+    keras.utils.set_random_seed(0)
+    model = Pipeline(GPT(**SIZES), stages=spec["stages"], microbatches=spec["microbatches"],
+                     tensor_parallel=spec["tensor"], schedule=spec["schedule"])
+    model.build()
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=loss_fn())
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, size=(spec["batch"], SIZES["block_size"] + 1)).astype("int32")
+    x, y = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
+    step = tf.function(lambda: model.train_step((x, y)))
+    step()["loss"].numpy()  # traced, and run once: the peak below is a steady step's
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    times = []
+    for i in range(spec["steps"] + 1):
+        start = time.perf_counter()
+        step()["loss"].numpy()
+        times.append(time.perf_counter() - start)
+    out = {"step_s": statistics.median(times[1:]) if spec["steps"] else None}
+    if spec.get("profile"):
+        out["sum_share"] = sum_share(step)
+    out["tf_peak_bytes"] = int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    with open("/proc/self/status") as f:
+        out["peak_rss_bytes"] = int(f.read().split("VmHWM:")[1].split()[0]) * 1024
+    out["estimated_bytes"] = sum(r["total_bytes"] for r in model.memory_estimate(spec["batch"]))
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def sum_share(step):
+    """Share of one step's op time spent in the sums of partial outputs (AddN under a block's
+    name scope, and the copies feeding them), from TF's step stats."""
+    from tensorflow.python.eager import context
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    step()
+    meta = ctx.export_run_metadata()
+    ctx.disable_run_metadata()
+    total = summed = 0
+    for graph in meta.function_graphs:
+        for dev in graph.step_stats.dev_stats if graph.HasField("step_stats") else []:
+            for node in dev.node_stats:
+                us = node.op_end_rel_micros - node.op_start_rel_micros
+                total += us
+                if node.timeline_label.startswith("AddN") or "/AddN" in node.node_name:
+                    summed += us
+    for dev in meta.step_stats.dev_stats:
+        for node in dev.node_stats:
+            us = node.op_end_rel_micros - node.op_start_rel_micros
+            total += us
+            if "AddN" in node.node_name or "_Send" in node.node_name or "_Recv" in node.node_name:
+                summed += us
+    return summed / total if total else None
+
+
+def measure(spec):
+    p = subprocess.run([sys.executable, __file__, "--worker=" + json.dumps(spec)],
+                       capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if p.returncode or not lines:
+        raise SystemExit(f"measurement {spec} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def write(name, obj):
+    os.makedirs(os.path.join(ROOT, "bench_results"), exist_ok=True)
+    path = os.path.join(ROOT, "bench_results", name)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+    print(f"wrote {path}")
+
+
+def schedules_main():
+    rows = []
+    for m in map(int, _MICROBATCHES.value):
+        for schedule in ("gpipe", "1f1b"):
+            r = measure({"stages": 2, "tensor": 1, "microbatches": m, "schedule": schedule,
+                         "batch": m * _MB_SIZE.value, "steps": 0, "intra": 2, "inter": 2})
+            rows.append({"schedule": schedule, "M": m, **r})
+            print(f"{schedule:6} M={m:3}: TF peak {r['tf_peak_bytes'] / 2**20:8.1f} MiB, "
+                  f"peak RSS {r['peak_rss_bytes'] / 2**20:8.1f} MiB, "
+                  f"estimate {r['estimated_bytes'] / 2**20:8.1f} MiB", flush=True)
+    base = {s: next(r for r in rows if r["schedule"] == s)["tf_peak_bytes"] for s in ("gpipe", "1f1b")}
+    print(f"\n{'schedule':8} {'M':>3} {'TF peak MiB':>12} {'vs M=4':>7} {'RSS MiB':>9} {'estimate MiB':>13}")
+    for r in rows:
+        r["vs_first_M"] = r["tf_peak_bytes"] / base[r["schedule"]]
+        print(f"{r['schedule']:8} {r['M']:3} {r['tf_peak_bytes'] / 2**20:12.1f} {r['vs_first_M']:7.2f} "
+              f"{r['peak_rss_bytes'] / 2**20:9.1f} {r['estimated_bytes'] / 2**20:13.1f}")
+    worst = max(r["vs_first_M"] for r in rows if r["schedule"] == "1f1b")
+    print(f"1F1B: the largest peak is {worst:.3f} x its M={_MICROBATCHES.value[0]} peak "
+          f"(target: within 1.10)")
+    write("schedules.json", {"model": "gpt_mini", "stages": 2, "microbatch_size": _MB_SIZE.value,
+                             "rows": rows, "one_f_one_b_worst_ratio": worst,
+                             "command": "python tools/bench_model_parallel.py --schedules"})
+
+
+def tensor_main():
+    variants = {
+        "unsplit (2 threads)": {"stages": 1, "tensor": 1, "intra": 2, "inter": 2},
+        "unsplit (1 thread)": {"stages": 1, "tensor": 1, "intra": 1, "inter": 1},
+        "t=2": {"stages": 1, "tensor": 2, "intra": 1, "inter": 2},
+    }
+    times = {name: [] for name in variants}
+    share = []
+    for _ in range(_ROUNDS.value):
+        for name, v in variants.items():
+            r = measure({**v, "microbatches": 1, "schedule": "gpipe", "batch": _BATCH.value,
+                         "steps": _STEPS.value, "profile": name == "t=2"})
+            times[name].append(r["step_s"])
+            if name == "t=2":
+                share.append(r["sum_share"])
+            print(f"{name:20} {r['step_s']:.3f} s/step", flush=True)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    predicted = planner_prediction(med["unsplit (1 thread)"])
+    rows = []
+    print(f"\n{'variant':20} {'step s':>8} {'t=2 speedup':>12}")
+    for name, s in med.items():
+        rows.append({"variant": name, "step_s": s, "t2_speedup_over_this": s / med["t=2"]})
+        print(f"{name:20} {s:8.3f} {s / med['t=2']:12.2f}")
+    measured = med["unsplit (1 thread)"] / med["t=2"]
+    print(f"share of the t=2 step summing partial outputs: {statistics.median(share):.3f}")
+    print(f"planner's predicted speedup of t=2 over one device: {predicted['speedup']:.2f}; "
+          f"measured {measured:.2f} (error {predicted['speedup'] / measured - 1:+.1%})")
+    write("tensor.json", {"model": "gpt_mini", "batch": _BATCH.value, "rounds": _ROUNDS.value,
+                          "median_step_s": med, "all_step_s": times, "rows": rows,
+                          "sum_share": statistics.median(share), "planner": predicted,
+                          "measured_speedup_over_1_thread": measured,
+                          "planner_error": predicted["speedup"] / measured - 1,
+                          "command": "python tools/bench_model_parallel.py --tensor"})
+
+
+def planner_prediction(one_thread_s):
+    """`tfdist plan`'s step time for t = 2 on two of this machine's cores (the per-core matmul
+    peak of bench_results/bench.json), with the fraction of peak fitted to the unsplit model's
+    measured one-thread step, as `tfdist plan --measured` fits it; the two devices are in one
+    process, so the partial outputs are summed in memory (no network)."""
+    import dataclasses
+    import math
+
+    from tfdist import plan
+    from tfdist.config import default_config
+    from tfdist.plan.published import _fit_efficiency
+    c = default_config()
+    c.model.update(**SIZES)
+    model = plan.model_from_config(c, "gpt_mini")
+    dev = plan.cpu_device(os.path.join(ROOT, "bench_results"))
+    opts = plan.Options(precision="float32")
+    f = _fit_efficiency(model, plan.Cluster(dev, 1), plan.Layout(1), _BATCH.value, one_thread_s, opts)
+    inproc = plan.Cluster(dev, 2, intra_bw=math.inf, inter_bw=math.inf)
+    t2 = plan.step_time(model, inproc, plan.Layout(1, tp=2), _BATCH.value,
+                        dataclasses.replace(opts, efficiency=f))["total"]
+    return {"fitted_efficiency": f, "predicted_step_s": t2, "speedup": one_thread_s / t2}
+
+
+def main(argv):
+    del argv
+    if _WORKER.value:
+        return worker(json.loads(_WORKER.value))
+    if _SCHEDULES.value:
+        schedules_main()
+    if _TENSOR.value:
+        tensor_main()
+    if not (_SCHEDULES.value or _TENSOR.value):
+        raise app.UsageError("give --schedules and/or --tensor")
+
+
+if __name__ == "__main__":
+    app.run(main)
