@@ -5,12 +5,9 @@ upstream does not promise to keep. Each one names the upstream issue it works ar
 versions it was written for (`PINNED`), and the test that fails without it (`PATCHES`). When you
 upgrade, run those tests with the patch disabled (`TFDIST_DISABLE_PATCHES=<name>,...`, or the
 `disable_patches` hook of `tfdist.train.Hooks`): the ones that then pass show a patch upstream
-has made unnecessary. `tests/test_compat.py` parses tfdist's sources and fails if a private
-attribute of a Keras or TF object (`obj._name`, `keras.src`, `tensorflow.python`) is used
-anywhere else. Modules that need no patch import nothing from here.
-
-On import it checks the installed versions against `PINNED` and says so on stderr when they
-differ.
+has made unnecessary. `tests/test_compat.py` fails if a private attribute of a Keras or TF
+object (`obj._name`, `keras.src`, `tensorflow.python`) is used anywhere else. Modules that need
+no patch import nothing from here. On import it says on stderr if the versions differ from PINNED.
 
 Example:
 
@@ -196,14 +193,19 @@ def update_on_variable_device(optimizer):
     optimizer._tfdist_placed = True
 
 
-def learning_rate_schedule(optimizer):
-    """The optimizer's schedule (or its constant rate variable): `optimizer.learning_rate` gives
-    only the current value."""
+def learning_rate_schedule(optimizer):  # `optimizer.learning_rate` is only the current value
     return optimizer._learning_rate
+
+
 
 
 def set_learning_rate_schedule(optimizer, schedule):
     optimizer._learning_rate = schedule
+
+
+def replace_sublayer(parent, attr, layer):  # parent.<attr> = layer; Keras would track both
+    parent._tracker.untrack(getattr(parent, attr))
+    setattr(parent, attr, layer)
 
 
 # -- a custom train_step, as Keras's own -------------------------------------------------------

@@ -23,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.models.tensor_parallel import ShardedDense
+from tfdist.models import tensor_parallel
 
 
 def _name(variable):
@@ -32,8 +32,8 @@ def _name(variable):
 
 
 def _sharded_layers(model):
-    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
-            if isinstance(layer, ShardedDense) and layer.built]
+    mine = {id(v) for v in model.weights}
+    return [layer for layer in list(tensor_parallel.BUILT) if id(layer.kernels[0]) in mine]
 
 
 def _shard_index(model):
@@ -70,10 +70,9 @@ def _unique(names, name):
     return name
 
 
-def _slot_lists(optimizer):
+def _slot_lists(optimizer, own):
     """The optimizer's per-variable lists (Adam's momentums and velocities, accumulated
-    gradients): attributes aligned with its trainable variables."""
-    own = optimizer._trainable_variables
+    gradients): attributes aligned with the trainable variables `own` it was built with."""
     for attr, value in sorted(vars(optimizer).items()):
         if (attr != "_trainable_variables" and isinstance(value, list) and len(value) == len(own)
                 and value and all(x is None or isinstance(x, keras.Variable) for x in value)):
@@ -90,8 +89,8 @@ def optimizer_state(optimizer, model):
         for name, v in optimizer_state(inner, model).items():
             out["inner/" + name] = v
         placed |= {id(v) for v in inner.variables}
-    trainables = optimizer._trainable_variables
-    for slot_name, slots in _slot_lists(optimizer):
+    trainables = model.trainable_weights  # what tfdist and Keras's fit build optimizers with
+    for slot_name, slots in _slot_lists(optimizer, trainables):
         groups = {}
         for var, slot in zip(trainables, slots):
             if slot is None:
@@ -113,7 +112,7 @@ def optimizer_state(optimizer, model):
 
 def _joined(layer, what, parts):
     whole = layer.whole()[what]
-    return type(whole)(parts, whole._join, whole._split)
+    return type(whole)(parts, whole.join, whole.split)
 
 
 def shapes(model):

@@ -41,13 +41,17 @@ Example (2 logical CPU devices):
     >>> [tuple(k.shape) for k in c_fc.kernels], tuple(c_fc.whole()["kernel"].value().shape)
     ([(32, 64), (32, 64)], (32, 128))
 """
+import weakref
+
 import keras
 import tensorflow as tf
 from keras import ops
 
+from tfdist import compat
 from tfdist.config import check_tensor_parallel as check_divisible
 
 AXIS = "model"  # the DeviceMesh axis the blocks are split over
+BUILT = weakref.WeakSet()  # every built ShardedDense (tfdist.models.state finds a model's here)
 
 
 def megatron_layout(mesh):
@@ -68,16 +72,16 @@ class _Whole(tf.__internal__.tracking.Trackable):
     (key VARIABLE_VALUE, as a variable's), so a checkpoint restores into any t."""
 
     def __init__(self, shards, join, split):
-        self.shards, self._join, self._split = list(shards), join, split
+        self.shards, self.join, self.split = list(shards), join, split
 
     def value(self):
-        return self._join([tf.convert_to_tensor(s) for s in self.shards])
+        return self.join([tf.convert_to_tensor(s) for s in self.shards])
 
     def _serialize_to_tensors(self):
         return {"VARIABLE_VALUE": self.value()}
 
     def _restore_from_tensors(self, restored_tensors):
-        parts = self._split(restored_tensors["VARIABLE_VALUE"])
+        parts = self.split(restored_tensors["VARIABLE_VALUE"])
         return tf.group([s.assign(p) for s, p in zip(self.shards, parts)])
 
 
@@ -140,6 +144,7 @@ class ShardedDense(keras.layers.Layer):
                 with tf.device(self.devices[r]):
                     self.biases.append(self.add_weight(name=f"bias_{r}", shape=(width,),
                                                        initializer="zeros"))
+        BUILT.add(self)
 
     def whole(self):
         """{"kernel": ..., "bias": ...} as the unsplit Dense's variables, for checkpoints."""
@@ -186,8 +191,7 @@ def _swap(parent, attr, split, devices, groups=1):
     sharded = ShardedDense(dense.units, devices, split=split, groups=groups,
                            use_bias=dense.use_bias, kernel_initializer=dense.kernel_initializer,
                            name=dense.name, dtype=dense.dtype_policy)
-    parent._tracker.untrack(dense)  # the Dense it replaces is never built: drop it from the layers
-    setattr(parent, attr, sharded)
+    compat.replace_sublayer(parent, attr, sharded)  # the Dense it replaces is never built
 
 
 def shard_blocks(gpt, block_devices, layout):
