@@ -9,8 +9,8 @@ with M. Each (schedule, M) runs in a fresh process: a training step
 (`train_step` in a tf.function: `compute_gradients` and the optimizer update) traced and run once,
 then TF's CPU allocator's peak over the next step (`tf.config.experimental.get_memory_info`, which on
 logical CPU devices is the whole process's; reset after the first step), and the process's peak RSS
-(VmHWM, which also holds TF's runtime and the traced graphs: M microbatches make a larger graph). Beside them: the estimate of `Pipeline.memory_estimate`, summed over
-the stages. Writes bench_results/schedules.json.
+(VmHWM, which also holds TF's runtime and the traced graphs: M microbatches make a larger graph).
+Beside them: the estimate of `Pipeline.memory_estimate`, summed over the stages. Writes bench_results/schedules.json.
 
 --tensor: gpt_mini, batch --batch of 256 tokens, in three variants, each in its own process and
 alternating for --rounds rounds: the unsplit GPT with 2 intra-op threads (the same threads as the
@@ -94,14 +94,7 @@ def sum_share(step):
     meta = ctx.export_run_metadata()
     ctx.disable_run_metadata()
     total = summed = 0
-    for graph in meta.function_graphs:
-        for dev in graph.step_stats.dev_stats if graph.HasField("step_stats") else []:
-            for node in dev.node_stats:
-                us = node.op_end_rel_micros - node.op_start_rel_micros
-                total += us
-                if node.timeline_label.startswith("AddN") or "/AddN" in node.node_name:
-                    summed += us
-    for dev in meta.step_stats.dev_stats:
+    for dev in meta.step_stats.dev_stats:  # (function graphs carry no step stats of their own)
         for node in dev.node_stats:
             us = node.op_end_rel_micros - node.op_start_rel_micros
             total += us
