@@ -16,8 +16,9 @@ Beside them: the estimate of `Pipeline.memory_estimate`, summed over the stages.
 alternating for --rounds rounds: the unsplit GPT with 2 intra-op threads (the same threads as the
 split model), the unsplit GPT with 1 thread, and t = 2 tensor parallel on 2 logical CPU devices
 (1 intra-op thread each, 2 inter-op threads). Per variant: the median step time, the speedup of t = 2
-over each unsplit variant, and the share of the step spent summing partial outputs (the AddN ops of
-the row-parallel layers and their transfers, from a profiled step's op times). `tfdist plan`'s
+over each unsplit variant, and the share of the step spent summing partial outputs: the op time in
+AddN and in copies between the devices, from a profiled step (tf.profiler's trace), beyond the
+unsplit model's own AddN share (its gradient sums). `tfdist plan`'s
 prediction for this machine (tfdist.plan, with the machine's measured matmul rate) stands beside it,
 with the error. Writes bench_results/tensor.json.
 """
@@ -85,22 +86,37 @@ def worker(spec):
 
 
 def sum_share(step):
-    """Share of one step's op time spent in the sums of partial outputs (AddN under a block's
-    name scope, and the copies feeding them), from TF's step stats."""
-    from tensorflow.python.eager import context
-    ctx = context.context()
-    ctx.enable_run_metadata()
-    step()
-    meta = ctx.export_run_metadata()
-    ctx.disable_run_metadata()
-    total = summed = 0
-    for dev in meta.step_stats.dev_stats:  # (function graphs carry no step stats of their own)
-        for node in dev.node_stats:
-            us = node.op_end_rel_micros - node.op_start_rel_micros
-            total += us
-            if "AddN" in node.node_name or "_Send" in node.node_name or "_Recv" in node.node_name:
-                summed += us
-    return summed / total if total else None
+    """Shares of one profiled step's op time (summed over the compute threads of every device):
+    AddN, the op that sums partial outputs (the forward sums of the row-parallel layers, which
+    Grappler merges with the residual add, and the backward sums of the gradients that flow into a
+    replicated input from every shard), and _Send/_Recv, the copies between devices. The unsplit
+    model has AddN ops too (gradient sums); its share is the reference."""
+    import glob
+    import tempfile
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        step()["loss"].numpy()
+        tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0], "rb") as f:
+            space.ParseFromString(f.read())
+    total = summed = copied = 0
+    for plane in space.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_Compute"):
+                continue
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name  # "<op name>:<op type>"
+                op_type = name.rsplit(":", 1)[-1]
+                if ":" not in name or op_type == "Process":  # a function call, not an op
+                    continue
+                total += event.duration_ps
+                summed += event.duration_ps if op_type == "AddN" else 0
+                copied += event.duration_ps if op_type in ("_Send", "_Recv") else 0
+    return {"addn": summed / total, "send_recv": copied / total}
 
 
 def measure(spec):
@@ -151,14 +167,14 @@ def tensor_main():
         "t=2": {"stages": 1, "tensor": 2, "intra": 1, "inter": 2},
     }
     times = {name: [] for name in variants}
-    share = []
+    share = {}
     for _ in range(_ROUNDS.value):
         for name, v in variants.items():
             r = measure({**v, "microbatches": 1, "schedule": "gpipe", "batch": _BATCH.value,
-                         "steps": _STEPS.value, "profile": name == "t=2"})
+                         "steps": _STEPS.value, "profile": name != "unsplit (2 threads)"})
             times[name].append(r["step_s"])
-            if name == "t=2":
-                share.append(r["sum_share"])
+            if "sum_share" in r:
+                share.setdefault(name, []).append(r["sum_share"])
             print(f"{name:20} {r['step_s']:.3f} s/step", flush=True)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     predicted = planner_prediction(med["unsplit (1 thread)"])
@@ -168,12 +184,18 @@ def tensor_main():
         rows.append({"variant": name, "step_s": s, "t2_speedup_over_this": s / med["t=2"]})
         print(f"{name:20} {s:8.3f} {s / med['t=2']:12.2f}")
     measured = med["unsplit (1 thread)"] / med["t=2"]
-    print(f"share of the t=2 step summing partial outputs: {statistics.median(share):.3f}")
+    shares = {name: {k: statistics.median(x[k] for x in xs) for k in ("addn", "send_recv")}
+              for name, xs in share.items()}
+    for name, sh in shares.items():
+        print(f"{name:20} op time in AddN {sh['addn']:.2%}, in _Send/_Recv {sh['send_recv']:.2%}")
+    extra = shares["t=2"]["addn"] + shares["t=2"]["send_recv"] - shares["unsplit (1 thread)"]["addn"]
+    print(f"share of the t=2 step summing partial outputs (AddN and copies beyond the unsplit "
+          f"model's AddN): {extra:.2%}")
     print(f"planner's predicted speedup of t=2 over one device: {predicted['speedup']:.2f}; "
           f"measured {measured:.2f} (error {predicted['speedup'] / measured - 1:+.1%})")
     write("tensor.json", {"model": "gpt_mini", "batch": _BATCH.value, "rounds": _ROUNDS.value,
                           "median_step_s": med, "all_step_s": times, "rows": rows,
-                          "sum_share": statistics.median(share), "planner": predicted,
+                          "op_time_shares": shares, "sum_share_beyond_unsplit": extra, "planner": predicted,
                           "measured_speedup_over_1_thread": measured,
                           "planner_error": predicted["speedup"] / measured - 1,
                           "command": "python tools/bench_model_parallel.py --tensor"})
