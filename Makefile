@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/tfdist sample --model=runs/demo/model.keras --prompt='def ' --max_new_tokens=300
 
 test: $(STAMP) $(HOROVOD)
-	$(BIN)/python -m pytest -q -ra -m 'not long'
+	$(BIN)/python -m pytest -q -ra --durations=25 -m 'not long'
 
 # The trials `make test` leaves out for time (tests marked long).
 test-long: $(STAMP) $(HOROVOD)
