@@ -1,6 +1,7 @@
 """Pipeline (GPipe) model parallelism: gradients and losses equal the unsplit GPT's, every stage's
-variables and ops are on its device, 2 Horovod ranks x 2 stages stay identical, a backup restores
-into another split and into the plain model, and bad pipeline configs are one line."""
+variables and ops are on its device, a backup restores into another split and into the plain
+model, and bad pipeline configs are one line. (Pipeline stages under data parallelism across 2
+processes: tests/test_tensor_parallel.py's 3D test.)"""
 import json
 import os
 import re
@@ -9,9 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, ROOT, assert_usage_error, driver, final_weights, first_fast, max_diff,
-                           metrics, run, run_group, tfdist, weights)
-from tfdist.strategies.horovod import horovodrun_argv
+from tests.helpers import (ROOT, assert_usage_error, driver, final_weights, first_fast, max_diff,
+                           run, tfdist, weights)
 
 PROBE = os.path.join(ROOT, "tests", "pipeline_probe.py")
 
@@ -70,25 +70,7 @@ def common(data_dir, **extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["horovod", "multi_worker_mirrored"])
-def test_two_processes_of_two_stages_stay_identical(tmp_path, data_dir, strategy):
-    o = common(data_dir, **{"strategy.name": strategy, "pipeline.stages": 2,
-                            "pipeline.microbatches": 2, "backup.enabled": False})
-    program = [sys.executable, DRIVER, str(tmp_path), json.dumps(o), "--dump-weights"]
-    if strategy == "horovod":
-        cmd = horovodrun_argv(2, program)
-    else:
-        cmd = [sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0", "--",
-               *program]
-    p = run_group(cmd, 300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    assert "pipeline of 2 stages, 2 microbatch(es)" in p.stdout
-    assert max_diff(weights(tmp_path, 0), weights(tmp_path, 1)) == 0.0
-    log = metrics(tmp_path)["steps"]
-    assert len(log) == o["train.steps"] and log[-1]["loss"] < log[0]["loss"]
-
-
-@pytest.mark.slow
+@pytest.mark.long  # tests/test_tensor_parallel.py's restore across layouts shows the same
 def test_backup_restores_into_another_split_and_into_the_plain_model(tmp_path, data_dir):
     o = common(data_dir, **{"backup.every_steps": 1, "pipeline.stages": 2,
                             "pipeline.layers_per_stage": "1,3", "pipeline.microbatches": 2})

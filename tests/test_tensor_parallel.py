@@ -1,8 +1,8 @@
 """Tensor parallelism (Megatron-LM) and the 1F1B schedule: gradients and losses equal the unsplit
 GPT's, every shard's variables and matmuls are on its device (read from the executed graphs), a
-t-way block holds 1/t of its matmul weights per device, 2 processes x t = 2 stay identical, a
-backup of t = 2 restores into t = 1 and into K = 2 x t = 2, 1F1B's gradients equal GPipe's, and bad
-configs are one line."""
+t-way block holds 1/t of its matmul weights per device, 2 processes of K = 2 x t = 2 under 1F1B stay
+identical, a backup of t = 2 restores into t = 1 and into K = 2 x t = 2, 1F1B's gradients equal
+GPipe's, and bad configs are one line."""
 import os
 import sys
 
@@ -66,9 +66,11 @@ def test_every_shard_runs_on_its_device_and_holds_one_t_th_of_the_matmul_weights
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["horovod", "multi_worker_mirrored"])
-def test_two_processes_of_two_shards_stay_identical(tmp_path, data_dir, strategy):
-    o = common(data_dir, **{"strategy.name": strategy, "tensor.parallel": 2,
-                            "backup.enabled": False})
+def test_data_x_pipeline_x_tensor_parallel_processes_stay_identical(tmp_path, data_dir, strategy):
+    """3D: 2 processes (data parallel), each K = 2 stages x t = 2 shards under 1F1B."""
+    o = common(data_dir, **{"strategy.name": strategy, "pipeline.stages": 2,
+                            "pipeline.microbatches": 2, "pipeline.schedule": "1f1b",
+                            "tensor.parallel": 2, "backup.enabled": False})
     program = [sys.executable, DRIVER, str(tmp_path), __import__("json").dumps(o), "--dump-weights"]
     if strategy == "horovod":
         cmd = horovodrun_argv(2, program)
@@ -77,7 +79,8 @@ def test_two_processes_of_two_shards_stay_identical(tmp_path, data_dir, strategy
                *program]
     p = run_group(cmd, 300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    assert "tensor parallel over 2 devices" in p.stdout
+    assert ("pipeline of 2 stages, 2 microbatch(es), tensor parallel over 2 devices per stage, "
+            "1F1B schedule") in p.stdout
     w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)
     assert len(w0) > 52  # the shards
     assert max_diff(w0, w1) == 0.0

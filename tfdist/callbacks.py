@@ -31,16 +31,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.data.store import write_atomic
 from tfdist.errors import UsageError
 from tfdist.models import state
 
 
 def write_json_atomic(path, obj):
     """Writes JSON through a temporary file and a rename, so a kill never leaves half a file."""
-    tmp = path + ".tmp"
-    with tf.io.gfile.GFile(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def read_json(path):

@@ -129,11 +129,10 @@ def measure(spec):
 
 
 def write(name, obj):
-    os.makedirs(os.path.join(ROOT, "bench_results"), exist_ok=True)
+    from tfdist.data.store import write_atomic
     path = os.path.join(ROOT, "bench_results", name)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-    print(f"wrote {path}")
+    write_atomic(path, json.dumps(obj, indent=1))
+    print(f"wrote {os.path.normpath(path)}")
 
 
 def schedules_main():

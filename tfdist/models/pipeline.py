@@ -315,6 +315,7 @@ class Pipeline(keras.Model):
             return f"tensor parallel over {t} devices: " + parts[0]
         return (f"pipeline of {self.stages} stages, {self.microbatches} microbatch(es)"
                 + (f", tensor parallel over {t} devices per stage" if t > 1 else "")
+                + (", 1F1B schedule" if self.schedule == "1f1b" else "")
                 + f"{', recomputed' if self.recompute else ''}: " + "; ".join(parts))
 
     def device_of(self, variable):
