@@ -223,7 +223,8 @@ CHAOS = [(random.Random(s).randrange(WORKERS), random.Random(s + 100).randint(2,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("worker,kill_at", CHAOS)
+@pytest.mark.parametrize("worker,kill_at", [  # the first repeats the second: `make test-long`
+    pytest.param(*CHAOS[0], marks=pytest.mark.long), CHAOS[1]])
 def test_sigkilled_worker_group_restarts_and_resumes_step_exactly(tmp_path, data_dir, uninterrupted,
                                                                   worker, kill_at):
     p, res = launch(tmp_path, chaos_overrides(data_dir), "--kill-at-step", str(kill_at),
