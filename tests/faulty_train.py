@@ -26,9 +26,15 @@ really ran, across restarts.
 --seed-by-rank: initialise the model with seed + rank (the data keeps the config's seed), so that
   only Horovod's broadcast from rank 0 can make the ranks start alike.
 --skip-broadcast: horovod: leave out that broadcast.
---dump-weights: after training, write WORKDIR/weights-w<i>.npz: this worker's model weights.
+--dump-weights: after training, write WORKDIR/weights-w<i>.npz: this worker's model weights, and
+  WORKDIR/optimizer-w<i>.json: the bytes of its optimizer's variables and its ZeRO description.
+--hash-weights: after every step, append `<step> <sha256 of the weights>` to
+  WORKDIR/weight_hashes-w<i>.txt.
+--skip-zero-gather: leave out ZeRO's all-gather (tfdist.zero.GATHER), to show that the equality
+  tests can fail.
 """
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -54,6 +60,8 @@ def main():
     ap.add_argument("--dump-weights", action="store_true")
     ap.add_argument("--seed-by-rank", action="store_true")
     ap.add_argument("--skip-broadcast", action="store_true")
+    ap.add_argument("--hash-weights", action="store_true")
+    ap.add_argument("--skip-zero-gather", action="store_true")
     args = ap.parse_args()
 
     import importlib
@@ -62,7 +70,7 @@ def main():
     import tensorflow as tf
     from tfdist import cluster
     from tfdist import config as config_lib
-    from tfdist import compat
+    from tfdist import compat, zero
     from tfdist.train import Hooks, train
 
     spec = cluster.from_environment()
@@ -83,10 +91,11 @@ def main():
         def model_seed(self, seed, strategy):
             return seed + strategy.worker_index if args.seed_by_rank else seed
 
-        def wrap_optimizer(self, optimizer, strategy):
+        def wrap_optimizer(self, optimizer, strategy, zero_stage=0):
             if args.skip_allreduce:  # tfdist's corrections over Keras's own (no-op) reduction
                 return compat.set_gradient_reduction(optimizer)
-            return strategy.wrap_optimizer(optimizer)
+            zero.GATHER = not args.skip_zero_gather
+            return strategy.wrap_optimizer(optimizer, zero_stage)
 
         def strategy_callbacks(self, callbacks):
             if args.skip_broadcast:
@@ -122,6 +131,10 @@ def main():
                 hvd.allreduce(tf.constant(0.0), name="faulty_train_sync")
             steps_file.write(f"{worker} {os.getpid()} {logs['loss']!r}\n")
             steps_file.flush()
+            if args.hash_weights:
+                digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in self.model.weights))
+                with open(os.path.join(args.workdir, f"weight_hashes-w{worker}.txt"), "a") as f:
+                    f.write(f"{self.n} {digest.hexdigest()}\n")
             if kill_here and self.n == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -131,6 +144,10 @@ def main():
     if args.dump_weights:
         np.savez(os.path.join(args.workdir, f"weights-w{worker}.npz"),
                  *[v.numpy() for v in record.model.weights])
+        optimizer = record.model.optimizer
+        with open(os.path.join(args.workdir, f"optimizer-w{worker}.json"), "w") as f:
+            json.dump({"bytes": sum(v.numpy().nbytes for v in optimizer.variables),
+                       "zero": zero.describe(optimizer)}, f)
     if args.dump_inputs:
         windows, ctx = contexts[0]
         windows.on_input = None

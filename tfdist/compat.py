@@ -132,7 +132,7 @@ def _smaller_form(grad, var):
     return grad
 
 
-def set_gradient_reduction(optimizer, all_reduce=None):
+def set_gradient_reduction(optimizer, all_reduce=None, norm_sum=None):
     """Sets how `optimizer` reduces gradients across replicas, once, and corrects what a Keras 3
     optimizer (TF backend) does with them under a strategy ("gradient_reduction").
 
@@ -148,6 +148,7 @@ def set_gradient_reduction(optimizer, all_reduce=None):
        all-reduces the gradients, so every replica clips its own partial gradient by its own
        norm. Clipping runs on the summed gradient instead.
 
+    `norm_sum(x)`: x summed over replicas, where `all_reduce` gives each its shard only (ZeRO).
     One reduction, one correction: a second call raises instead of wrapping twice.
     """
     if getattr(optimizer, "_tfdist_reduction", False):
@@ -165,15 +166,16 @@ def set_gradient_reduction(optimizer, all_reduce=None):
         reduced = reduce([(_smaller_form(g, v), v) for g, v in grads_and_vars])
         grads = [_sum_duplicates(g) for g, _ in reduced]
         if clipnorm:
-            grads, _ = tf.clip_by_global_norm(grads, clipnorm)
+            norm = None if norm_sum is None else tf.sqrt(norm_sum(tf.add_n(
+                [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads])))
+            grads, _ = tf.clip_by_global_norm(grads, clipnorm, use_norm=norm)
         return list(zip(grads, [v for _, v in reduced]))
 
     optimizer._all_reduce_sum_gradients = reduce_then_fix
     return optimizer
 
 
-def has_gradient_reduction(optimizer):
-    """Whether `set_gradient_reduction` has been applied to `optimizer`."""
+def has_gradient_reduction(optimizer):  # whether set_gradient_reduction has been applied
     return getattr(optimizer, "_tfdist_reduction", False)
 
 
@@ -195,8 +197,6 @@ def update_on_variable_device(optimizer):
 
 def learning_rate_schedule(optimizer):  # `optimizer.learning_rate` is only the current value
     return optimizer._learning_rate
-
-
 
 
 def set_learning_rate_schedule(optimizer, schedule):

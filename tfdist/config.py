@@ -95,6 +95,11 @@ def default_config():
     c.tensor = ml_collections.ConfigDict()
     c.tensor.parallel = 1
 
+    # ZeRO (tfdist/zero.py): 1 shards the optimizer states over the data-parallel replicas, 2 also
+    # the gradients; 0 keeps them whole on every replica.
+    c.zero = ml_collections.ConfigDict()
+    c.zero.stage = 0
+
     c.backup = ml_collections.ConfigDict()
     c.backup.enabled = True
     c.backup.dir = ""  # "" means <workdir>/backup
@@ -156,6 +161,7 @@ _RULES = {
                                   "comma-separated block counts, e.g. 2,4 (\"\": balanced)"),
     "pipeline.schedule": (lambda v: v in ("gpipe", "1f1b"), "gpipe or 1f1b"),
     "tensor.parallel": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
+    "zero.stage": (lambda v: v in (0, 1, 2), "0, 1 or 2"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
     "sample.max_new_tokens": (_positive_int, "an integer > 0"),
@@ -224,6 +230,12 @@ def validate(c):
         raise UsageError(f"pipeline.schedule=1f1b needs at least as many microbatches as stages "
                          f"(pipeline.microbatches {p.microbatches} < pipeline.stages {p.stages}); "
                          f"raise the microbatches or use gpipe")
+    if c.zero.stage and c.backup.enabled:
+        raise UsageError(f"zero.stage={c.zero.stage} cannot be backed up yet (each replica holds "
+                         f"only its shard of the optimizer); set backup.enabled=False")
+    if c.zero.stage == 2 and t.grad_accum_steps > 1:
+        raise UsageError("zero.stage=2 with train.grad_accum_steps > 1 would accumulate whole "
+                         "gradients (stage 1's memory); use zero.stage=1")
     if t.steps_per_epoch % t.steps_per_execution:
         raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) must divide "
                          f"train.steps_per_epoch ({t.steps_per_epoch})")

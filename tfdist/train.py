@@ -99,8 +99,8 @@ class Hooks:
         """The seed of the model's initialisation (the data keeps the config's)."""
         return seed
 
-    def wrap_optimizer(self, optimizer, strategy):
-        return strategy.wrap_optimizer(optimizer)
+    def wrap_optimizer(self, optimizer, strategy, zero_stage=0):
+        return strategy.wrap_optimizer(optimizer, zero_stage)
 
     def strategy_callbacks(self, callbacks):
         return callbacks
@@ -141,6 +141,9 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
         raise UsageError(f"strategy {c.strategy.name} cannot run a pipeline or tensor parallelism "
                          f"(pipeline.stages / pipeline.microbatches / tensor.parallel); leave them "
                          f"at 1 or pick another strategy")
+    if c.zero.stage and plugin.zero_collectives is None:
+        raise UsageError(f"strategy {c.strategy.name} cannot shard the optimizer (zero.stage="
+                         f"{c.zero.stage}); use horovod, or set zero.stage=0")
     if tp > 1 and plugin.uses_local_devices:
         raise UsageError(f"tensor parallelism and the {plugin.name} strategy both want this "
                          f"process's devices; combine tensor.parallel with one replica per process "
@@ -203,10 +206,13 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
                              devices=p.devices.split(",") if p.devices else None,
                              recompute=p.recompute)
         model.build()
-        optimizer = hooks.wrap_optimizer(make_optimizer(t, t.steps), strategy)
+        optimizer = hooks.wrap_optimizer(make_optimizer(t, t.steps), strategy, c.zero.stage)
         model.compile(optimizer=optimizer, loss=loss_fn(), jit_compile=t.jit_compile,
                       steps_per_execution=t.steps_per_execution)
         optimizer.build(model.trainable_variables)
+    if c.zero.stage:
+        from tfdist.zero import describe
+        say(f"tfdist: {describe(optimizer)}")
 
     backup_dir = c.backup.dir or os.path.join(workdir, "backup")
     if strategy.is_chief or not overwrite:  # after every input has been checked; only the

@@ -227,9 +227,19 @@ class Strategy:
     #: Keras calls before every update (Horovod's); None keeps it.
     all_reduce_gradients = None
 
-    def wrap_optimizer(self, optimizer):
-        """Adapts a Keras optimizer to the strategy: its all-reduce, then tfdist's corrections."""
+    def wrap_optimizer(self, optimizer, zero_stage=0):
+        """Adapts a Keras optimizer to the strategy: its all-reduce, then tfdist's corrections.
+        `zero_stage` 1 or 2 shards its state over the replicas instead (tfdist/zero.py)."""
+        if zero_stage:
+            if self.zero_collectives is None:
+                raise UsageError(f"strategy {self.name} cannot shard the optimizer (zero.stage="
+                                 f"{zero_stage}); use horovod, or set zero.stage=0")
+            from tfdist import zero
+            return zero.shard(optimizer, zero_stage, self.zero_collectives())
         return compat.set_gradient_reduction(optimizer, self.all_reduce_gradients)
+
+    #: `() -> tfdist.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
+    zero_collectives = None
 
     def callbacks(self):
         return []

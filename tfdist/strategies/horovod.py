@@ -145,11 +145,25 @@ class Horovod(Strategy):
         self._per_rank.add(dataset)  # already this rank's share: `split` leaves it
         return dataset
 
-    def wrap_optimizer(self, optimizer):
-        """Averages the gradients over ranks (one grouped allreduce) before the update."""
+    def wrap_optimizer(self, optimizer, zero_stage=0):
+        """Averages the gradients over ranks (one grouped allreduce) before the update; with
+        `zero_stage`, reduce-scatters them instead (tfdist/zero.py)."""
         if self.lr_scaling == "linear" and self.hvd.size() > 1:
             _scale_learning_rate(optimizer, self.hvd.size())
-        return super().wrap_optimizer(optimizer)
+        return super().wrap_optimizer(optimizer, zero_stage)
+
+    def zero_collectives(self):
+        """ZeRO's collectives: Horovod's reducescatter (averaging, as its allreduce here),
+        allgather, and a summing allreduce, under fixed names (in a graph, ranks meet by name)."""
+        from tfdist.zero import Collectives
+        hvd = self.hvd
+        return Collectives(
+            hvd.rank(), hvd.size(),
+            lambda x: hvd.reducescatter(x, op=hvd.Average, name="tfdist_zero_reducescatter",
+                                        ignore_name_scope=True),
+            lambda x: hvd.allgather(x, name="tfdist_zero_allgather", ignore_name_scope=True),
+            lambda x: hvd.allreduce(x, op=hvd.Sum, name="tfdist_zero_norm", ignore_name_scope=True),
+            lambda variable, value: variable.assign(value))
 
     def all_reduce_gradients(self, grads_and_vars):
         """The gradient all-reduce Keras calls before every update: one grouped Horovod average."""
@@ -302,7 +316,8 @@ class BroadcastFromRoot(keras.callbacks.Callback):
         self.hvd, self.root_rank = hvd, root_rank
 
     def on_train_begin(self, logs=None):
-        variables = list(self.model.variables) + list(self.model.optimizer.variables)
+        from tfdist.zero import common_variables  # under ZeRO, each rank's slots are its own
+        variables = list(self.model.variables) + common_variables(self.model.optimizer)
         broadcast_variables(self.hvd, variables, self.root_rank)
 
 

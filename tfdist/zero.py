@@ -1,0 +1,191 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, arXiv:1910.02054): the optimizer states of N
+data-parallel replicas, and their summed gradients, sharded 1/N per replica.
+
+Every replica still holds all the weights. Each trainable variable has one owner replica, and at
+each update:
+
+1. the gradients are reduce-scattered: each replica lays its local gradients out in one flat
+   buffer, grouped by owner (each owner's segment padded to the longest), the buffers are summed
+   (the strategy's all-reduce op: Horovod averages) and each replica receives only its segment;
+2. each replica clips by the norm of the whole gradient (its segment's squared norm, summed over
+   the replicas: `tfdist.compat.set_gradient_reduction`'s `norm_sum`) and updates only the
+   variables it owns; the optimizer's slots (AdamW's two moments) exist only for those;
+3. the updated variables are all-gathered: each replica sends its segment and writes the others'.
+
+Reduce-scatter plus all-gather move what one all-reduce moves, 2(N-1)/N of the gradient bytes.
+
+Stage 1 and stage 2 run this same step. What stage 2 adds is the gradient memory that outlives a
+step: with gradient accumulation, Keras's accumulators hold every variable's local gradient under
+stage 1, and stage 2 would reduce-scatter every microstep and accumulate the owned segment only.
+(Within one step, a graph's gradients are transient tensors under both.)
+
+Partition: whole variables, largest first onto the least-loaded replica. Not flat buffers,
+because the optimizer works per variable (AdamW excludes biases and norms from weight decay by
+name), and so its slots keep the unsplit GPT's names in tfdist's layout-free checkpoints
+(`tfdist.models.state`). The cost is the imbalance, the largest share over the mean, which
+`describe` reports.
+
+Example (one replica, collectives that do nothing: the update is plain AdamW's):
+
+    >>> import keras, numpy as np
+    >>> from tfdist import zero
+    >>> v = [keras.Variable(np.ones((4, 4), "float32")), keras.Variable(np.ones(4, "float32"))]
+    >>> opt = zero.shard(keras.optimizers.AdamW(0.1), stage=1, collectives=zero.local())
+    >>> opt.build(v)
+    >>> opt.apply([np.ones((4, 4), "float32"), np.ones(4, "float32")], v)
+    >>> zero.describe(opt)
+    'ZeRO-1 over 1 replica(s): this replica owns 2 of 2 variables (20 of 20 parameters); imbalance 1.00'
+"""
+import collections
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat
+
+#: False leaves out the all-gather: the replicas' weights then drift apart (tests show that the
+#: equality tests can fail).
+GATHER = True
+
+Collectives = collections.namedtuple("Collectives", "rank size reduce_scatter all_gather sum assign")
+Collectives.__doc__ = """What a strategy gives ZeRO: this replica's `rank` of `size`;
+`reduce_scatter(flat)`: this replica's 1/size of the flat buffer reduced over the replicas (the
+strategy's op); `all_gather(flat)`: every replica's flat buffer, in rank order, concatenated;
+`sum(scalar)`: the scalar summed over the replicas; `assign(variable, value)` from a replica."""
+
+
+def local():
+    """Collectives of one replica (N = 1): ZeRO's step is then the plain optimizer's."""
+    return Collectives(0, 1, lambda x: x, lambda x: x, lambda x: x, lambda v, x: v.assign(x))
+
+
+def partition(sizes, n):
+    """The owner (0..n-1) of each of `sizes`: largest first onto the least-loaded replica, ties
+    to the lower index and the earlier variable, so every replica computes the same."""
+    owners, load = [0] * len(sizes), [0] * n
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        owners[i], load[r] = r, load[r] + sizes[i]
+    return owners
+
+
+class Sharding:
+    """The owners of an optimizer's variables and the flat layout of the collectives."""
+
+    def __init__(self, variables, n):
+        self.variables = list(variables)
+        self.sizes = [int(np.prod(v.shape)) for v in self.variables]
+        self.owners = partition(self.sizes, n)
+        self.of = [[i for i, o in enumerate(self.owners) if o == r] for r in range(n)]
+        self.loads = [sum(self.sizes[i] for i in idx) for idx in self.of]
+        self.segment = max(self.loads) if self.loads else 0  # elements per replica, padded
+        self.imbalance = self.segment / max(1.0, sum(self.loads) / n)
+
+    def flat(self, tensors, r):
+        """Replica r's segment: its variables' tensors (one per variable, all of them given),
+        flattened, float32, zero-padded to the segment length."""
+        parts = [tf.reshape(tf.cast(tensors[i], tf.float32), [-1]) for i in self.of[r]]
+        pad = self.segment - self.loads[r]
+        return tf.concat(parts + [tf.zeros([pad], tf.float32)], 0) if pad or not parts else \
+            tf.concat(parts, 0)
+
+    def unflat(self, flat, r):
+        """[(variable index, value)] of replica r's segment `flat`."""
+        out, start = [], 0
+        for i in self.of[r]:
+            v = self.variables[i]
+            out.append((i, tf.cast(tf.reshape(flat[start:start + self.sizes[i]], v.shape), v.dtype)))
+            start += self.sizes[i]
+        return out
+
+
+class State:
+    """A ZeRO optimizer's stage, collectives and (once built) sharding: `optimizer.tfdist_zero`."""
+
+    def __init__(self, stage, collectives):
+        self.stage, self.collectives, self.sharding, self.owned = stage, collectives, None, set()
+        self.slots = set()  # ids of this replica's slot variables: the shard of the state
+
+
+def common_variables(optimizer):
+    """The optimizer's variables that every replica holds (all but ZeRO's slot shards): what a
+    broadcast from one replica may set."""
+    zero = getattr(optimizer, "tfdist_zero", None)
+    return [v for v in optimizer.variables if zero is None or id(v) not in zero.slots]
+
+
+def _handle(v):  # what Keras's TF optimizer hands `_all_reduce_sum_gradients`: the tf.Variable
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def shard(optimizer, stage, collectives):
+    """Makes `optimizer` a ZeRO-`stage` optimizer over `collectives`' replicas; returns it. Its
+    `build(variables)` partitions the variables and creates slots only for this replica's; its
+    `apply` reduce-scatters, updates this replica's variables and all-gathers them."""
+    if stage not in (1, 2):
+        raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}")
+    c = collectives
+    zero = optimizer.tfdist_zero = State(stage, c)  # (a dict would be copied by Keras's tracking)
+    build, add_slot, apply = optimizer.build, optimizer.add_variable_from_reference, optimizer.apply
+
+    def add_owned_slot(reference_variable, name=None, initializer="zeros"):
+        if name == "gradient_accumulator":
+            return add_slot(reference_variable, name=name, initializer=initializer)
+        if id(reference_variable) in zero.owned:
+            slot = add_slot(reference_variable, name=name, initializer=initializer)
+            zero.slots.add(id(slot))
+            return slot
+        return None  # Keras's optimizers skip a None slot (as for overwrite_with_gradient)
+
+    def zero_build(variables):
+        s = zero.sharding = Sharding(variables, c.size)
+        zero.owned = {id(s.variables[i]) for i in s.of[c.rank]}
+        optimizer.add_variable_from_reference = add_owned_slot
+        try:
+            build(variables)
+        finally:
+            del optimizer.add_variable_from_reference  # Keras's own again
+
+    def reduce_scatter(grads_and_vars):
+        s = zero.sharding
+        by_handle = {id(v): g for g, v in grads_and_vars}
+        grads = [by_handle.get(id(_handle(v))) for v in s.variables]
+        dense = [tf.zeros(v.shape, tf.float32) if g is None else tf.convert_to_tensor(g)
+                 for g, v in zip(grads, s.variables)]
+        mine = c.reduce_scatter(tf.concat([s.flat(dense, r) for r in range(c.size)], 0))
+        return [(g, _handle(s.variables[i])) for i, g in s.unflat(mine, c.rank)
+                if grads[i] is not None]
+
+    def gather():
+        s = zero.sharding
+        every = c.all_gather(s.flat([_handle(v) for v in s.variables], c.rank))
+        for r in range(c.size):
+            if r != c.rank:
+                for i, value in s.unflat(every[r * s.segment:(r + 1) * s.segment], r):
+                    c.assign(s.variables[i], value)
+
+    def zero_apply(grads, trainable_variables=None):
+        apply(grads, trainable_variables)
+        if not GATHER or c.size == 1:
+            return
+        steps = optimizer.gradient_accumulation_steps
+        if steps:  # the variables changed only if this call was an update
+            tf.cond(tf.equal(optimizer.iterations % steps, 0), lambda: gather() or tf.constant(0),
+                    lambda: tf.constant(0))
+        else:
+            gather()
+
+    optimizer.build, optimizer.apply = zero_build, zero_apply
+    return compat.set_gradient_reduction(optimizer, reduce_scatter, norm_sum=c.sum)
+
+
+def describe(optimizer):
+    """One line: the stage, this replica's share and the partition's imbalance."""
+    zero = getattr(optimizer, "tfdist_zero", None)
+    if zero is None or zero.sharding is None:
+        return "no ZeRO" if zero is None else f"ZeRO-{zero.stage} (not built yet)"
+    s, c = zero.sharding, zero.collectives
+    return (f"ZeRO-{zero.stage} over {c.size} replica(s): this replica owns "
+            f"{len(s.of[c.rank])} of {len(s.variables)} variables ({s.loads[c.rank]} of "
+            f"{sum(s.sizes)} parameters); imbalance {s.imbalance:.2f}")
