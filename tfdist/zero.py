@@ -187,5 +187,5 @@ def describe(optimizer):
         return "no ZeRO" if zero is None else f"ZeRO-{zero.stage} (not built yet)"
     s, c = zero.sharding, zero.collectives
     return (f"ZeRO-{zero.stage} over {c.size} replica(s): this replica owns "
-            f"{len(s.of[c.rank])} of {len(s.variables)} variables ({s.loads[c.rank]} of "
-            f"{sum(s.sizes)} parameters); imbalance {s.imbalance:.2f}")
+            f"{len(s.of[c.rank])} of {len(s.variables)} variables ({s.loads[c.rank]:,} of "
+            f"{sum(s.sizes):,} parameters); imbalance {s.imbalance:.2f}")
