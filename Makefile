@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-pipeline bench-model-parallel bench-data test-long chaos chaos-ps chaos-horovod plan-validate plan-measured clean
+        bench-allreduce bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos chaos-ps chaos-horovod plan-validate plan-measured clean
 
 setup: $(STAMP)
 
@@ -85,6 +85,10 @@ bench-pipeline: $(STAMP)
 # 1F1B vs GPipe peak memory (M = 4..32) and t = 2 tensor-parallel speed on gpt_mini.
 bench-model-parallel: $(STAMP)
 	$(BIN)/python tools/bench_model_parallel.py --schedules --tensor
+
+# ZeRO-1/2 against plain data parallel, 2 Horovod ranks of gpt_mini: time, memory, bytes sent.
+bench-zero: $(HOROVOD)
+	$(BIN)/python tools/bench_zero.py
 
 # allreduce bus bandwidth, 1-64 MiB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
 bench-allreduce: $(HOROVOD)

@@ -1,0 +1,148 @@
+"""ZeRO under Horovod: 2 ranks of gpt_mini, plain data parallel against ZeRO-1 and ZeRO-2.
+
+    python tools/bench_zero.py            # make bench-zero
+
+Each variant runs as 2 real processes (`horovodrun -np 2`, Gloo on 127.0.0.1), in turn, for
+--rounds rounds. Each rank builds gpt_mini (byte vocabulary, ~10.8 M parameters) with the Horovod
+plugin's optimizer (AdamW, global clipping; `wrap_optimizer(..., zero_stage)`), runs a traced
+training step on a batch of --batch sequences per rank, then --steps timed steps. Per variant:
+
+* the median step time, and its ratio to plain data parallel's of the same round;
+* the optimizer's bytes on each rank (its variables: AdamW's moments, or the rank's shard);
+* TF's CPU allocator peak over the timed steps, and the process's peak RSS (VmHWM), rank 0;
+* the bytes sent per step: the loopback interface's transmitted bytes (/proc/net/dev, both ranks'
+  traffic, halved) over the timed steps, against the ZeRO paper's volume (2(N-1)/N of the
+  gradient bytes for an all-reduce, and for a reduce-scatter plus an all-gather alike).
+
+Prints a table and writes bench_results/zero.json. Gloo's all-reduce is not a plain ring, and TCP
+adds headers, so the measured bytes are compared as ratios to plain data parallel's.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per run (after one traced step).")
+_BATCH = flags.DEFINE_integer("batch", 4, "Sequences of 256 tokens per rank and step.")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of the three variants.")
+_WORKER = flags.DEFINE_integer("worker", -1, "Internal: run as a rank with this ZeRO stage.")
+
+SIZES = dict(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0)
+
+
+def loopback_tx():
+    with open("/proc/net/dev") as f:
+        for line in f:
+            if line.strip().startswith("lo:"):
+                return int(line.split(":")[1].split()[8])
+    return 0
+
+
+def worker(stage):
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+    from tfdist import strategies
+    from tfdist.config import default_config
+    from tfdist.models.gpt import GPT, loss_fn
+    from tfdist.optimizers import make_optimizer
+    strategy = strategies.get("horovod")
+    hvd = strategy.hvd
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = GPT(**SIZES)
+        model.build()
+        t = default_config().train
+        optimizer = strategy.wrap_optimizer(make_optimizer(t, 1000), zero_stage=stage)
+        model.compile(optimizer=optimizer, loss=loss_fn())
+        optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(hvd.rank())
+    tokens = rng.integers(0, 256, size=(_BATCH.value, SIZES["block_size"] + 1)).astype("int32")
+    x, y = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
+    step = tf.function(lambda: model.train_step((x, y)))
+    step()["loss"].numpy()
+    hvd.allreduce(tf.constant(0.0), name="bench_zero_sync")  # both ranks traced: time together
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    tx, times = loopback_tx(), []
+    for _ in range(_STEPS.value):
+        start = time.perf_counter()
+        step()["loss"].numpy()
+        times.append(time.perf_counter() - start)
+    hvd.allreduce(tf.constant(0.0), name="bench_zero_sync_end")
+    tx = loopback_tx() - tx
+    optimizer_bytes = sum(v.numpy().nbytes for v in optimizer.variables)
+    every = hvd.allgather(tf.constant([optimizer_bytes], tf.int64)).numpy().tolist()
+    if hvd.rank() == 0:
+        with open("/proc/self/status") as f:
+            rss = int(f.read().split("VmHWM:")[1].split()[0]) * 1024
+        grad_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+        print("RESULT " + json.dumps({
+            "step_s": statistics.median(times), "optimizer_bytes": every,
+            "tf_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"]),
+            "peak_rss_bytes": rss, "sent_per_rank_step": tx / 2 / _STEPS.value,
+            "gradient_bytes": grad_bytes}), flush=True)
+
+
+def measure(stage):
+    from tfdist.strategies.horovod import horovodrun_argv
+    me = [sys.executable, os.path.abspath(__file__), f"--worker={stage}", f"--steps={_STEPS.value}",
+          f"--batch={_BATCH.value}"]
+    p = subprocess.run(horovodrun_argv(2, me), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    lines = [x.split("RESULT ", 1)[1] for x in p.stdout.splitlines() if "RESULT " in x]
+    if p.returncode or not lines:
+        raise SystemExit(f"stage {stage} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n"
+                         f"{p.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv):
+    del argv
+    if _WORKER.value >= 0:
+        return worker(_WORKER.value)
+    names = {0: "plain data parallel", 1: "ZeRO-1", 2: "ZeRO-2"}
+    runs = {s: [] for s in names}
+    for _ in range(_ROUNDS.value):
+        for s in names:
+            runs[s].append(measure(s))
+            print(f"{names[s]:20} {runs[s][-1]['step_s']:.3f} s/step", flush=True)
+    n = 2
+    rows = []
+    for s, name in names.items():
+        r = {k: statistics.median(x[k] for x in runs[s])
+             for k in ("step_s", "tf_peak_bytes", "peak_rss_bytes", "sent_per_rank_step")}
+        r.update(variant=name, stage=s, optimizer_bytes=runs[s][0]["optimizer_bytes"],
+                 gradient_bytes=runs[s][0]["gradient_bytes"])
+        r["paper_bytes_per_rank_step"] = 2 * (n - 1) / n * r["gradient_bytes"]
+        rows.append(r)
+    base = rows[0]
+    print(f"\n{'variant':20} {'s/step':>7} {'x plain':>7} {'optimizer MiB/rank':>19} "
+          f"{'TF peak MiB':>11} {'RSS MiB':>8} {'sent MiB/step':>13} {'x plain':>7} {'paper MiB':>9}")
+    for r in rows:
+        r["time_vs_plain"] = r["step_s"] / base["step_s"]
+        r["sent_vs_plain"] = r["sent_per_rank_step"] / base["sent_per_rank_step"]
+        r["optimizer_vs_plain"] = max(r["optimizer_bytes"]) / max(base["optimizer_bytes"])
+        print(f"{r['variant']:20} {r['step_s']:7.3f} {r['time_vs_plain']:7.2f} "
+              f"{' / '.join(f'{b / 2**20:.1f}' for b in r['optimizer_bytes']):>19} "
+              f"{r['tf_peak_bytes'] / 2**20:11.1f} {r['peak_rss_bytes'] / 2**20:8.1f} "
+              f"{r['sent_per_rank_step'] / 2**20:13.2f} {r['sent_vs_plain']:7.2f} "
+              f"{r['paper_bytes_per_rank_step'] / 2**20:9.2f}")
+    from tfdist.data.store import write_atomic
+    path = os.path.join(ROOT, "bench_results", "zero.json")
+    write_atomic(path, json.dumps({"model": "gpt_mini", "ranks": n, "batch_per_rank": _BATCH.value,
+                                   "steps": _STEPS.value, "rounds": _ROUNDS.value, "rows": rows,
+                                   "runs": runs, "command": "python tools/bench_zero.py"}, indent=1))
+    print(f"wrote {os.path.normpath(path)}")
+
+
+if __name__ == "__main__":
+    app.run(main)
