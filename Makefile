@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos chaos-ps chaos-horovod plan-validate plan-measured clean
+        bench-allreduce bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos chaos-ps chaos-horovod chaos-zero plan-validate plan-measured clean
 
 setup: $(STAMP)
 
@@ -72,6 +72,11 @@ chaos-ps: $(STAMP)
 # end with the exact steps and bitwise the weights of an uninterrupted run.
 chaos-horovod: $(HOROVOD)
 	$(BIN)/python tools/chaos.py --strategy=horovod
+
+# ZeRO-1 under Horovod: SIGKILL a rank at a random step, 5 trials; each resumes from every rank's
+# optimizer shard and must end bitwise equal to an uninterrupted ZeRO run.
+chaos-zero: $(HOROVOD)
+	$(BIN)/python tools/chaos.py --strategy=horovod --zero=1
 
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
 bench-scaling-horovod: $(HOROVOD)

@@ -4,14 +4,15 @@ ranks under ZeRO-1 and ZeRO-2 giving plain data parallelism's losses with bitwis
 weights after every step; without the all-gather the ranks drift apart; bad configs are one line."""
 import json
 import os
+import shutil
 import sys
 
 import keras
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, assert_usage_error, load_config, losses, max_diff, run_group,
-                           tfdist, weights)
+from tests.helpers import (DRIVER, assert_usage_error, driver, load_config, losses, max_diff,
+                           metrics, run_group, tfdist, weights)
 from tfdist import zero
 from tfdist.strategies.horovod import horovodrun_argv
 
@@ -86,23 +87,31 @@ def test_one_replica_zero_step_equals_the_plain_optimizer():
     (["--strategy=multi_worker_mirrored", "--config.zero.stage=1", "--config.backup.enabled=False"],
      "cannot shard the optimizer"),
     (["--strategy=horovod", "--config.zero.stage=3"], "'zero.stage' must be 0, 1 or 2"),
-    (["--strategy=horovod", "--config.zero.stage=1"], "cannot be backed up yet"),
 ])
 def test_bad_zero_configs_are_one_line(tmp_path, flags, needle):
     assert_usage_error(tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
                               *flags, check=False), needle)
 
 
-# -- 2 Horovod ranks ----------------------------------------------------------------------------
+# -- Horovod ranks ------------------------------------------------------------------------------
 
-def horovod(workdir, data_dir, stage, *extra, steps=STEPS):
-    o = {"data.data_dir": data_dir, "train.steps": steps, "train.steps_per_epoch": 10,
-         "train.batch_size": 16, "backup.enabled": False, "strategy.name": "horovod",
-         "zero.stage": stage}
-    p = run_group(horovodrun_argv(2, [sys.executable, DRIVER, str(workdir), json.dumps(o),
-                                      "--hash-weights", *extra]), 300)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+def options(data_dir, stage, steps=STEPS, **extra):
+    return {"data.data_dir": data_dir, "train.steps": steps, "train.steps_per_epoch": 10,
+            "train.batch_size": 16, "train.deterministic": True, "backup.every_steps": 1,
+            "strategy.name": "horovod", "zero.stage": stage, **extra}
+
+
+def horovod(workdir, data_dir, stage, *extra, ranks=2, check=True, **more):
+    o = options(data_dir, stage, **more)
+    p = run_group(horovodrun_argv(ranks, [sys.executable, DRIVER, str(workdir), json.dumps(o),
+                                          "--hash-weights", *extra]), 300)
+    assert p.returncode == 0 or not check, p.stdout[-4000:] + p.stderr[-2000:]
     return p
+
+
+def after(workdir, step):
+    """The logged losses of the steps after `step`."""
+    return [r["loss"] for r in metrics(workdir)["steps"] if r["step"] > step]
 
 
 def hashes(workdir, rank):
@@ -117,12 +126,38 @@ def plain(tmp_path_factory, data_dir):
     return d
 
 
+@pytest.fixture(scope="module")
+def zero1(tmp_path_factory, data_dir):
+    """ZeRO-1 over 2 ranks, uninterrupted, backed up every step."""
+    d = tmp_path_factory.mktemp("zero-1")
+    horovod(d, data_dir, 1, "--dump-weights")
+    return d
+
+
+KILL_AT = 5
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, data_dir):
+    """ZeRO-1 over 2 ranks, rank 1 SIGKILLed after step 5 (its backup written)."""
+    d = tmp_path_factory.mktemp("zero-killed")
+    p = horovod(d, data_dir, 1, "--kill-at-step", str(KILL_AT), "--kill-worker", "1", check=False)
+    assert p.returncode != 0
+    assert sorted(os.listdir(d / "backup" / "zero" / f"step-{KILL_AT}")) == [
+        "rank-0.data-00000-of-00001", "rank-0.index", "rank-0.json",
+        "rank-1.data-00000-of-00001", "rank-1.index", "rank-1.json"]
+    return d
+
+
 @pytest.mark.slow
 @pytest.mark.horovod
 @pytest.mark.parametrize("stage", [  # without accumulation, stage 2 runs stage 1's step
     1, pytest.param(2, marks=pytest.mark.long)])
-def test_zero_under_horovod_equals_plain_data_parallel(tmp_path, data_dir, plain, stage):
-    horovod(tmp_path, data_dir, stage, "--dump-weights")
+def test_zero_under_horovod_equals_plain_data_parallel(tmp_path, data_dir, plain, zero1, stage):
+    if stage == 1:
+        tmp_path = zero1
+    else:
+        horovod(tmp_path, data_dir, stage, "--dump-weights")
     a, b = losses(plain), losses(tmp_path)
     assert len(a) == len(b) == STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
@@ -142,3 +177,42 @@ def test_zero_under_horovod_equals_plain_data_parallel(tmp_path, data_dir, plain
 def test_without_the_all_gather_the_ranks_drift_apart(tmp_path, data_dir):
     horovod(tmp_path, data_dir, 1, "--skip-zero-gather", steps=10)
     assert hashes(tmp_path, 0)[-1] != hashes(tmp_path, 1)[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_a_killed_run_resumes_from_its_shards_at_two_ranks_and_at_one(tmp_path, data_dir, zero1,
+                                                                    killed, ranks):
+    """Same N: bitwise the uninterrupted run's weights. N = 2 -> 1 (resharded): its losses."""
+    shutil.copytree(killed, tmp_path / "run")
+    p = horovod(tmp_path / "run", data_dir, 1, "--dump-weights", ranks=ranks)
+    assert f"at step {KILL_AT} of {STEPS}" in p.stdout, p.stdout[-3000:]
+    resumed, reference = after(tmp_path / "run", KILL_AT), after(zero1, KILL_AT)
+    assert len(resumed) == len(reference) == STEPS - KILL_AT
+    assert max(abs(a - b) for a, b in zip(resumed, reference)) <= 1e-5, (resumed, reference)
+    if ranks == 2:
+        assert max_diff(weights(tmp_path / "run", 0), weights(zero1, 0)) == 0.0
+        assert hashes(tmp_path / "run", 0)[-1] == hashes(tmp_path / "run", 1)[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_a_one_rank_backup_resumes_at_two_ranks(tmp_path, data_dir, zero1):
+    horovod(tmp_path, data_dir, 1, "--kill-at-step", str(KILL_AT), "--kill-worker", "0", ranks=1,
+            check=False)
+    p = horovod(tmp_path, data_dir, 1, ranks=2)
+    assert f"at step {KILL_AT} of {STEPS}" in p.stdout, p.stdout[-3000:]
+    resumed, reference = after(tmp_path, KILL_AT), after(zero1, KILL_AT)
+    assert len(resumed) == STEPS - KILL_AT
+    assert max(abs(a - b) for a, b in zip(resumed, reference)) <= 1e-5, (resumed, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_a_backup_whose_shard_is_missing_is_one_line(tmp_path, data_dir, killed):
+    shutil.copytree(killed, tmp_path / "run")
+    os.remove(tmp_path / "run" / "backup" / "zero" / f"step-{KILL_AT}" / "rank-1.json")
+    o = options(data_dir, 0, **{"strategy.name": "single"})  # the plain model reads shards too
+    p, _ = driver(tmp_path / "run", o, check=False)
+    assert_usage_error(p, "lacks the ZeRO optimizer shard(s) of replica(s) [1]")

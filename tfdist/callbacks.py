@@ -30,7 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import compat
+from tfdist import compat, zero
 from tfdist.data.store import write_atomic
 from tfdist.errors import UsageError
 from tfdist.models import state
@@ -87,7 +87,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def __init__(self, backup_dir, *, every_steps=0, total_steps=None, keep=2,
                  delete_on_success=True, signature=None, is_chief=True, worker_index=0,
-                 collective=True, save_checkpoint=None):
+                 collective=True, save_checkpoint=None, barrier=None):
         super().__init__()
         # (manager, step) -> writes the checkpoint; a test driver's hook may fail inside it
         self.save_checkpoint = save_checkpoint or (lambda m, step: m.save(checkpoint_number=step))
@@ -95,6 +95,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.keep, self.delete_on_success = keep, delete_on_success
         self.signature = signature or {}  # extra facts that must match (model config, data ...)
         self.is_chief, self.worker_index, self.collective = is_chief, worker_index, collective
+        self.barrier = barrier or (lambda: None)  # every process meets (ZeRO: shards written)
         self.step = None  # tf.Variable, created with the checkpoint
         self._ckpt = self._manager = None
         self._last_saved = -1
@@ -119,10 +120,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         # The weights and the optimizer's state under the unsplit model's names, whatever the
         # layout (pipeline stages, tensor-parallel shards: tfdist.models.state). Dropout's RNG
         # state lives in Keras SeedGenerators, listed here so they are saved too.
-        self._ckpt = tf.train.Checkpoint(
-            weights=state.weights(model), optimizer=state.optimizer_state(model.optimizer, model),
-            step=self.step, epoch=self.epoch,
-            rng=[v.value for v in model.variables if "seed_generator" in v.path])
+        # Under ZeRO each process's slots go to its own shard (tfdist.zero), not the checkpoint.
+        self._parts = dict(weights=state.weights(model), step=self.step, epoch=self.epoch,
+                           rng=[v.value for v in model.variables if "seed_generator" in v.path])
+        self._opt = state.optimizer_state(model.optimizer, model)
+        self._zero = getattr(model.optimizer, "tfdist_zero", None)
+        self._slots, rest = zero.split_slots(model.optimizer, self._opt)
+        self._ckpt = tf.train.Checkpoint(optimizer=rest, **self._parts)
 
     def restore(self, model):
         """Restores the latest backup into `model` (built, compiled). Returns the step to resume at."""
@@ -139,8 +143,20 @@ class BackupAndRestore(keras.callbacks.Callback):
                         f"backup in {self.backup_dir} was written for a different {key} "
                         f"({_diff(saved.get(key), now.get(key))}); use another --workdir or "
                         f"backup dir, or remove that backup to start over")
+        step = int(latest.rsplit("-", 1)[1])
+        sharded = tf.io.gfile.isdir(zero.shard_dir(self.backup_dir, step))  # a ZeRO run's backup
+        slots = self._slots
+        if sharded:  # the slots this process holds, in the shards (whatever it holds now)
+            names = {n for m in zero.manifests(self.backup_dir, step) for n in m["names"]}
+            slots = {k: v for k, v in self._opt.items() if k in names}
         try:
-            self._ckpt.restore(latest).assert_existing_objects_matched()
+            rest = {k: v for k, v in self._opt.items() if k not in slots}
+            tf.train.Checkpoint(optimizer=rest, **self._parts).restore(
+                latest).assert_existing_objects_matched()
+            if sharded:
+                zero.restore_slots(self.backup_dir, step, slots)
+            elif slots:  # a backup without ZeRO holds every slot
+                tf.train.Checkpoint(optimizer=slots).read(latest).assert_existing_objects_matched()
         except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as e:
             raise UsageError(f"backup {latest} does not match this model "
                              f"({str(e).splitlines()[0][:150]}); use another backup dir") from None
@@ -152,6 +168,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         step = int(self.step.numpy())
         if step == self._last_saved:
             return
+        if self._zero is not None:  # every shard on disk before the index can name this step
+            c = self._zero.collectives
+            zero.save_shard(self.backup_dir, step, self._slots, c.rank, c.size)
+            self.barrier()
         if not (self.is_chief or self.collective):
             self._last_saved = step
             return
@@ -162,6 +182,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             tf.io.gfile.makedirs(self.backup_dir)
             write_json_atomic(self._meta_path, self._metadata(self.model))
         self.save_checkpoint(self._manager, step)
+        if self._zero is not None and self.is_chief:
+            zero.prune(self.backup_dir, min(int(p.rsplit("-", 1)[1]) for p in self._manager.checkpoints))
         if not self.is_chief:
             tf.io.gfile.rmtree(self._write_dir)
             self._manager = None

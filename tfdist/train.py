@@ -220,7 +220,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     backup = cb.BackupAndRestore(
         backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps, keep=c.backup.keep,
         delete_on_success=c.backup.delete_on_success, is_chief=strategy.is_chief,
-        save_checkpoint=hooks.save_checkpoint,
+        save_checkpoint=hooks.save_checkpoint, barrier=strategy.barrier,
         worker_index=strategy.worker_index, collective=strategy.collective_checkpoints,
         signature={"model": c.model.to_dict(), "data": {
             "store": data.manifest["source"], "fingerprint": data.fingerprint, "seed": c.seed,

@@ -37,12 +37,16 @@ Example (one replica, collectives that do nothing: the update is plain AdamW's):
     'ZeRO-1 over 1 replica(s): this replica owns 2 of 2 variables (20 of 20 parameters); imbalance 1.00'
 """
 import collections
+import json
+import os
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.data.store import write_atomic
+from tfdist.errors import UsageError
 
 #: False leaves out the all-gather: the replicas' weights then drift apart (tests show that the
 #: equality tests can fail).
@@ -125,6 +129,9 @@ def shard(optimizer, stage, collectives):
     `apply` reduce-scatters, updates this replica's variables and all-gathers them."""
     if stage not in (1, 2):
         raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}")
+    if stage == 2 and optimizer.gradient_accumulation_steps:
+        raise UsageError("ZeRO-2 with gradient accumulation would accumulate whole gradients "
+                         "(stage 1's memory); use stage 1")
     c = collectives
     zero = optimizer.tfdist_zero = State(stage, c)  # (a dict would be copied by Keras's tracking)
     build, add_slot, apply = optimizer.build, optimizer.add_variable_from_reference, optimizer.apply
@@ -189,3 +196,77 @@ def describe(optimizer):
     return (f"ZeRO-{zero.stage} over {c.size} replica(s): this replica owns "
             f"{len(s.of[c.rank])} of {len(s.variables)} variables ({s.loads[c.rank]:,} of "
             f"{sum(s.sizes):,} parameters); imbalance {s.imbalance:.2f}")
+
+
+# -- backups: each replica's shard of the optimizer state --------------------------------------
+#
+# A ZeRO backup of step S is the usual checkpoint (weights, the optimizer's common variables,
+# step; written by the chief) plus, in <backup>/zero/step-S/, one checkpoint per replica of its
+# slots under the unsplit GPT's names, each followed by a manifest rank-<r>.json naming them.
+# Every replica writes its shard before the chief's checkpoint index names step S, so a kill
+# never leaves an index pointing at missing shards. A restore reads, for each slot it holds now,
+# whichever shard has it: so the backup reshards to any number of replicas, or none.
+
+def split_slots(optimizer, optimizer_state):
+    """(slots, the rest) of `optimizer_state` ({name: variable}, tfdist.models.state): the slots
+    are this replica's shard under ZeRO; without ZeRO, nothing is split off."""
+    zero = getattr(optimizer, "tfdist_zero", None)
+    if zero is None:
+        return {}, optimizer_state
+    slots = {k: v for k, v in optimizer_state.items() if id(v) in zero.slots}
+    if len(slots) != len(zero.slots):
+        raise UsageError("a ZeRO optimizer over tensor-parallel shards cannot be backed up yet; "
+                         "set backup.enabled=False or tensor.parallel=1")
+    return slots, {k: v for k, v in optimizer_state.items() if k not in slots}
+
+
+def shard_dir(backup_dir, step):
+    return os.path.join(backup_dir, "zero", f"step-{step}")
+
+
+def save_shard(backup_dir, step, slots, rank, size):
+    """Writes this replica's `slots` ({name: variable}) for step `step`, then its manifest."""
+    d = shard_dir(backup_dir, step)
+    tf.io.gfile.makedirs(d)
+    tf.train.Checkpoint(optimizer=slots).write(os.path.join(d, f"rank-{rank}"))
+    write_atomic(os.path.join(d, f"rank-{rank}.json"),
+                 json.dumps({"rank": rank, "replicas": size, "names": sorted(slots)}))
+
+
+def manifests(backup_dir, step):
+    """The manifests of step `step`'s shards, one per replica that wrote one (UsageError, one
+    line, when one is missing)."""
+    d = shard_dir(backup_dir, step)
+    found = []
+    for path in sorted(tf.io.gfile.glob(os.path.join(d, "rank-*.json"))):
+        with tf.io.gfile.GFile(path) as f:
+            found.append(json.load(f))
+    size = found[0]["replicas"] if found else 0
+    missing = sorted(set(range(size)) - {m["rank"] for m in found})
+    if not found or missing:
+        raise UsageError(f"backup {backup_dir} at step {step} lacks the ZeRO optimizer shard(s) of "
+                         f"replica(s) {missing or 'all'} in {d}; restore that directory, or remove "
+                         f"the backup to start over")
+    return found
+
+
+def restore_slots(backup_dir, step, slots):
+    """Restores `slots` ({name: variable}) from the shards of step `step`. UsageError, one line,
+    when a shard is missing or a slot is in none of them."""
+    d, found = shard_dir(backup_dir, step), set()
+    for m in manifests(backup_dir, step):
+        mine = {k: slots[k] for k in m["names"] if k in slots}
+        if mine:
+            tf.train.Checkpoint(optimizer=mine).read(  # (read: no save counter, as written)
+                os.path.join(d, f"rank-{m['rank']}")).assert_existing_objects_matched()
+        found |= set(mine)
+    if set(slots) - found:
+        raise UsageError(f"backup {backup_dir} at step {step}: no shard holds the optimizer slot(s) "
+                         f"{sorted(set(slots) - found)[:3]}; it was written for another model")
+
+
+def prune(backup_dir, oldest_kept):
+    """Removes the shards of steps before `oldest_kept` (their checkpoints are gone)."""
+    for d in tf.io.gfile.glob(os.path.join(backup_dir, "zero", "step-*")):
+        if int(d.rsplit("-", 1)[1]) < oldest_kept:
+            tf.io.gfile.rmtree(d)

@@ -4,6 +4,7 @@
     python tools/chaos.py --trials=10 --seed=1 --workers=3
     python tools/chaos.py --strategy=parameter_server      # 5 trials, 2 workers + 1 ps, 600 steps
     python tools/chaos.py --strategy=horovod    # 5 trials, 2 Horovod ranks (horovodrun), 30 steps
+    python tools/chaos.py --strategy=horovod --zero=1   # the same under ZeRO-1 (chaos-zero.json)
 
 multi_worker_mirrored and horovod (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
@@ -72,19 +73,24 @@ def main():
     ap.add_argument("--data_dir", default="", help="TFDS data_dir (default ~/tensorflow_datasets)")
     ap.add_argument("--strategy", default="multi_worker_mirrored",
                     choices=["multi_worker_mirrored", "parameter_server", "horovod"])
+    ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
+                    help="horovod: ZeRO stage (each rank backs up its optimizer shard)")
     ap.add_argument("--out", default=None, help="default bench_results/chaos.json (chaos-ps.json, "
-                    "chaos-horovod.json)")
+                    "chaos-horovod.json, chaos-zero.json)")
     args = ap.parse_args()
     if args.strategy == "parameter_server":
         return ps_trials(args)
+    if args.zero and args.strategy != "horovod":
+        ap.error("--zero needs --strategy=horovod")
     args.out = args.out or os.path.join(ROOT, "bench_results", "chaos.json" if args.strategy ==
-                                        "multi_worker_mirrored" else "chaos-horovod.json")
+                                        "multi_worker_mirrored" else "chaos-zero.json" if args.zero
+                                        else "chaos-horovod.json")
     if args.steps < 4 or args.steps % 10 or args.workers < 1 or args.trials < 1:
         ap.error("--steps must be a multiple of 10 (>= 10); --workers and --trials >= 1")
 
     overrides = {"train.steps": args.steps, "train.steps_per_epoch": 10, "train.batch_size": 16,
                  "train.deterministic": True, "train.eval_steps": 2, "model.dropout": 0.1,
-                 "backup.every_steps": 1, "strategy.name": args.strategy}
+                 "backup.every_steps": 1, "strategy.name": args.strategy, "zero.stage": args.zero}
     if args.data_dir:
         overrides["data.data_dir"] = args.data_dir
     plan = {w: args.steps for w in range(args.workers)}
@@ -134,7 +140,7 @@ def report(args, table, rows):
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"strategy": args.strategy, "workers": args.workers, "steps": args.steps,
+        json.dump({"strategy": args.strategy, "zero": getattr(args, "zero", 0), "workers": args.workers, "steps": args.steps,
                    "seed": args.seed, "trials": rows}, f, indent=1)
     print(f"wrote {args.out}; {sum(r['ok'] for r in rows)} of {len(rows)} trials ok")
     sys.exit(0 if all(r["ok"] for r in rows) else 1)

@@ -241,6 +241,9 @@ class Strategy:
     #: `() -> tfdist.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
     zero_collectives = None
 
+    def barrier(self):
+        """Returns once every process of the job has called it (one process: at once)."""
+
     def callbacks(self):
         return []
 

@@ -152,6 +152,9 @@ class Horovod(Strategy):
             _scale_learning_rate(optimizer, self.hvd.size())
         return super().wrap_optimizer(optimizer, zero_stage)
 
+    def barrier(self):
+        self.hvd.allreduce(tf.constant(0.0), name="tfdist_barrier")
+
     def zero_collectives(self):
         """ZeRO's collectives: Horovod's reducescatter (averaging, as its allreduce here),
         allgather, and a summing allreduce, under fixed names (in a graph, ranks meet by name)."""
