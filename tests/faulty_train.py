@@ -27,7 +27,8 @@ really ran, across restarts.
   only Horovod's broadcast from rank 0 can make the ranks start alike.
 --skip-broadcast: horovod: leave out that broadcast.
 --dump-weights: after training, write WORKDIR/weights-w<i>.npz: this worker's model weights, and
-  WORKDIR/optimizer-w<i>.json: the bytes of its optimizer's variables and its ZeRO description.
+  WORKDIR/optimizer-w<i>.json: the bytes of its optimizer's variables (and of its gradient
+  accumulators) and its ZeRO description.
 --hash-weights: after every step, append `<step> <sha256 of the weights>` to
   WORKDIR/weight_hashes-w<i>.txt.
 --skip-zero-gather: leave out ZeRO's all-gather (tfdist.zero.GATHER), to show that the equality
@@ -147,6 +148,8 @@ def main():
         optimizer = record.model.optimizer
         with open(os.path.join(args.workdir, f"optimizer-w{worker}.json"), "w") as f:
             json.dump({"bytes": sum(v.numpy().nbytes for v in optimizer.variables),
+                       "accumulator_bytes": sum(v.numpy().nbytes for v in optimizer.variables
+                                                if "gradient_accumulator" in v.path),
                        "zero": zero.describe(optimizer)}, f)
     if args.dump_inputs:
         windows, ctx = contexts[0]

@@ -164,7 +164,8 @@ def test_the_recommended_command_is_valid_tfdist_flags():
     m = plan._config(os.path.join(ROOT, "configs", "gpt2_xl.py"))
     model = plan.model_from_config(m, "gpt2_xl")
     cluster = plan.Cluster(plan.DEVICES["a100-40gb"], 8)
-    for lay in (plan.Layout(2, pp=4, microbatch=4, recompute=True), plan.Layout(8, microbatch=2)):
+    for lay in (plan.Layout(2, pp=4, microbatch=4, recompute=True),
+                plan.Layout(2, pp=4, microbatch=4, zero=1, recompute=True)):
         p = plan.evaluate(model, cluster, lay, 64)
         assert plan.runnable(p, cluster)
         cmd = plan.tfdist_command(p, cluster, 64, "--config=configs/gpt2_xl.py", "mixed")
@@ -175,12 +176,15 @@ def test_the_recommended_command_is_valid_tfdist_flags():
                 section, name = key.split(".")
                 c[section][name] = type(c[section][name])(value == "True" if value in ("True", "False") else value)
         tfdist_config.validate(c)  # every key exists and every value is valid
-        if lay.pp > 1:
-            assert "--config.pipeline.stages=4" in cmd and "--config.pipeline.microbatches=8" in cmd
-            assert cmd.startswith("tfdist launch --workers 2 ")
-        else:  # one microbatch at a time: gradient accumulation
-            assert "--config.train.batch_size=16" in cmd and "--config.train.grad_accum_steps=4" in cmd
-    assert not plan.runnable(plan.evaluate(model, cluster, plan.Layout(8, zero=1), 64), cluster)  # no ZeRO yet
+        assert "--config.pipeline.stages=4" in cmd and "--config.pipeline.microbatches=8" in cmd
+        assert cmd.startswith("tfdist launch --workers 2 ")
+        assert ("--config.zero.stage=1" in cmd) == (lay.zero == 1)
+    # one microbatch at a time without a pipeline is Keras's gradient accumulation, which
+    # multi_worker_mirrored cannot run (keras-team/keras#20582); ZeRO-3 tfdist does not have
+    for lay in (plan.Layout(8, microbatch=2), plan.Layout(8, microbatch=2, zero=1),
+                plan.Layout(8, zero=3)):
+        p = plan.evaluate(model, cluster, lay, 64)
+        assert p.fits and p.tfdist_fits and not plan.runnable(p, cluster), lay
 
 
 def test_command_line_writes_table_chart_and_json(tmp_path):

@@ -1,7 +1,9 @@
 """ZeRO (tfdist/zero.py): whole variables partitioned with a small imbalance, each replica holding
-1/N of the optimizer state, one replica's ZeRO step equal to the plain optimizer's, and 2 Horovod
-ranks under ZeRO-1 and ZeRO-2 giving plain data parallelism's losses with bitwise identical
-weights after every step; without the all-gather the ranks drift apart; bad configs are one line."""
+1/N of the optimizer state, one replica's ZeRO step equal to the plain optimizer's (with and
+without gradient accumulation), and 2 replicas under Horovod and under multi_worker_mirrored
+giving plain data parallelism's losses with bitwise identical weights after every step; without
+the all-gather the replicas drift apart; killed runs resume from the shards, also at another
+number of replicas; bad configs are one line."""
 import json
 import os
 import shutil
@@ -11,8 +13,8 @@ import keras
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, assert_usage_error, driver, load_config, losses, max_diff,
-                           metrics, run_group, tfdist, weights)
+from tests.helpers import (DRIVER, assert_usage_error, driver, first_fast, load_config, losses,
+                           max_diff, metrics, run_group, tfdist, weights)
 from tfdist import zero
 from tfdist.strategies.horovod import horovodrun_argv
 
@@ -64,49 +66,69 @@ def test_the_partition_is_balanced_and_the_same_on_every_replica():
     assert sorted(loads) == [150, 150]
 
 
-def test_one_replica_zero_step_equals_the_plain_optimizer():
+@pytest.mark.parametrize("stage,accumulate", [(1, None), (2, None), (1, 3), (2, 3)])
+def test_one_replica_zero_step_equals_the_plain_optimizer(stage, accumulate):
     """The ZeRO path (reduce-scatter, clip by the summed norm, update, gather) with one replica:
-    the same weights as Keras's AdamW with global clipping, over 5 steps in a tf.function."""
+    the same weights as Keras's AdamW with global clipping and a decaying learning rate, over 9
+    calls in a tf.function, also with Keras's gradient accumulation (ZeRO-2: its own shard's)."""
     import tensorflow as tf
     rng = np.random.default_rng(0)
     init = [rng.normal(size=s).astype("float32") for s in [(6, 4), (4,), (4, 3)]]
-    grads = [[rng.normal(size=x.shape).astype("float32") * 5 for x in init] for _ in range(5)]
+    grads = [[rng.normal(size=x.shape).astype("float32") * 5 for x in init] for _ in range(9)]
     finals = []
     for sharded in (False, True):
         v = [keras.Variable(x) for x in init]
-        opt = keras.optimizers.AdamW(0.05, weight_decay=0.1, global_clipnorm=1.0)
-        opt = zero.shard(opt, 2, zero.local()) if sharded else opt
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5)
+        opt = keras.optimizers.AdamW(schedule, weight_decay=0.1, global_clipnorm=1.0,
+                                     gradient_accumulation_steps=accumulate)
+        opt = zero.shard(opt, stage, zero.local()) if sharded else opt
         step = tf.function(lambda g: opt.apply(g, v))
         for g in grads:
             step([tf.constant(x) for x in g])
-        finals.append([x.numpy() for x in v])
+        finals.append([x.numpy() for x in v] + [opt.iterations.numpy()])
+    assert finals[0][-1] == (3 if accumulate else 9)
     assert max(np.abs(a - b).max() for a, b in zip(*finals)) <= 1e-6
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--strategy=multi_worker_mirrored", "--config.zero.stage=1", "--config.backup.enabled=False"],
-     "cannot shard the optimizer"),
+@pytest.mark.parametrize("flags,needle", first_fast([
+    (["--strategy=single", "--config.zero.stage=1"], "strategy single cannot shard the optimizer"),
     (["--strategy=horovod", "--config.zero.stage=3"], "'zero.stage' must be 0, 1 or 2"),
-])
+    (["--strategy=mirrored", "--config.zero.stage=2"], "strategy mirrored cannot shard"),
+    (["--strategy=parameter_server", "--config.zero.stage=1"], "parameter_server cannot shard"),
+    (["--strategy=multi_worker_mirrored", "--config.train.grad_accum_steps=2"],
+     "keras-team/keras#20582"),
+]))
 def test_bad_zero_configs_are_one_line(tmp_path, flags, needle):
     assert_usage_error(tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
-                              *flags, check=False), needle)
+                              "--config.backup.enabled=False", *flags, check=False), needle)
 
 
-# -- Horovod ranks ------------------------------------------------------------------------------
+# -- 2 replicas: Horovod ranks, and multi_worker_mirrored workers ------------------------------
 
-def options(data_dir, stage, steps=STEPS, **extra):
+def options(data_dir, stage, strategy="horovod", steps=STEPS, **extra):
     return {"data.data_dir": data_dir, "train.steps": steps, "train.steps_per_epoch": 10,
             "train.batch_size": 16, "train.deterministic": True, "backup.every_steps": 1,
-            "strategy.name": "horovod", "zero.stage": stage, **extra}
+            "strategy.name": strategy, "zero.stage": stage, **extra}
 
 
-def horovod(workdir, data_dir, stage, *extra, ranks=2, check=True, **more):
-    o = options(data_dir, stage, **more)
-    p = run_group(horovodrun_argv(ranks, [sys.executable, DRIVER, str(workdir), json.dumps(o),
-                                          "--hash-weights", *extra]), 300)
+def group(workdir, data_dir, stage, *extra, strategy="horovod", ranks=2, check=True, **more):
+    """Runs the driver as `ranks` Horovod ranks, or multi_worker_mirrored workers (`tfdist
+    launch`, restarting the group once after a failure, as `make chaos` does)."""
+    program = [sys.executable, DRIVER, str(workdir), json.dumps(options(data_dir, stage, strategy,
+                                                                         **more)),
+               "--hash-weights", *extra]
+    if strategy == "horovod":
+        cmd = horovodrun_argv(ranks, program)
+    else:
+        cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={ranks}", "--max_restarts=1",
+               "--backoff=0.5", "--", *program]
+    p = run_group(cmd, 300)
     assert p.returncode == 0 or not check, p.stdout[-4000:] + p.stderr[-2000:]
     return p
+
+
+def horovod(workdir, data_dir, stage, *extra, **more):
+    return group(workdir, data_dir, stage, *extra, strategy="horovod", **more)
 
 
 def after(workdir, step):
@@ -117,6 +139,26 @@ def after(workdir, step):
 def hashes(workdir, rank):
     with open(os.path.join(workdir, f"weight_hashes-w{rank}.txt")) as f:
         return [line.split()[1] for line in f]
+
+
+def assert_equal_to_plain(run, plain, stage, sharded_accumulators=False):
+    """Per-step losses within 1e-5 of plain data parallelism's, both replicas' weights bitwise
+    identical after every step, and each replica's optimizer bytes 1/2 of plain's (ZeRO-2 with
+    accumulation: also the accumulators; else those are every replica's, as in plain)."""
+    a, b = losses(plain), losses(run)
+    assert len(a) == len(b) == STEPS
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    h0, h1 = hashes(run, 0), hashes(run, 1)
+    assert len(h0) == STEPS and h0 == h1  # bitwise identical after every step
+    assert max_diff(weights(run, 0), weights(plain, 0)) <= 1e-5
+    full = json.load(open(os.path.join(plain, "optimizer-w0.json")))
+    for rank in (0, 1):
+        mine = json.load(open(os.path.join(run, f"optimizer-w{rank}.json")))
+        assert mine["zero"].startswith(f"ZeRO-{stage} over 2 replica(s)")
+        imbalance = float(mine["zero"].rsplit(" ", 1)[1])
+        sharded = full["bytes"] - full["accumulator_bytes"] * (not sharded_accumulators)
+        assert mine["bytes"] - (full["bytes"] - sharded) <= sharded / 2 * imbalance + 64, (
+            mine, full)  # + the scalars
 
 
 @pytest.fixture(scope="module")
@@ -158,18 +200,34 @@ def test_zero_under_horovod_equals_plain_data_parallel(tmp_path, data_dir, plain
         tmp_path = zero1
     else:
         horovod(tmp_path, data_dir, stage, "--dump-weights")
-    a, b = losses(plain), losses(tmp_path)
-    assert len(a) == len(b) == STEPS
-    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
-    h0, h1 = hashes(tmp_path, 0), hashes(tmp_path, 1)
-    assert len(h0) == STEPS and h0 == h1  # bitwise identical after every step
-    assert max_diff(weights(tmp_path, 0), weights(plain, 0)) <= 1e-5
-    full = json.load(open(os.path.join(plain, "optimizer-w0.json")))["bytes"]
-    for rank in (0, 1):
-        mine = json.load(open(os.path.join(tmp_path, f"optimizer-w{rank}.json")))
-        assert mine["zero"].startswith(f"ZeRO-{stage} over 2 replica(s)")
-        imbalance = float(mine["zero"].rsplit(" ", 1)[1])
-        assert mine["bytes"] <= full / 2 * imbalance + 64, (mine, full)  # + the scalars
+    assert_equal_to_plain(tmp_path, plain, stage)
+
+
+@pytest.fixture(scope="module")
+def plain_accumulating(tmp_path_factory, data_dir):
+    d = tmp_path_factory.mktemp("zero-plain-accumulating")
+    horovod(d, data_dir, 0, "--dump-weights", **{"train.grad_accum_steps": 2})
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+@pytest.mark.parametrize("stage", [2, pytest.param(1, marks=pytest.mark.long)])
+def test_zero_with_gradient_accumulation_equals_plain_data_parallel(tmp_path, data_dir,
+                                                                    plain_accumulating, stage):
+    """2 microsteps per update: ZeRO-2 reduce-scatters each and keeps only its shard's
+    accumulators; ZeRO-1 keeps Keras's and all-gathers only after an update."""
+    horovod(tmp_path, data_dir, stage, "--dump-weights", **{"train.grad_accum_steps": 2})
+    assert_equal_to_plain(tmp_path, plain_accumulating, stage, sharded_accumulators=stage == 2)
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_zero_composes_with_pipeline_stages(tmp_path, data_dir, plain):
+    """ZeRO-1 over 2 ranks, each a pipeline of 2 stages (2 microbatches): plain's losses."""
+    horovod(tmp_path, data_dir, 1, "--dump-weights",
+            **{"pipeline.stages": 2, "pipeline.microbatches": 2})
+    assert_equal_to_plain(tmp_path, plain, 1)
 
 
 @pytest.mark.slow
@@ -216,3 +274,49 @@ def test_a_backup_whose_shard_is_missing_is_one_line(tmp_path, data_dir, killed)
     o = options(data_dir, 0, **{"strategy.name": "single"})  # the plain model reads shards too
     p, _ = driver(tmp_path / "run", o, check=False)
     assert_usage_error(p, "lacks the ZeRO optimizer shard(s) of replica(s) [1]")
+
+
+# -- multi_worker_mirrored: TF's collectives (all-to-all + sum, gather) in a group of ZeRO's own --
+
+@pytest.fixture(scope="module")
+def plain_mwms(tmp_path_factory, data_dir):
+    d = tmp_path_factory.mktemp("zero-plain-mwms")
+    group(d, data_dir, 0, "--dump-weights", strategy="multi_worker_mirrored")
+    return d
+
+
+@pytest.fixture(scope="module")
+def zero1_mwms(tmp_path_factory, data_dir):
+    d = tmp_path_factory.mktemp("zero-1-mwms")
+    group(d, data_dir, 1, "--dump-weights", strategy="multi_worker_mirrored")
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.long)])
+def test_zero_under_multi_worker_mirrored_equals_plain_data_parallel(tmp_path, data_dir,
+                                                                     plain_mwms, zero1_mwms, stage):
+    if stage == 1:
+        tmp_path = zero1_mwms
+    else:
+        group(tmp_path, data_dir, stage, "--dump-weights", strategy="multi_worker_mirrored")
+    assert_equal_to_plain(tmp_path, plain_mwms, stage)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_without_the_all_gather_mwms_workers_drift_apart(tmp_path, data_dir):
+    group(tmp_path, data_dir, 1, "--skip-zero-gather", strategy="multi_worker_mirrored", steps=10)
+    assert hashes(tmp_path, 0)[-1] != hashes(tmp_path, 1)[-1]
+
+
+@pytest.mark.slow
+def test_a_killed_mwms_worker_resumes_from_the_shards_bitwise(tmp_path, data_dir, zero1_mwms):
+    """Worker 1 SIGKILLed after step 7; `tfdist launch` restarts both, which resume from the
+    shards at step 7 and end bitwise equal to an uninterrupted ZeRO-1 run."""
+    reference = zero1_mwms
+    p = group(tmp_path / "run", data_dir, 1, "--dump-weights", "--kill-at-step", "7",
+              "--kill-worker", "1", strategy="multi_worker_mirrored")
+    assert "at step 7 of 20" in p.stdout, p.stdout[-3000:]
+    assert max_diff(weights(tmp_path / "run", 0), weights(reference, 0)) == 0.0
+    assert hashes(tmp_path / "run", 0)[-1] == hashes(tmp_path / "run", 1)[-1]

@@ -122,9 +122,8 @@ def _sum_duplicates(grad):
 
 
 def _smaller_form(grad, var):
-    """An `IndexedSlices` gradient with at least as many rows as its variable is sent dense: the
-    all-reduce then moves less (a byte-level GPT's embedding: 256 dense rows instead of one slice
-    per token of the batch). Same update: Keras 3's optimizers treat slices as dense anyway."""
+    """An `IndexedSlices` gradient with at least as many rows as its variable is sent dense, which
+    moves less (a byte GPT's embedding: 256 rows, not a slice per token); Keras 3 densifies it."""
     if isinstance(grad, tf.IndexedSlices):
         rows = grad.indices.shape[0]
         if rows is not None and rows >= var.shape[0]:
@@ -137,20 +136,14 @@ def set_gradient_reduction(optimizer, all_reduce=None, norm_sum=None):
     optimizer (TF backend) does with them under a strategy ("gradient_reduction").
 
     `all_reduce(grads_and_vars) -> grads_and_vars` replaces Keras's own reduction (the strategy's
-    all-reduce, `optimizer._all_reduce_sum_gradients`); None keeps it. Then, on the reduced
-    gradients:
-
-    1. Sparse gradients with repeated indices: the all-reduce of an `IndexedSlices` gradient (an
-       embedding) concatenates the replicas' slices, and Keras 3's Adam/AdamW then squares the
-       slices one by one, so its second moment gets g1^2 + g2^2 instead of (g1 + g2)^2.
-       Duplicates are summed after the all-reduce.
-    2. `global_clipnorm` is applied in `BaseOptimizer.apply`, before `_backend_update_step`
-       all-reduces the gradients, so every replica clips its own partial gradient by its own
-       norm. Clipping runs on the summed gradient instead.
-
+    all-reduce, `optimizer._all_reduce_sum_gradients`); None keeps it. On the reduced gradients:
+    1. The all-reduce of an `IndexedSlices` gradient (an embedding) concatenates the replicas'
+       slices, and Keras 3's Adam/AdamW squares them one by one (its second moment gets g1^2 +
+       g2^2, not (g1 + g2)^2): duplicates are summed after the all-reduce.
+    2. `BaseOptimizer.apply` clips by `global_clipnorm` before `_backend_update_step` all-reduces,
+       so each replica clips its partial gradient by its own norm: clipping runs after instead.
     `norm_sum(x)`: x summed over replicas, where `all_reduce` gives each its shard only (ZeRO).
-    One reduction, one correction: a second call raises instead of wrapping twice.
-    """
+    One reduction, one correction: a second call raises instead of wrapping twice."""
     if getattr(optimizer, "_tfdist_reduction", False):
         raise ValueError("the optimizer's gradient reduction is already set (wrap it once)")
     reduce = all_reduce or optimizer._all_reduce_sum_gradients
@@ -258,8 +251,8 @@ _upstream = {"reduce_per_replica": _tf_trainer.reduce_per_replica,
 
 
 def _reduce_per_replica(values, strategy, reduction):
-    """Each replica's metric results averaged across replicas without an axis (also when a
-    worker has one replica and they arrive as plain tensors: upstream would report worker 0's)."""
+    """Metric results averaged over replicas without an axis (also when a worker has one replica
+    and they arrive as plain tensors: upstream would report worker 0's)."""
     if (reduction in ("auto", "mean") and _tf_trainer._collective_all_reduce_multi_worker(strategy)
             and not isinstance(strategy, tf.distribute.TPUStrategy)):
         # A metric whose result() is a variable (SUM on read): its read is the total already,
@@ -335,8 +328,7 @@ def _bind(method, model, args, kwargs):
     """The call's arguments by name (defaults included), as Keras's own method takes them."""
     bound = inspect.signature(_upstream[method]).bind(model, *args, **kwargs)
     bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    arguments.pop("self")
+    arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
     arguments.update(arguments.pop("kwargs", {}))
     return arguments
 
@@ -354,14 +346,24 @@ def optimizer_strategy(optimizer):
     return optimizer._distribution_strategy
 
 
+def local_variables(strategy):
+    """A scope where variables made under `strategy` (MirroredStrategy's family) are plain ones on
+    this process's first device, not mirrored ones the workers initialise by a collective
+    broadcast (ZeRO's slot shards differ per worker). No public API: TF 2.21 skips mirroring
+    only for `colocate_with=numpy_dataset.SingleDevice`, which this sets after Keras's own."""
+    from tensorflow.python.distribute.numpy_dataset import SingleDevice
+    device = SingleDevice(strategy.extended.worker_devices[0])
+    return tf.variable_creator_scope(lambda next_creator, **kwargs: next_creator(
+        **{**kwargs, "colocate_with": device}))
+
+
 def flatten_metrics(model, logs):
     """`evaluate`'s return value from its logs, as Keras orders them (`return_dict=False`)."""
     return model._flatten_metrics_in_order(logs)
 
 
 def redirect_backup(callback, directory):
-    """Keras's `BackupAndRestore` writing to `directory` from now on (it keeps the paths it
-    reads and writes in private attributes)."""
+    """Keras's `BackupAndRestore` writing to `directory` from now on (its paths are private)."""
     callback.backup_dir = directory
     callback._weights_path = os.path.join(directory, "latest.weights.h5")
     callback._training_metadata_path = os.path.join(directory, "training_metadata.json")
@@ -378,15 +380,13 @@ def build_for(model, dataset):
 
 
 def take_initial_epoch(model):
-    """The epoch Keras's `BackupAndRestore` restored into the model (None if none), cleared as
-    Keras's `fit` clears it."""
+    """The epoch Keras's `BackupAndRestore` restored into `model` (or None), cleared as fit does."""
     epoch, model._initial_epoch = model._initial_epoch, None
     return epoch
 
 
 def pending_closures(coordinator):
-    """Closures scheduled on a `ClusterCoordinator` and not yet finished (queued or running),
-    read from its own queue: TF 2.21 has no public count."""
+    """A `ClusterCoordinator`'s closures queued or running (its own queue: TF 2.21 has no count)."""
     q = coordinator._cluster.closure_queue
     with q._queue_lock:
         return q._queue.qsize() + q._inflight_closure_count

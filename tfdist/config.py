@@ -230,9 +230,6 @@ def validate(c):
         raise UsageError(f"pipeline.schedule=1f1b needs at least as many microbatches as stages "
                          f"(pipeline.microbatches {p.microbatches} < pipeline.stages {p.stages}); "
                          f"raise the microbatches or use gpipe")
-    if c.zero.stage == 2 and t.grad_accum_steps > 1:
-        raise UsageError("zero.stage=2 with train.grad_accum_steps > 1 would accumulate whole "
-                         "gradients (stage 1's memory); use zero.stage=1")
     if t.steps_per_epoch % t.steps_per_execution:
         raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) must divide "
                          f"train.steps_per_epoch ({t.steps_per_epoch})")

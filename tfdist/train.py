@@ -143,7 +143,12 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
                          f"at 1 or pick another strategy")
     if c.zero.stage and plugin.zero_collectives is None:
         raise UsageError(f"strategy {c.strategy.name} cannot shard the optimizer (zero.stage="
-                         f"{c.zero.stage}); use horovod, or set zero.stage=0")
+                         f"{c.zero.stage}); use horovod or multi_worker_mirrored, or set "
+                         f"zero.stage=0")
+    if c.train.grad_accum_steps > 1 and not plugin.supports_grad_accumulation:
+        raise UsageError(f"train.grad_accum_steps > 1 does not work with strategy {plugin.name} "
+                         f"on Keras 3.15 (keras-team/keras#20582: the accumulation's update calls "
+                         f"merge_call inside a cond); set it to 1, or use horovod")
     if tp > 1 and plugin.uses_local_devices:
         raise UsageError(f"tensor parallelism and the {plugin.name} strategy both want this "
                          f"process's devices; combine tensor.parallel with one replica per process "

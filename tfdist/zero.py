@@ -14,10 +14,12 @@ each update:
 
 Reduce-scatter plus all-gather move what one all-reduce moves, 2(N-1)/N of the gradient bytes.
 
-Stage 1 and stage 2 run this same step. What stage 2 adds is the gradient memory that outlives a
-step: with gradient accumulation, Keras's accumulators hold every variable's local gradient under
-stage 1, and stage 2 would reduce-scatter every microstep and accumulate the owned segment only.
-(Within one step, a graph's gradients are transient tensors under both.)
+Without gradient accumulation, stage 1 and stage 2 run this same step: within one step a graph's
+gradients are transient tensors under both. Stage 2 differs in the gradient memory that outlives a
+step: with accumulation, stage 1 keeps Keras's accumulators (every variable's local gradient,
+reduced at the update), while stage 2 reduce-scatters every microstep and accumulates only this
+replica's segment: 1/N of the bytes, for a reduce-scatter per microstep instead of one exchange
+per update.
 
 Partition: whole variables, largest first onto the least-loaded replica. Not flat buffers,
 because the optimizer works per variable (AdamW excludes biases and norms from weight decay by
@@ -37,6 +39,7 @@ Example (one replica, collectives that do nothing: the update is plain AdamW's):
     'ZeRO-1 over 1 replica(s): this replica owns 2 of 2 variables (20 of 20 parameters); imbalance 1.00'
 """
 import collections
+import contextlib
 import json
 import os
 
@@ -52,11 +55,14 @@ from tfdist.errors import UsageError
 #: equality tests can fail).
 GATHER = True
 
-Collectives = collections.namedtuple("Collectives", "rank size reduce_scatter all_gather sum assign")
+Collectives = collections.namedtuple(
+    "Collectives", "rank size reduce_scatter all_gather sum assign slot_scope",
+    defaults=(contextlib.nullcontext,))
 Collectives.__doc__ = """What a strategy gives ZeRO: this replica's `rank` of `size`;
 `reduce_scatter(flat)`: this replica's 1/size of the flat buffer reduced over the replicas (the
 strategy's op); `all_gather(flat)`: every replica's flat buffer, in rank order, concatenated;
-`sum(scalar)`: the scalar summed over the replicas; `assign(variable, value)` from a replica."""
+`sum(scalar)`: the scalar summed over the replicas; `assign(variable, value)` from a replica;
+`slot_scope()`: the context in which this replica's own slots are created."""
 
 
 def local():
@@ -123,24 +129,34 @@ def _handle(v):  # what Keras's TF optimizer hands `_all_reduce_sum_gradients`: 
     return v.value if isinstance(v, keras.Variable) else v
 
 
+def _calls(optimizer):
+    """The variable counting the optimizer's `apply` calls. Under gradient accumulation Keras's
+    `iterations` is the count of updates, `calls // steps`, a tensor: it is the variable itself
+    while accumulation is off (read at trace time)."""
+    steps, optimizer.gradient_accumulation_steps = optimizer.gradient_accumulation_steps, None
+    try:
+        return optimizer.iterations
+    finally:
+        optimizer.gradient_accumulation_steps = steps
+
+
 def shard(optimizer, stage, collectives):
     """Makes `optimizer` a ZeRO-`stage` optimizer over `collectives`' replicas; returns it. Its
     `build(variables)` partitions the variables and creates slots only for this replica's; its
     `apply` reduce-scatters, updates this replica's variables and all-gathers them."""
     if stage not in (1, 2):
         raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}")
-    if stage == 2 and optimizer.gradient_accumulation_steps:
-        raise UsageError("ZeRO-2 with gradient accumulation would accumulate whole gradients "
-                         "(stage 1's memory); use stage 1")
     c = collectives
     zero = optimizer.tfdist_zero = State(stage, c)  # (a dict would be copied by Keras's tracking)
     build, add_slot, apply = optimizer.build, optimizer.add_variable_from_reference, optimizer.apply
+    steps = optimizer.gradient_accumulation_steps if stage == 2 else None  # ZeRO-2's shards
 
     def add_owned_slot(reference_variable, name=None, initializer="zeros"):
-        if name == "gradient_accumulator":
+        if name == "gradient_accumulator" and not steps:  # stage 1: Keras's, every variable's
             return add_slot(reference_variable, name=name, initializer=initializer)
         if id(reference_variable) in zero.owned:
-            slot = add_slot(reference_variable, name=name, initializer=initializer)
+            with c.slot_scope():
+                slot = add_slot(reference_variable, name=name, initializer=initializer)
             zero.slots.add(id(slot))
             return slot
         return None  # Keras's optimizers skip a None slot (as for overwrite_with_gradient)
@@ -155,8 +171,9 @@ def shard(optimizer, stage, collectives):
             del optimizer.add_variable_from_reference  # Keras's own again
 
     def reduce_scatter(grads_and_vars):
+        """[(summed gradient, variable)] of this replica's variables (those with a gradient)."""
         s = zero.sharding
-        by_handle = {id(v): g for g, v in grads_and_vars}
+        by_handle = {id(_handle(v)): g for g, v in grads_and_vars}
         grads = [by_handle.get(id(_handle(v))) for v in s.variables]
         dense = [tf.zeros(v.shape, tf.float32) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(grads, s.variables)]
@@ -178,13 +195,28 @@ def shard(optimizer, stage, collectives):
             return
         steps = optimizer.gradient_accumulation_steps
         if steps:  # the variables changed only if this call was an update
-            tf.cond(tf.equal(optimizer.iterations % steps, 0), lambda: gather() or tf.constant(0),
+            tf.cond(tf.equal(_calls(optimizer) % steps, 0), lambda: gather() or tf.constant(0),
                     lambda: tf.constant(0))
         else:
             gather()
 
-    optimizer.build, optimizer.apply = zero_build, zero_apply
-    return compat.set_gradient_reduction(optimizer, reduce_scatter, norm_sum=c.sum)
+    def accumulating_apply(grads, trainable_variables=None):
+        """ZeRO-2 with accumulation: every microstep reduce-scatters, and hands Keras only this
+        replica's summed segment and variables; Keras's accumulation then keeps accumulators for
+        those only (1/N of the gradients) and updates from their mean every `steps` calls."""
+        variables = list(zero.sharding.variables if trainable_variables is None
+                         else trainable_variables)
+        if not optimizer.built:  # (on all the variables, not only the ones given below)
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(variables)
+        by_handle = {id(_handle(v)): v for v in variables}
+        summed = reduce_scatter(list(zip(grads, variables)))
+        zero_apply([g for g, _ in summed], [by_handle[id(h)] for _, h in summed])
+
+    optimizer.build, optimizer.apply = zero_build, accumulating_apply if steps else zero_apply
+    # ZeRO-2's accumulated gradients are already reduced: the reduction only clips them
+    return compat.set_gradient_reduction(optimizer, (lambda gv: gv) if steps else reduce_scatter,
+                                         norm_sum=c.sum)
 
 
 def describe(optimizer):

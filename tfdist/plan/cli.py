@@ -42,11 +42,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The recommended command, the table and the chart.
 
 
-def strategy_launch(layout, cluster, flags=()):
-    """How tfdist runs a layout (no ZeRO) on the cluster's devices: (whether it can place the
-    layout, the command). The strategy and its command come from the plugins
-    (`Strategy.plan_command`); a process's pipeline stages and tensor-parallel devices are on its
-    own node's devices."""
+def strategy_launch(layout, cluster, flags=(), accumulates=False):
+    """How tfdist runs a layout on the cluster's devices: (whether it can, the command). The
+    strategy and its command come from the plugins (`Strategy.plan_command`); a process's
+    pipeline stages and tensor-parallel devices are on its own node's devices."""
     from tfdist import strategies
     local = layout.pp * layout.tp  # devices of one process
     per_node = max(cluster.node() // local, 1)  # processes per node
@@ -56,11 +55,15 @@ def strategy_launch(layout, cluster, flags=()):
     placed = local <= cluster.node() and (local == 1 or plugin.supports_pipeline)
     if layout.tp > 1 and plugin.uses_local_devices:
         placed = False  # one replica per process (horovod, multi_worker_mirrored) only
+    if layout.zero and plugin.zero_collectives is None:
+        placed = False
+    if accumulates and not plugin.supports_grad_accumulation:
+        placed = False  # keras-team/keras#20582 (tfdist.strategies.base)
     return placed, command
 
 
 def tfdist_command(plan_, cluster, batch, config_arg, precision, schedule="gpipe"):
-    """The `tfdist train` command for a layout tfdist runs (no ZeRO)."""
+    """The `tfdist train` command for a layout tfdist runs."""
     lay = plan_.layout
     m = lay.microbatches(batch)
     flags = [config_arg, f"--config.train.batch_size={batch}"]
@@ -77,14 +80,16 @@ def tfdist_command(plan_, cluster, batch, config_arg, precision, schedule="gpipe
     elif m > 1:  # one microbatch at a time: Keras's gradient accumulation
         flags[1] = f"--config.train.batch_size={batch // m}"
         flags.append(f"--config.train.grad_accum_steps={m}")
+    if lay.zero:
+        flags.append(f"--config.zero.stage={lay.zero}")
     return strategy_launch(lay, cluster, flags)[1]
 
 
 def runnable(plan_, cluster):
     lay = plan_.layout
     if not lay.runs_in_tfdist() or (lay.recompute and lay.pp == 1) or not plan_.tfdist_fits:
-        return False  # no ZeRO yet; recomputation is the pipeline's; embedding and head whole
-    return strategy_launch(lay, cluster)[0]
+        return False  # no ZeRO-3; recomputation is the pipeline's; embedding and head whole
+    return strategy_launch(lay, cluster, accumulates=plan_.accumulates())[0]
 
 
 def format_table(plans, cluster):
@@ -346,11 +351,11 @@ def _report(model, cluster, batch, plans, opts, config_arg, F):
         print(f"best: {b.layout}: {b.tokens_per_sec:,.0f} tokens/s, MFU {b.mfu:.1%}, "
               f"{b.memory['total'] / GB:.1f} GB per device, bound by {b.time['bottleneck']}")
     if best is None:
-        print("no layout tfdist can run today fits (tfdist has no ZeRO yet, and keeps the embedding "
+        print("no layout tfdist can run today fits (tfdist has no ZeRO-3, and keeps the embedding "
               "and head whole on one device of each tensor-parallel group)")
     else:
         if best is not feasible[0]:
-            print(f"best that tfdist runs today (no ZeRO yet): {best.layout}, "
+            print(f"best that tfdist runs today: {best.layout}, "
                   f"{best.tokens_per_sec / feasible[0].tokens_per_sec:.0%} of the best's speed")
         print("  " + tfdist_command(best, cluster, batch, config_arg or "--config=<your config>",
                                      opts.precision, opts.schedule))

@@ -116,7 +116,10 @@ class Layout:
         return batch // (self.dp * self.microbatch)
 
     def runs_in_tfdist(self):
-        return self.zero == 0  # tensor parallelism inside a process (tfdist.models.tensor_parallel)
+        """Whether tfdist has this layout's parts: tensor parallelism inside a process
+        (tfdist.models.tensor_parallel), and ZeRO 1 and 2 (tfdist.zero) with pipeline stages but
+        not with tensor parallelism (whose ZeRO backups tfdist refuses); not ZeRO-3."""
+        return self.zero == 0 or (self.zero <= 2 and self.tp == 1)
 
     def __str__(self):
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.microbatch} zero={self.zero}"
@@ -267,6 +270,11 @@ class Plan:
     tflops_per_device: float  # hardware FLOP/s as Megatron-LM reports them (recomputation included)
     overflow: str = ""
     tfdist_fits: bool = True  # also with the embedding and head whole, as tfdist keeps them
+    batch: int = 0  # sequences per step
+
+    def accumulates(self):
+        """Whether tfdist runs it with gradient accumulation (microbatches without a pipeline)."""
+        return self.layout.pp == 1 and self.layout.microbatches(self.batch) > 1
 
 
 def evaluate(model, cluster, layout, batch, opts=Options()):
@@ -286,7 +294,7 @@ def evaluate(model, cluster, layout, batch, opts=Options()):
                 model.arch.model_flops_per_token() * tokens
                 / (tm["total"] * cluster.count * cluster.device.peak(opts.precision)),
                 hw / (tm["total"] * cluster.count) / 1e12, overflow,
-                tfdist_fits=whole["total"] <= capacity)
+                tfdist_fits=whole["total"] <= capacity, batch=batch)
 
 
 # ---------------------------------------------------------------------------------------------

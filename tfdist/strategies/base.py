@@ -23,8 +23,9 @@ its callbacks, its split of plain datasets, and lets only the chief write files.
 What it declares, so that `tfdist train`, `tfdist launch` and `tfdist plan` ask it instead of
 comparing names: `options` (its config keys with default, rule and help, checked once by
 `check_options`), `recommended` config values, `uses_local_devices`, `supports_pipeline`,
-`supports_jit_compile`, `collective_checkpoints`, `launch` (a `Launch`: roles, restart policy,
-server tasks, wrapper command) and `plan_command` (the planner's command line).
+`supports_jit_compile`, `supports_grad_accumulation`, `collective_checkpoints`, `launch` (a
+`Launch`: roles, restart policy, server tasks, wrapper command) and `plan_command` (the
+planner's command line).
 
 Example (any registered strategy; see `tfdist.strategies.names()`):
 
@@ -133,6 +134,9 @@ class Strategy:
     name = "base"
     #: Keras `jit_compile=True` works under this strategy (it does not under Mirrored on TF 2.21).
     supports_jit_compile = True
+    #: Keras 3's gradient accumulation works here. Under MirroredStrategy's family its update,
+    #: inside a cond, calls merge_call, which TF refuses there (keras-team/keras#20582).
+    supports_grad_accumulation = True
     #: Its replicas are this machine's devices, so a pipeline cannot have them for its stages.
     uses_local_devices = False
     #: A pipeline's stages can be placed on devices of its process.
@@ -233,7 +237,8 @@ class Strategy:
         if zero_stage:
             if self.zero_collectives is None:
                 raise UsageError(f"strategy {self.name} cannot shard the optimizer (zero.stage="
-                                 f"{zero_stage}); use horovod, or set zero.stage=0")
+                                 f"{zero_stage}); use horovod or multi_worker_mirrored, or set "
+                                 f"zero.stage=0")
             from tfdist import zero
             return zero.shard(optimizer, zero_stage, self.zero_collectives())
         return compat.set_gradient_reduction(optimizer, self.all_reduce_gradients)

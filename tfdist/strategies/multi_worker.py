@@ -17,9 +17,14 @@ _IMPLEMENTATIONS = {
 }
 
 
+#: The collective group of ZeRO's ops (tf.distribute numbers its own groups from 1).
+_ZERO_GROUP = 0x2E50
+
+
 class MultiWorkerMirrored(Strategy):
     name = "multi_worker_mirrored"
     supports_jit_compile = False
+    supports_grad_accumulation = False  # keras-team/keras#20582
     options = {"cross_device_ops": ("auto", lambda v: v in _IMPLEMENTATIONS,
                                     "one of " + ", ".join(_IMPLEMENTATIONS))}
     launch = Launch()  # N workers with TF_CONFIG; any failure restarts the group
@@ -43,6 +48,7 @@ class MultiWorkerMirrored(Strategy):
             implementation=_IMPLEMENTATIONS[cross_device_ops])
         super().__init__(tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=self.cluster.resolver(), communication_options=options))
+        self._barrier = None
 
     @property
     def is_chief(self):
@@ -55,6 +61,45 @@ class MultiWorkerMirrored(Strategy):
     @property
     def num_workers(self):
         return self.cluster.num_workers
+
+    def barrier(self):
+        """Every worker meets: a summing all-reduce of one scalar (the strategy's own keys)."""
+        if self._barrier is None:  # (a function: run eagerly, the strategy warns of overhead)
+            s = self.tf_strategy
+            self._barrier = tf.function(
+                lambda: s.reduce("SUM", s.run(tf.ones, ([],)), axis=None), autograph=False)
+        self._barrier()
+
+    def zero_collectives(self):
+        """ZeRO's collectives over the workers, one replica each: TF's collective ops (public
+        `tf.raw_ops`) in a group of ZeRO's own, so its keys never meet the strategy's. TF 2.21's
+        reduce-scatter exists for NCCL only ("did not find collective implementation" on CPU), so
+        it is an all-to-all of the N segments, then a sum: each worker sends (N-1)/N of the
+        buffer, as a ring reduce-scatter does. Sums, as Keras's all-reduce here (the loss is
+        already scaled by the global batch)."""
+        from tfdist.zero import Collectives
+        if self.num_replicas != self.num_workers:
+            raise UsageError(f"ZeRO under {self.name} needs one replica per worker (here "
+                             f"{self.num_replicas} replicas on {self.num_workers} workers); start "
+                             f"one worker per device, or set zero.stage=0")
+        n, strategy = self.num_workers, self.tf_strategy
+        group = dict(group_size=n, group_key=_ZERO_GROUP, ordering_token=[])
+
+        def reduce_scatter(flat):
+            chunks = tf.raw_ops.CollectiveAllToAllV2(input=tf.reshape(flat, [n, -1]),
+                                                     instance_key=1, **group)
+            return tf.reduce_sum(chunks, 0)
+
+        def assign(variable, value):  # each local copy of a mirrored variable, this worker only
+            for v in strategy.experimental_local_results(variable.value):
+                v.assign(value)
+
+        return Collectives(
+            self.worker_index, n, reduce_scatter,
+            lambda flat: tf.raw_ops.CollectiveGatherV2(input=flat, instance_key=2, **group),
+            lambda x: tf.raw_ops.CollectiveReduceV2(input=x, instance_key=3, merge_op="Add",
+                                                    final_op="Id", **group),
+            assign, lambda: compat.local_variables(strategy))
 
     def describe(self):
         return (f"{self.name}: worker {self.worker_index} of {self.num_workers}, "
