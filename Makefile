@@ -73,10 +73,12 @@ chaos-ps: $(STAMP)
 chaos-horovod: $(HOROVOD)
 	$(BIN)/python tools/chaos.py --strategy=horovod
 
-# ZeRO-1 under Horovod: SIGKILL a rank at a random step, 5 trials; each resumes from every rank's
-# optimizer shard and must end bitwise equal to an uninterrupted ZeRO run.
+# ZeRO-1 under Horovod, then under multi_worker_mirrored: SIGKILL a replica at a random step, 5
+# trials each; each resumes from every replica's optimizer shard and must end bitwise equal to an
+# uninterrupted ZeRO run.
 chaos-zero: $(HOROVOD)
 	$(BIN)/python tools/chaos.py --strategy=horovod --zero=1
+	$(BIN)/python tools/chaos.py --zero=1
 
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
 bench-scaling-horovod: $(HOROVOD)

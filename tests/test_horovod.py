@@ -76,6 +76,7 @@ def test_without_the_allreduce_ranks_diverge(tmp_path, data_dir, single):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every 2-rank equality test relies on the broadcast only when seeds differ
 def test_rank_zero_broadcast_makes_differently_initialised_ranks_alike(tmp_path, data_dir, single):
     """Rank r initialises with seed + r. With the broadcast the ranks are identical and equal the
     single process (rank 0 has its seed); without it they are not."""

@@ -212,7 +212,7 @@ def plain_accumulating(tmp_path_factory, data_dir):
 
 @pytest.mark.slow
 @pytest.mark.horovod
-@pytest.mark.parametrize("stage", [2, pytest.param(1, marks=pytest.mark.long)])
+@pytest.mark.parametrize("stage", [2, 1])
 def test_zero_with_gradient_accumulation_equals_plain_data_parallel(tmp_path, data_dir,
                                                                     plain_accumulating, stage):
     """2 microsteps per update: ZeRO-2 reduce-scatters each and keeps only its shard's

@@ -5,6 +5,7 @@
     python tools/chaos.py --strategy=parameter_server      # 5 trials, 2 workers + 1 ps, 600 steps
     python tools/chaos.py --strategy=horovod    # 5 trials, 2 Horovod ranks (horovodrun), 30 steps
     python tools/chaos.py --strategy=horovod --zero=1   # the same under ZeRO-1 (chaos-zero.json)
+    python tools/chaos.py --zero=1              # ZeRO-1 under multi_worker_mirrored (chaos-zero-mwms.json)
 
 multi_worker_mirrored and horovod (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
@@ -74,17 +75,16 @@ def main():
     ap.add_argument("--strategy", default="multi_worker_mirrored",
                     choices=["multi_worker_mirrored", "parameter_server", "horovod"])
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
-                    help="horovod: ZeRO stage (each rank backs up its optimizer shard)")
+                    help="ZeRO stage, synchronous strategies (each replica backs up its optimizer shard)")
     ap.add_argument("--out", default=None, help="default bench_results/chaos.json (chaos-ps.json, "
-                    "chaos-horovod.json, chaos-zero.json)")
+                    "chaos-horovod.json, chaos-zero.json, chaos-zero-mwms.json)")
     args = ap.parse_args()
     if args.strategy == "parameter_server":
         return ps_trials(args)
-    if args.zero and args.strategy != "horovod":
-        ap.error("--zero needs --strategy=horovod")
-    args.out = args.out or os.path.join(ROOT, "bench_results", "chaos.json" if args.strategy ==
-                                        "multi_worker_mirrored" else "chaos-zero.json" if args.zero
-                                        else "chaos-horovod.json")
+    mwms = args.strategy == "multi_worker_mirrored"
+    args.out = args.out or os.path.join(ROOT, "bench_results", (
+        ("chaos-zero-mwms.json" if args.zero else "chaos.json") if mwms
+        else "chaos-zero.json" if args.zero else "chaos-horovod.json"))
     if args.steps < 4 or args.steps % 10 or args.workers < 1 or args.trials < 1:
         ap.error("--steps must be a multiple of 10 (>= 10); --workers and --trials >= 1")
 
