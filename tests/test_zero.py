@@ -66,6 +66,15 @@ def test_the_partition_is_balanced_and_the_same_on_every_replica():
     assert sorted(loads) == [150, 150]
 
 
+def test_a_tensor_parallel_layers_shards_share_one_owner():
+    """(so that a backup can save their slots joined, as the unsplit variable's)"""
+    v = [keras.Variable(np.zeros(shape, "float32")) for shape in [(8, 4), (8, 4), (16,), (4,), (4,)]]
+    v[0].tfdist_shard_of = v[1].tfdist_shard_of = "kernel"
+    v[3].tfdist_shard_of = v[4].tfdist_shard_of = "bias"
+    s = zero.Sharding(v, 2)
+    assert s.owners == [0, 0, 1, 1, 1] and s.loads == [64, 24]
+
+
 @pytest.mark.parametrize("stage,accumulate", [(1, None), (2, None), (1, 3), (2, 3)])
 def test_one_replica_zero_step_equals_the_plain_optimizer(stage, accumulate):
     """The ZeRO path (reduce-scatter, clip by the summed norm, update, gather) with one replica:
@@ -97,8 +106,6 @@ def test_one_replica_zero_step_equals_the_plain_optimizer(stage, accumulate):
     (["--strategy=parameter_server", "--config.zero.stage=1"], "parameter_server cannot shard"),
     (["--strategy=multi_worker_mirrored", "--config.train.grad_accum_steps=2"],
      "keras-team/keras#20582"),
-    (["--strategy=horovod", "--config.zero.stage=1", "--config.tensor.parallel=2",
-      "--config.backup.enabled=True"], "tensor.parallel > 1 cannot be backed up yet"),
 ]))
 def test_bad_zero_configs_are_one_line(tmp_path, flags, needle):
     assert_usage_error(tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
@@ -143,7 +150,7 @@ def hashes(workdir, rank):
         return [line.split()[1] for line in f]
 
 
-def assert_equal_to_plain(run, plain, stage, sharded_accumulators=False, same_layout=True):
+def assert_equal_to_plain(run, plain, stage, sharded_accumulators=False):
     """Per-step losses within 1e-5 of plain data parallelism's, both replicas' weights bitwise
     identical after every step, and each replica's optimizer bytes 1/2 of plain's (ZeRO-2 with
     accumulation: also the accumulators; else those are every replica's, as in plain)."""
@@ -152,8 +159,7 @@ def assert_equal_to_plain(run, plain, stage, sharded_accumulators=False, same_la
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
     h0, h1 = hashes(run, 0), hashes(run, 1)
     assert len(h0) == STEPS and h0 == h1  # bitwise identical after every step
-    if same_layout:  # (tensor parallelism dumps its shards)
-        assert max_diff(weights(run, 0), weights(plain, 0)) <= 1e-5
+    assert max_diff(weights(run, 0), weights(plain, 0)) <= 1e-5
     full = json.load(open(os.path.join(plain, "optimizer-w0.json")))
     for rank in (0, 1):
         mine = json.load(open(os.path.join(run, f"optimizer-w{rank}.json")))
@@ -235,12 +241,21 @@ def test_zero_composes_with_pipeline_stages(tmp_path, data_dir, plain):
 
 @pytest.mark.slow
 @pytest.mark.horovod
-def test_zero_composes_with_tensor_parallelism(tmp_path, data_dir, plain):
-    """ZeRO-1 over 2 ranks, each holding t = 2 tensor-parallel shards (each shard variable has
-    its own owner); without backups, which that combination cannot write yet."""
-    horovod(tmp_path, data_dir, 1, "--dump-weights",
-            **{"tensor.parallel": 2, "backup.enabled": False})
-    assert_equal_to_plain(tmp_path, plain, 1, same_layout=False)
+def test_zero_composes_with_tensor_parallelism(tmp_path, data_dir, zero1):
+    """ZeRO-1 over 2 ranks, each holding t = 2 tensor-parallel shards (a layer's shards of one
+    kernel share an owner), rank 1 SIGKILLed after step 5, the ranks identical until then. Its
+    backup (the slots saved as the unsplit variables') resumes at t = 1 with the uninterrupted
+    ZeRO-1 run's losses within 1e-5."""
+    run = tmp_path / "run"
+    p = horovod(run, data_dir, 1, "--dump-weights", "--kill-at-step", str(KILL_AT),
+                "--kill-worker", "1", check=False, **{"tensor.parallel": 2})
+    assert p.returncode != 0
+    assert len(hashes(run, 0)) >= KILL_AT and hashes(run, 0)[:KILL_AT] == hashes(run, 1)[:KILL_AT]
+    p = horovod(run, data_dir, 1)
+    assert f"at step {KILL_AT} of {STEPS}" in p.stdout, p.stdout[-3000:]
+    resumed, reference = after(run, KILL_AT), after(zero1, KILL_AT)
+    assert len(resumed) == STEPS - KILL_AT
+    assert max(abs(x - y) for x, y in zip(resumed, reference)) <= 1e-5, (resumed, reference)
 
 
 @pytest.mark.slow

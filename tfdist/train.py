@@ -145,10 +145,6 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
         raise UsageError(f"strategy {c.strategy.name} cannot shard the optimizer (zero.stage="
                          f"{c.zero.stage}); use horovod or multi_worker_mirrored, or set "
                          f"zero.stage=0")
-    if c.zero.stage and tp > 1 and c.backup.enabled:
-        raise UsageError("zero.stage with tensor.parallel > 1 cannot be backed up yet (a "
-                         "tensor-parallel variable's optimizer shards may sit on different "
-                         "replicas); set backup.enabled=False or tensor.parallel=1")
     if c.train.grad_accum_steps > 1 and not plugin.supports_grad_accumulation:
         raise UsageError(f"train.grad_accum_steps > 1 does not work with strategy {plugin.name} "
                          f"on Keras 3.15 (keras-team/keras#20582: the accumulation's update calls "

@@ -81,12 +81,23 @@ def partition(sizes, n):
 
 
 class Sharding:
-    """The owners of an optimizer's variables and the flat layout of the collectives."""
+    """The owners of an optimizer's variables and the flat layout of the collectives. Variables
+    with the same `tfdist_shard_of` attribute (a tensor-parallel layer's shards of one kernel or
+    bias: tfdist.models.tensor_parallel) get one owner, so a backup can save their slots as the
+    unsplit variable's."""
 
     def __init__(self, variables, n):
         self.variables = list(variables)
         self.sizes = [int(np.prod(v.shape)) for v in self.variables]
-        self.owners = partition(self.sizes, n)
+        groups = {}  # group key -> indices, in the order of their first variable
+        for i, v in enumerate(self.variables):
+            groups.setdefault(getattr(v, "tfdist_shard_of", None) or ("variable", i), []).append(i)
+        members = list(groups.values())
+        owner_of = partition([sum(self.sizes[i] for i in m) for m in members], n)
+        self.owners = [0] * len(self.variables)
+        for m, owner in zip(members, owner_of):
+            for i in m:
+                self.owners[i] = owner
         self.of = [[i for i, o in enumerate(self.owners) if o == r] for r in range(n)]
         self.loads = [sum(self.sizes[i] for i in idx) for idx in self.of]
         self.segment = max(self.loads) if self.loads else 0  # elements per replica, padded
@@ -245,10 +256,11 @@ def split_slots(optimizer, optimizer_state):
     zero = getattr(optimizer, "tfdist_zero", None)
     if zero is None:
         return {}, optimizer_state
-    slots = {k: v for k, v in optimizer_state.items() if id(v) in zero.slots}
-    if len(slots) != len(zero.slots):
-        raise UsageError("a ZeRO optimizer over tensor-parallel shards cannot be backed up yet; "
-                         "set backup.enabled=False or tensor.parallel=1")
+    parts = {k: getattr(v, "shards", [v]) for k, v in optimizer_state.items()}  # (joined shards)
+    slots = {k: v for k, v in optimizer_state.items() if all(id(x) in zero.slots for x in parts[k])}
+    held = sum(len(parts[k]) for k in slots)
+    if held != len(zero.slots):  # a slot joined with another replica's: a partition error
+        raise ValueError(f"{len(zero.slots) - held} ZeRO slot(s) are not in the state's names")
     return slots, {k: v for k, v in optimizer_state.items() if k not in slots}
 
 

@@ -144,6 +144,9 @@ class ShardedDense(keras.layers.Layer):
                 with tf.device(self.devices[r]):
                     self.biases.append(self.add_weight(name=f"bias_{r}", shape=(width,),
                                                        initializer="zeros"))
+        for shards in (self.kernels, self.biases):  # one ZeRO owner for all of them (tfdist.zero)
+            for v in shards:
+                v.tfdist_shard_of = (id(self), id(shards))
         BUILT.add(self)
 
     def whole(self):
