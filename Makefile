@@ -93,9 +93,11 @@ bench-pipeline: $(STAMP)
 bench-model-parallel: $(STAMP)
 	$(BIN)/python tools/bench_model_parallel.py --schedules --tensor
 
-# ZeRO-1/2 against plain data parallel, 2 Horovod ranks of gpt_mini: time, memory, bytes sent.
+# ZeRO-1/2 against plain data parallel, 2 Horovod ranks then 2 MWMS workers of gpt_mini: time,
+# memory, bytes sent.
 bench-zero: $(HOROVOD)
 	$(BIN)/python tools/bench_zero.py
+	$(BIN)/python tools/bench_zero.py --strategy=multi_worker_mirrored
 
 # allreduce bus bandwidth, 1-64 MiB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
 bench-allreduce: $(HOROVOD)

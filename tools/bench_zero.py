@@ -1,11 +1,13 @@
-"""ZeRO under Horovod: 2 ranks of gpt_mini, plain data parallel against ZeRO-1 and ZeRO-2.
+"""ZeRO with 2 replicas of gpt_mini, plain data parallel against ZeRO-1 and ZeRO-2.
 
-    python tools/bench_zero.py            # make bench-zero
+    python tools/bench_zero.py                                   # Horovod (make bench-zero)
+    python tools/bench_zero.py --strategy=multi_worker_mirrored  # TF's collectives (also there)
 
-Each variant runs as 2 real processes (`horovodrun -np 2`, Gloo on 127.0.0.1), in turn, for
---rounds rounds. Each rank builds gpt_mini (byte vocabulary, ~10.8 M parameters) with the Horovod
-plugin's optimizer (AdamW, global clipping; `wrap_optimizer(..., zero_stage)`), runs a traced
-training step on a batch of --batch sequences per rank, then --steps timed steps. Per variant:
+Each variant runs as 2 real processes (`horovodrun -np 2`, Gloo on 127.0.0.1; or `tfdist launch
+--workers 2`, TF's gRPC collectives), in turn, for --rounds rounds. Each builds gpt_mini (byte
+vocabulary, ~10.8 M parameters) with the plugin's optimizer (AdamW, global clipping;
+`wrap_optimizer(..., zero_stage)`), runs a traced training step on a batch of --batch sequences
+per replica, then --steps timed steps. Per variant:
 
 * the median step time, and its ratio to plain data parallel's of the same round;
 * the optimizer's bytes on each rank (its variables: AdamW's moments, or the rank's shard);
@@ -14,8 +16,9 @@ training step on a batch of --batch sequences per rank, then --steps timed steps
   traffic, halved) over the timed steps, against the ZeRO paper's volume (2(N-1)/N of the
   gradient bytes for an all-reduce, and for a reduce-scatter plus an all-gather alike).
 
-Prints a table and writes bench_results/zero.json. Gloo's all-reduce is not a plain ring, and TCP
-adds headers, so the measured bytes are compared as ratios to plain data parallel's.
+Prints a table and writes bench_results/zero.json (zero-mwms.json). Gloo's all-reduce is not a
+plain ring, and TCP (and gRPC) add headers, so the measured bytes are compared as ratios to plain
+data parallel's.
 """
 import json
 import os
@@ -34,6 +37,8 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per run (after one trace
 _BATCH = flags.DEFINE_integer("batch", 4, "Sequences of 256 tokens per rank and step.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of the three variants.")
 _WORKER = flags.DEFINE_integer("worker", -1, "Internal: run as a rank with this ZeRO stage.")
+_STRATEGY = flags.DEFINE_enum("strategy", "horovod", ["horovod", "multi_worker_mirrored"],
+                              "The data-parallel strategy of the 2 processes.")
 
 SIZES = dict(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0)
 
@@ -56,8 +61,7 @@ def worker(stage):
     from tfdist.config import default_config
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
-    strategy = strategies.get("horovod")
-    hvd = strategy.hvd
+    strategy = strategies.get(_STRATEGY.value)
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = GPT(**SIZES)
@@ -66,23 +70,25 @@ def worker(stage):
         optimizer = strategy.wrap_optimizer(make_optimizer(t, 1000), zero_stage=stage)
         model.compile(optimizer=optimizer, loss=loss_fn())
         optimizer.build(model.trainable_variables)
-    rng = np.random.default_rng(hvd.rank())
+    rank = strategy.worker_index
+    rng = np.random.default_rng(rank)
     tokens = rng.integers(0, 256, size=(_BATCH.value, SIZES["block_size"] + 1)).astype("int32")
     x, y = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
-    step = tf.function(lambda: model.train_step((x, y)))
-    step()["loss"].numpy()
-    hvd.allreduce(tf.constant(0.0), name="bench_zero_sync")  # both ranks traced: time together
+    run = strategy.tf_strategy.run  # (Horovod: TF's default strategy; MWMS: one replica each)
+    step = tf.function(lambda: run(model.train_step, args=((x, y),))["loss"])
+    step().numpy()
+    strategy.barrier()  # both traced: time together
     tf.config.experimental.reset_memory_stats("CPU:0")
     tx, times = loopback_tx(), []
     for _ in range(_STEPS.value):
         start = time.perf_counter()
-        step()["loss"].numpy()
+        step().numpy()
         times.append(time.perf_counter() - start)
-    hvd.allreduce(tf.constant(0.0), name="bench_zero_sync_end")
+    strategy.barrier()
     tx = loopback_tx() - tx
     optimizer_bytes = sum(v.numpy().nbytes for v in optimizer.variables)
-    every = hvd.allgather(tf.constant([optimizer_bytes], tf.int64)).numpy().tolist()
-    if hvd.rank() == 0:
+    every = [json.loads(x) for x in exchange(strategy, json.dumps(optimizer_bytes))]
+    if rank == 0:
         with open("/proc/self/status") as f:
             rss = int(f.read().split("VmHWM:")[1].split()[0]) * 1024
         grad_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
@@ -93,11 +99,25 @@ def worker(stage):
             "gradient_bytes": grad_bytes}), flush=True)
 
 
+def exchange(strategy, text):
+    """Every process's `text`, in rank order: each writes a file, all meet, each reads them."""
+    d = os.environ["TFDIST_BENCH_DIR"]
+    with open(os.path.join(d, f"{strategy.worker_index}.txt"), "w") as f:
+        f.write(text)
+    strategy.barrier()
+    return [open(os.path.join(d, f"{r}.txt")).read() for r in range(strategy.num_workers)]
+
+
 def measure(stage):
+    import tempfile
     from tfdist.strategies.horovod import horovodrun_argv
     me = [sys.executable, os.path.abspath(__file__), f"--worker={stage}", f"--steps={_STEPS.value}",
-          f"--batch={_BATCH.value}"]
-    p = subprocess.run(horovodrun_argv(2, me), capture_output=True, text=True, timeout=900, cwd=ROOT)
+          f"--batch={_BATCH.value}", f"--strategy={_STRATEGY.value}"]
+    cmd = horovodrun_argv(2, me) if _STRATEGY.value == "horovod" else [
+        sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0", "--", *me]
+    with tempfile.TemporaryDirectory() as d:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                           env={**os.environ, "TFDIST_BENCH_DIR": d})
     lines = [x.split("RESULT ", 1)[1] for x in p.stdout.splitlines() if "RESULT " in x]
     if p.returncode or not lines:
         raise SystemExit(f"stage {stage} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n"
@@ -137,10 +157,14 @@ def main(argv):
               f"{r['sent_per_rank_step'] / 2**20:13.2f} {r['sent_vs_plain']:7.2f} "
               f"{r['paper_bytes_per_rank_step'] / 2**20:9.2f}")
     from tfdist.data.store import write_atomic
-    path = os.path.join(ROOT, "bench_results", "zero.json")
-    write_atomic(path, json.dumps({"model": "gpt_mini", "ranks": n, "batch_per_rank": _BATCH.value,
-                                   "steps": _STEPS.value, "rounds": _ROUNDS.value, "rows": rows,
-                                   "runs": runs, "command": "python tools/bench_zero.py"}, indent=1))
+    mwms = _STRATEGY.value == "multi_worker_mirrored"
+    path = os.path.join(ROOT, "bench_results", "zero-mwms.json" if mwms else "zero.json")
+    write_atomic(path, json.dumps({
+        "model": "gpt_mini", "strategy": _STRATEGY.value, "ranks": n,
+        "batch_per_rank": _BATCH.value, "steps": _STEPS.value, "rounds": _ROUNDS.value,
+        "rows": rows, "runs": runs,
+        "command": "python tools/bench_zero.py" + (" --strategy=multi_worker_mirrored" * mwms)},
+        indent=1))
     print(f"wrote {os.path.normpath(path)}")
 
 
