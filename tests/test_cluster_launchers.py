@@ -55,7 +55,7 @@ def test_sbatch_script_trains_two_workers_from_slurm_variables(tmp_path, data_di
 
 
 @pytest.mark.slow
-@pytest.mark.long  # the parameter server's own launch tests cover its roles; this, the script's
+@pytest.mark.long  # tfdist launch's parameter-server tests cover its roles
 def test_sbatch_parameter_server_variant(tmp_path, data_dir):
     """Task 0 the chief, task 1 the ps, tasks 2-3 workers; the servers end when the chief is gone."""
     tasks, ps, orphan_timeout = 4, 1, 2

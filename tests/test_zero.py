@@ -339,6 +339,7 @@ def test_without_the_all_gather_mwms_workers_drift_apart(tmp_path, data_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make chaos-zero repeats it 5 times; test_multi_worker kills MWMS workers too
 def test_a_killed_mwms_worker_resumes_from_the_shards_bitwise(tmp_path, data_dir, zero1_mwms):
     """Worker 1 SIGKILLed after step 7; `tfdist launch` restarts both, which resume from the
     shards at step 7 and end bitwise equal to an uninterrupted ZeRO-1 run."""
