@@ -140,5 +140,7 @@ def test_the_planner_recommends_a_runnable_tensor_parallel_layout():
     whole = plan.memory(model, plan.Layout(4, tp=2), 64, plan.Options(vocab_parallel=False))
     split = plan.memory(model, plan.Layout(4, tp=2), 64, plan.Options())
     assert whole["weights"] > split["weights"]
-    assert not plan.runnable(plan.evaluate(model, cluster, plan.Layout(4, tp=2, zero=1), 64), cluster)
+    z = plan.evaluate(model, cluster, plan.Layout(4, tp=2, zero=1), 4)  # ZeRO composes with t
+    assert plan.runnable(z, cluster) and "--config.zero.stage=1" in plan.tfdist_command(
+        z, cluster, 4, "--config=configs/gpt2_xl.py", "mixed")
     np.testing.assert_equal(p.tfdist_fits, True)

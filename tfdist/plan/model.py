@@ -117,9 +117,8 @@ class Layout:
 
     def runs_in_tfdist(self):
         """Whether tfdist has this layout's parts: tensor parallelism inside a process
-        (tfdist.models.tensor_parallel), and ZeRO 1 and 2 (tfdist.zero) with pipeline stages but
-        not with tensor parallelism (whose ZeRO backups tfdist refuses); not ZeRO-3."""
-        return self.zero == 0 or (self.zero <= 2 and self.tp == 1)
+        (tfdist.models.tensor_parallel), and ZeRO 1 and 2 (tfdist.zero), not ZeRO-3."""
+        return self.zero <= 2
 
     def __str__(self):
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.microbatch} zero={self.zero}"
