@@ -13,6 +13,8 @@ each update:
 3. the updated variables are all-gathered: each replica sends its segment and writes the others'.
 
 Reduce-scatter plus all-gather move what one all-reduce moves, 2(N-1)/N of the gradient bytes.
+The strategy gives the collectives (`Strategy.zero_collectives`): Horovod's, or TF's collective
+ops under multi_worker_mirrored.
 
 Without gradient accumulation, stage 1 and stage 2 run this same step: within one step a graph's
 gradients are transient tensors under both. Stage 2 differs in the gradient memory that outlives a
@@ -24,8 +26,9 @@ per update.
 Partition: whole variables, largest first onto the least-loaded replica. Not flat buffers,
 because the optimizer works per variable (AdamW excludes biases and norms from weight decay by
 name), and so its slots keep the unsplit GPT's names in tfdist's layout-free checkpoints
-(`tfdist.models.state`). The cost is the imbalance, the largest share over the mean, which
-`describe` reports.
+(`tfdist.models.state`). A tensor-parallel layer's shards of one variable share an owner, for the
+same reason. The cost is the imbalance, the largest share over the mean, which `describe`
+reports.
 
 Example (one replica, collectives that do nothing: the update is plain AdamW's):
 
