@@ -23,6 +23,7 @@ Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resum
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 
@@ -76,9 +77,14 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     * `restore(model)` (call before `fit`, once model and optimizer are built) returns the step to
       resume at and refuses, with a `UsageError`, a backup written for a different model or data.
+      A damaged newest backup is reported in one line and the one before it is used.
     * A kill during a save leaves the previous checkpoint usable: TF writes the new files first and
-      then atomically replaces the `checkpoint` index that names the latest one.
-    * After the run reaches `total_steps` the backup is removed (unless `delete_on_success=False`).
+      then atomically replaces the `checkpoint` index that names the latest one. A save that fails
+      (a full disk) removes its own partial files and raises a one-line `UsageError`.
+    * The last step's backup is written at the end of the last epoch, after its validation, so a
+      run killed after it has nothing left but to save the model.
+    * After the run reaches `total_steps` the backup is removed (unless `delete_on_success=False`;
+      `tfdist train` keeps it until `model.keras` is written, then calls `remove()`).
     * Multi-worker: every worker calls `save` (synchronous strategies need all of them to take
       part); only the chief writes into `backup_dir`, the others write into a private temporary
       directory that is removed right after. With `collective=False` (Horovod: each rank holds
@@ -128,12 +134,32 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._slots, rest = zero.split_slots(model.optimizer, self._opt)
         self._ckpt = tf.train.Checkpoint(optimizer=rest, **self._parts)
 
+    def backups(self):
+        """The backups on disk, newest first: those the checkpoint index names (a save killed
+        before it updated the index is not one), or, when that index itself cannot be read,
+        every `ckpt-N` whose own index file exists."""
+        try:
+            st = tf.train.get_checkpoint_state(self.backup_dir)
+            paths = list(st.all_model_checkpoint_paths) if st else []
+        except Exception:  # noqa: BLE001 (a damaged text proto: the parser's own error types)
+            paths = [p[:-len(".index")] for p in
+                     tf.io.gfile.glob(os.path.join(self.backup_dir, "ckpt-*.index"))]
+        paths = [p if os.path.isabs(p) or "://" in p else os.path.join(self.backup_dir, p)
+                 for p in paths]
+        return sorted(set(paths), key=_step_of, reverse=True)
+
     def restore(self, model):
-        """Restores the latest backup into `model` (built, compiled). Returns the step to resume at."""
+        """Restores the newest intact backup into `model` (built, compiled). Returns the step to
+        resume at (0 without a backup).
+
+        A backup that cannot be read (a truncated or overwritten file, a missing ZeRO shard) is
+        reported in one line on stderr and the one before it is tried; with none readable it is
+        a `UsageError` naming each, and nothing is deleted. A backup written for another model
+        or data is a `UsageError` too."""
         if self._ckpt is None:
             self._make_checkpoint(model)
-        latest = tf.train.latest_checkpoint(self.backup_dir)
-        if latest is None:
+        candidates = self.backups()
+        if not candidates:
             return 0
         if tf.io.gfile.exists(self._meta_path):
             saved, now = read_json(self._meta_path), self._metadata(model)
@@ -143,37 +169,69 @@ class BackupAndRestore(keras.callbacks.Callback):
                         f"backup in {self.backup_dir} was written for a different {key} "
                         f"({_diff(saved.get(key), now.get(key))}); use another --workdir or "
                         f"backup dir, or remove that backup to start over")
-        step = int(latest.rsplit("-", 1)[1])
+        damaged = []
+        for path in candidates:
+            try:
+                self._restore_from(path)
+            except (tf.errors.OpError, zero.DamagedShards) as e:
+                if isinstance(e, tf.errors.InvalidArgumentError):  # a shape or dtype: the model
+                    raise UsageError(f"backup {path} does not match this model "
+                                     f"({_first_line(e)}); use another backup dir") from None
+                damaged.append((path, _first_line(e)))
+                continue
+            except (AssertionError, ValueError) as e:
+                raise UsageError(f"backup {path} does not match this model "
+                                 f"({_first_line(e)}); use another backup dir") from None
+            self._last_saved = int(self.step.numpy())
+            for bad, why in damaged if self.is_chief else ():
+                print(f"tfdist: warning: backup {bad} cannot be read ({why}); using "
+                      f"{os.path.basename(path)}, the newest intact one", file=sys.stderr,
+                      flush=True)
+            return self._last_saved
+        found = "; ".join(f"{os.path.basename(p)} ({why})" for p, why in damaged)
+        raise UsageError(f"no backup in {self.backup_dir} can be read: {found}; restore it from a "
+                         f"copy, or move it aside to start over (nothing was deleted)")
+
+    def _restore_from(self, path):
+        step = _step_of(path)
         sharded = tf.io.gfile.isdir(zero.shard_dir(self.backup_dir, step))  # a ZeRO run's backup
         slots = self._slots
         if sharded:  # the slots this process holds, in the shards (whatever it holds now)
             names = {n for m in zero.manifests(self.backup_dir, step) for n in m["names"]}
             slots = {k: v for k, v in self._opt.items() if k in names}
-        try:
-            rest = {k: v for k, v in self._opt.items() if k not in slots}
-            tf.train.Checkpoint(optimizer=rest, **self._parts).restore(
-                latest).assert_existing_objects_matched()
-            if sharded:
-                zero.restore_slots(self.backup_dir, step, slots)
-            elif slots:  # a backup without ZeRO holds every slot
-                tf.train.Checkpoint(optimizer=slots).read(latest).assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as e:
-            raise UsageError(f"backup {latest} does not match this model "
-                             f"({str(e).splitlines()[0][:150]}); use another backup dir") from None
-        self._last_saved = int(self.step.numpy())
-        return self._last_saved
+        rest = {k: v for k, v in self._opt.items() if k not in slots}
+        tf.train.Checkpoint(optimizer=rest, **self._parts).restore(
+            path).assert_existing_objects_matched()
+        if sharded:
+            zero.restore_slots(self.backup_dir, step, slots)
+        elif slots:  # a backup without ZeRO holds every slot
+            tf.train.Checkpoint(optimizer=slots).read(path).assert_existing_objects_matched()
 
     def save(self):
-        """Saves now (every worker must call this under a synchronous multi-worker strategy)."""
+        """Saves now (every worker must call this under a synchronous multi-worker strategy).
+
+        A save that fails (a full disk, a lost mount) is a `UsageError` in one line: this step's
+        partial files are removed and the previous backup stays as it was."""
         step = int(self.step.numpy())
         if step == self._last_saved:
             return
+        try:
+            self._save(step)
+        except (tf.errors.OpError, OSError) as e:
+            self._discard(step)
+            before = (f"the backup of step {self._last_saved} is intact" if self._last_saved > 0
+                      else "there is no earlier backup")
+            raise UsageError(f"could not write the backup of step {step} into {self.backup_dir} "
+                             f"({_first_line(e)}); {before}: free space or fix the directory, "
+                             f"then run the same command to resume") from None
+        self._last_saved = step
+
+    def _save(self, step):
         if self._zero is not None:  # every shard on disk before the index can name this step
             c = self._zero.collectives
             zero.save_shard(self.backup_dir, step, self._slots, c.rank, c.size)
             self.barrier()
         if not (self.is_chief or self.collective):
-            self._last_saved = step
             return
         if self._manager is None:
             self._manager = tf.train.CheckpointManager(self._ckpt, self._write_dir,
@@ -183,11 +241,23 @@ class BackupAndRestore(keras.callbacks.Callback):
             write_json_atomic(self._meta_path, self._metadata(self.model))
         self.save_checkpoint(self._manager, step)
         if self._zero is not None and self.is_chief:
-            zero.prune(self.backup_dir, min(int(p.rsplit("-", 1)[1]) for p in self._manager.checkpoints))
+            zero.prune(self.backup_dir, min(_step_of(p) for p in self._manager.checkpoints))
         if not self.is_chief:
             tf.io.gfile.rmtree(self._write_dir)
             self._manager = None
-        self._last_saved = step
+
+    def _discard(self, step):
+        """Removes what a failed save of `step` left, unless the index already names it."""
+        if not self.is_chief or any(_step_of(p) == step for p in self.backups()):
+            return
+        for path in tf.io.gfile.glob(os.path.join(self.backup_dir, f"ckpt-{step}[._]*")):
+            (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
+        _remove(zero.shard_dir(self.backup_dir, step))
+
+    def remove(self):
+        """Deletes the backup (the chief; `tfdist train` calls it once the model is saved)."""
+        if self.is_chief:
+            _remove(self.backup_dir)
 
     def set_model(self, model):
         super().set_model(model)
@@ -198,6 +268,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         n = steps_in(logs)
         before = int(self.step.numpy())
         self.step.assign_add(n)
+        if self.total_steps is not None and before + n >= self.total_steps:
+            return  # the last step's backup comes at the epoch end, after its validation
         if self.every_steps and (before + n) // self.every_steps > before // self.every_steps:
             self.save()
 
@@ -207,8 +279,17 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         done = self.total_steps is not None and int(self.step.numpy()) >= self.total_steps
-        if done and self.delete_on_success and self.is_chief and tf.io.gfile.exists(self.backup_dir):
-            tf.io.gfile.rmtree(self.backup_dir)
+        if done and self.delete_on_success:
+            self.remove()
+
+
+def _step_of(path):
+    return int(path.rsplit("-", 1)[1])
+
+
+def _first_line(error):
+    text = getattr(error, "short", None) or getattr(error, "message", None) or str(error)
+    return (text.strip().splitlines() or [""])[0][:200]
 
 
 def _diff(saved, now):
@@ -236,11 +317,12 @@ class TrainingLog(keras.callbacks.Callback):
 
     def __init__(self, workdir, *, tokens_per_step, initial_step=0, total_steps=None,
                  is_chief=True, log_every_steps=1, tensorboard=True, plot=True,
-                 val_bytes_per_token=None):
+                 val_bytes_per_token=None, flush_every_steps=0):
         super().__init__()
         self.workdir, self.tokens_per_step = workdir, tokens_per_step
         self.step, self.total_steps, self.is_chief = initial_step, total_steps, is_chief
         self.log_every_steps, self.plot = log_every_steps, plot
+        self.flush_every_steps = flush_every_steps  # metrics.json as of each backup, and epoch end
         self.val_bytes_per_token = val_bytes_per_token
         self.metrics_path = os.path.join(workdir, "metrics.json")
         self.history = {"steps": [], "evals": []}
@@ -274,6 +356,9 @@ class TrainingLog(keras.callbacks.Callback):
                 record[key[len(EXTRA_LOG_PREFIX):]] = np.asarray(value).tolist()
         logs["tok/s"] = round(record["tokens_per_sec"])  # shown by Keras's progress bar
         self.history["steps"].append(record)
+        every = self.flush_every_steps
+        if every and self.step // every > (self.step - n) // every:
+            self.flush()
         if self._writer and self.step % self.log_every_steps == 0:
             with self._writer.as_default(step=self.step):
                 for k in ("loss", "lr", "tokens_per_sec"):
@@ -289,10 +374,10 @@ class TrainingLog(keras.callbacks.Callback):
                 with self._writer.as_default(step=self.step):
                     for k, v in evals.items():
                         tf.summary.scalar("val/" + k, v)
-        self._flush()
+        self.flush()
 
     def on_train_end(self, logs=None):
-        self._flush()
+        self.flush()
         if self.plot and self.is_chief and (self.total_steps is None or self.step >= self.total_steps):
             plot_losses(self.history, os.path.join(self.workdir, "loss.png"))
 
@@ -301,7 +386,7 @@ class TrainingLog(keras.callbacks.Callback):
         rates = [r["tokens_per_sec"] for r in self.history["steps"][warmup:]]
         return float(np.median(rates)) if rates else float("nan")
 
-    def _flush(self):
+    def flush(self):
         if self.is_chief:
             tf.io.gfile.makedirs(self.workdir)
             write_json_atomic(self.metrics_path, self.history)

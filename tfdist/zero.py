@@ -267,6 +267,15 @@ def split_slots(optimizer, optimizer_state):
     return slots, {k: v for k, v in optimizer_state.items() if k not in slots}
 
 
+class DamagedShards(UsageError):
+    """A backup step whose shards are incomplete: the restore falls back to an older backup.
+    `short`: the reason in a few words."""
+
+    def __init__(self, message, short):
+        super().__init__(message)
+        self.short = short
+
+
 def shard_dir(backup_dir, step):
     return os.path.join(backup_dir, "zero", f"step-{step}")
 
@@ -281,8 +290,8 @@ def save_shard(backup_dir, step, slots, rank, size):
 
 
 def manifests(backup_dir, step):
-    """The manifests of step `step`'s shards, one per replica that wrote one (UsageError, one
-    line, when one is missing)."""
+    """The manifests of step `step`'s shards, one per replica that wrote one (`DamagedShards`,
+    one line, when one is missing)."""
     d = shard_dir(backup_dir, step)
     found = []
     for path in sorted(tf.io.gfile.glob(os.path.join(d, "rank-*.json"))):
@@ -291,9 +300,10 @@ def manifests(backup_dir, step):
     size = found[0]["replicas"] if found else 0
     missing = sorted(set(range(size)) - {m["rank"] for m in found})
     if not found or missing:
-        raise UsageError(f"backup {backup_dir} at step {step} lacks the ZeRO optimizer shard(s) of "
-                         f"replica(s) {missing or 'all'} in {d}; restore that directory, or remove "
-                         f"the backup to start over")
+        raise DamagedShards(short=f"lacks the ZeRO optimizer shard(s) of replica(s) "
+                                  f"{missing or 'all'}", message=(f"backup {backup_dir} at step {step} lacks the ZeRO optimizer shard(s) "
+                            f"of replica(s) {missing or 'all'} in {d}; restore that directory, "
+                            f"or remove the backup to start over"))
     return found
 
 
