@@ -33,6 +33,10 @@ really ran, across restarts.
   WORKDIR/weight_hashes-w<i>.txt.
 --skip-zero-gather: leave out ZeRO's all-gather (tfdist.zero.GATHER), to show that the equality
   tests can fail.
+--kill-before-model-save: SIGKILL when training ends, after the last step's backup and before
+  `model.keras` is written (the end window), in the first attempt only.
+--signal-at-step K [--signal NAME]: send this process SIGNAME (default TERM) while its K-th step
+  runs (at its start), as a scheduler preempting it would. Worker --kill-worker, first attempt.
 """
 import argparse
 import hashlib
@@ -63,6 +67,9 @@ def main():
     ap.add_argument("--skip-broadcast", action="store_true")
     ap.add_argument("--hash-weights", action="store_true")
     ap.add_argument("--skip-zero-gather", action="store_true")
+    ap.add_argument("--kill-before-model-save", action="store_true")
+    ap.add_argument("--signal-at-step", type=int, default=0)
+    ap.add_argument("--signal", default="TERM")
     args = ap.parse_args()
 
     import importlib
@@ -80,6 +87,7 @@ def main():
     worker = spec.worker_index if spec else int(rank)
     first_attempt = os.environ.get("TFDIST_RESTART_COUNT", "0") == "0"
     kill_here = args.kill_at_step and worker == args.kill_worker and first_attempt
+    signal_here = args.signal_at_step and worker == args.kill_worker and first_attempt
 
     sync_ranks = args.kill_at_step and strategy_is_horovod(args.overrides)
     if sync_ranks:
@@ -125,6 +133,14 @@ def main():
         def __init__(self):
             super().__init__()
             self.n = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if signal_here and self.n + 1 == args.signal_at_step:
+                os.kill(os.getpid(), getattr(signal, "SIG" + args.signal))
+
+        def on_train_end(self, logs=None):
+            if args.kill_before_model_save and first_attempt and self.n:
+                os.kill(os.getpid(), signal.SIGKILL)
 
         def on_train_batch_end(self, batch, logs=None):
             self.n += 1

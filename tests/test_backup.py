@@ -1,6 +1,11 @@
 """Step-exact BackupAndRestore: SIGKILL at a random step (and inside a save), restart, compare."""
+import json
 import os
 import random
+import shutil
+import signal
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -8,8 +13,11 @@ import pytest
 import tensorflow as tf
 
 from tfdist import callbacks as cb
+from tfdist.errors import EXIT_PREEMPTED, UsageError
+from tfdist.lock import LOCK_NAME
 from tfdist.models.gpt import GPT
-from tests.helpers import driver, executed_steps, final_weights
+from tests.helpers import (DRIVER, ROOT, assert_usage_error, driver, executed_steps,
+                           final_weights, tree_digest, wait_until)
 
 STEPS, PER_EPOCH = 30, 10
 
@@ -47,6 +55,8 @@ def test_sigkill_at_random_step_then_restart_is_step_exact(tmp_path, data_dir, r
     assert p.returncode == -9, p.stderr[-2000:]  # really SIGKILLed
     first = executed_steps(tmp_path)
     assert len(first) == kill_at
+    # the dead run's lock is still on disk, naming it; the kernel dropped its flock: no obstacle
+    assert f'"pid": {first[0][1]}' in (tmp_path / LOCK_NAME).read_text()
     _, result = driver(tmp_path, o)
     resumed_at = kill_at // every * every  # the last backup before the kill
     assert result["steps_run"] == STEPS - resumed_at and result["final_step"] == STEPS
@@ -132,3 +142,149 @@ def test_non_chief_writes_to_a_temporary_dir_that_is_removed(tmp_path):
     b.save()
     assert os.listdir(tmp_path) == [] or not any("ckpt" in f for f in os.listdir(tmp_path))
     assert not os.path.exists(tmp_path / ".tmp-worker-1")
+
+
+# -- damaged backups, a full disk, the end window, preemption, one run per workdir ---------------
+
+@pytest.fixture(scope="module")
+def killed_at_13(tmp_path_factory, data_dir):
+    """A run SIGKILLed after step 13, backed up every 4 steps: ckpt-10 (epoch end) and ckpt-12."""
+    d = tmp_path_factory.mktemp("killed13")
+    p, _ = driver(d, overrides(data_dir, **{"backup.every_steps": 4}), "--kill-at-step", "13",
+                  check=False)
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert tf.train.latest_checkpoint(str(d / "backup")).endswith("ckpt-12")
+    return d
+
+
+def _damage(path, how):
+    if how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(10)
+    else:  # overwritten in place with other bytes of the same length
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.write(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part,how", [("index", "truncated"),
+                                      pytest.param("data-00000-of-00001", "overwritten",
+                                                   marks=pytest.mark.long)])
+def test_a_damaged_newest_backup_falls_back_to_the_one_before(tmp_path, data_dir, reference,
+                                                              killed_at_13, part, how):
+    run = tmp_path / "run"
+    shutil.copytree(killed_at_13, run)
+    _damage(run / "backup" / f"ckpt-12.{part}", how)
+    p, result = driver(run, overrides(data_dir, **{"backup.every_steps": 4}))
+    warned = [line for line in p.stderr.splitlines() if "cannot be read" in line]
+    assert len(warned) == 1 and "ckpt-12 cannot be read" in warned[0], p.stderr[-2000:]
+    assert "using ckpt-10, the newest intact one" in warned[0]
+    assert result["steps_run"] == STEPS - 10  # from ckpt-10, the intact one
+    for a, b in zip(final_weights(run), reference[4]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_every_backup_damaged_is_one_line_and_deletes_nothing(tmp_path, data_dir, killed_at_13):
+    run = tmp_path / "run"
+    shutil.copytree(killed_at_13, run)
+    for step in (10, 12):
+        _damage(run / "backup" / f"ckpt-{step}.index", "truncated")
+    before = tree_digest(run / "backup"), sorted(os.listdir(run))
+    p, _ = driver(run, overrides(data_dir, **{"backup.every_steps": 4}), check=False)
+    assert_usage_error(p, "no backup in")
+    assert "ckpt-12 (" in p.stderr and "ckpt-10 (" in p.stderr and "nothing was deleted" in p.stderr
+    assert (tree_digest(run / "backup"), sorted(os.listdir(run))) == before  # (the lock's record
+    # names the new pid)
+
+
+def test_a_save_into_a_full_filesystem_is_one_line_and_keeps_the_previous_backup(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs (the full filesystem)")
+    m = _built()
+    probe = cb.BackupAndRestore(str(tmp_path / "probe"))
+    probe.set_model(m)
+    probe.step.assign(1)
+    probe.save()
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "probe")
+               for f in fs)
+    full = tmp_path / "full"
+    full.mkdir()
+    # room for one backup and a half: the second save runs out of space
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={(size * 3 // 2 + 8191) // 4096 * 4096}",
+                    "tfdist-test-full", str(full)], check=True, timeout=30)
+    try:
+        b = cb.BackupAndRestore(str(full / "backup"))
+        b.set_model(m)
+        b.step.assign(1)
+        b.save()
+        b.step.assign(2)
+        with pytest.raises(UsageError, match=r"could not write the backup of step 2 into .*"
+                                             r"the backup of step 1 is intact") as e:
+            b.save()
+        assert "\n" not in str(e.value)
+        assert not [f for f in os.listdir(full / "backup") if f.startswith("ckpt-2")]
+        assert cb.BackupAndRestore(str(full / "backup")).restore(_built()) == 1
+    finally:
+        subprocess.run(["umount", str(full)], check=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_a_kill_after_the_last_backup_finishes_the_run_on_restart(tmp_path, data_dir, reference):
+    o = overrides(data_dir, **{"backup.every_steps": 4})
+    p, _ = driver(tmp_path, o, "--kill-before-model-save", check=False)
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "model.keras")
+    assert tf.train.latest_checkpoint(str(tmp_path / "backup")).endswith(f"ckpt-{STEPS}")
+    p, result = driver(tmp_path, o)
+    assert f"is at the final step {STEPS}; training is done" in p.stdout
+    assert result["steps_run"] == 0 and result["final_step"] == STEPS
+    assert result["val_loss"] is not None  # the last epoch's, logged before its backup
+    assert len(executed_steps(tmp_path)) == STEPS  # no step ran twice
+    for a, b in zip(final_weights(tmp_path), reference[4]):
+        np.testing.assert_array_equal(a, b)
+    assert not os.path.exists(tmp_path / "backup") and os.path.exists(tmp_path / "loss.png")
+
+
+@pytest.mark.slow
+def test_sigterm_backs_up_the_step_in_progress_and_the_run_resumes_there(tmp_path, data_dir,
+                                                                         reference):
+    at = random.Random(5).randint(2, STEPS - 2)
+    o = overrides(data_dir, **{"backup.every_steps": 4})
+    p, _ = driver(tmp_path, o, "--signal-at-step", str(at), check=False)
+    assert p.returncode == EXIT_PREEMPTED, p.stderr[-2000:]
+    assert f"preempted (SIGTERM) at step {at}: backup written" in p.stderr
+    assert tf.train.latest_checkpoint(str(tmp_path / "backup")).endswith(f"ckpt-{at}")
+    assert len(executed_steps(tmp_path)) == at
+    _, result = driver(tmp_path, o)
+    assert result["steps_run"] == STEPS - at
+    assert len(executed_steps(tmp_path)) == STEPS  # none lost, none twice
+    for a, b in zip(final_weights(tmp_path), reference[4]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_busy_workdir_is_refused_and_the_first_goes_on(tmp_path, data_dir,
+                                                                         reference):
+    o = overrides(data_dir, **{"backup.every_steps": 4})
+    first = subprocess.Popen([sys.executable, DRIVER, str(tmp_path), json.dumps(o)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = tmp_path / LOCK_NAME
+        wait_until(lambda: lock.exists() and f'"pid": {first.pid}' in lock.read_text(), 240,
+                   "the first run to take the workdir's lock", proc=first)
+        first.send_signal(signal.SIGSTOP)  # it holds the lock, and does not finish meanwhile
+        try:
+            p, _ = driver(tmp_path, o, check=False)
+        finally:
+            first.send_signal(signal.SIGCONT)
+        assert_usage_error(p, f"is in use by another run (pid {first.pid} on host ")
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, err[-2000:]
+    for a, b in zip(final_weights(tmp_path), reference[4]):
+        np.testing.assert_array_equal(a, b)

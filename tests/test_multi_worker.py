@@ -238,3 +238,22 @@ def test_sigkilled_worker_group_restarts_and_resumes_step_exactly(tmp_path, data
     for a, b in zip(final_weights(tmp_path), uninterrupted["weights"]):
         np.testing.assert_array_equal(a, b)  # bitwise, with op determinism (and dropout RNG)
     assert not os.path.exists(tmp_path / "backup")
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_backs_up_every_worker_at_its_step(tmp_path, data_dir, uninterrupted):
+    """Preemption: worker 1 alone gets SIGTERM during step `at`; both workers agree after that
+    step, back it up (there is no scheduled backup: epoch ends only) and exit 75; the launcher
+    restarts the group without counting a restart, and the run resumes at `at`."""
+    at = random.Random(9).choice([s for s in range(2, CHAOS_STEPS - 1) if s % 10])
+    o = {**chaos_overrides(data_dir), "backup.every_steps": 0}
+    p, res = launch(tmp_path, o, "--signal-at-step", str(at), "--kill-worker", "1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "worker 1 was preempted (exit 75" in p.stdout or "worker 0 was preempted (exit 75" in p.stdout
+    assert f"preempted (SIGTERM) at step {at}: backup written" in p.stdout + p.stderr
+    assert f"preempted (another process's signal) at step {at}" in p.stdout + p.stderr
+    assert f"resuming from {tmp_path}/backup at step {at} of {CHAOS_STEPS}" in p.stdout
+    assert steps_by_worker(tmp_path) == {w: CHAOS_STEPS for w in range(WORKERS)}  # none lost or repeated
+    assert res[0]["final_step"] == CHAOS_STEPS
+    for a, b in zip(final_weights(tmp_path), uninterrupted["weights"]):
+        np.testing.assert_array_equal(a, b)

@@ -15,10 +15,13 @@ Example:
 import dataclasses
 import json
 import os
+import signal
 import socket
 import time
 
-from tfdist.errors import UsageError
+from tfdist.errors import EXIT_PREEMPTED, UsageError
+
+PREEMPTION_SIGNALS = ("TERM", "USR1")  # what a server waits out (config.backup's default)
 
 ROLES = ("chief", "worker", "ps", "evaluator")
 
@@ -169,9 +172,10 @@ def wait_for_tasks(cluster, roles, timeout, how):
                 time.sleep(0.5)
 
 
-def serve_until_chief_gone(spec, orphan_timeout):
+def serve_until_chief_gone(spec, orphan_timeout, grace=45.0):
     """Runs this task's `tf.distribute.Server` (a parameter server's worker or ps task) until the
-    chief, after having been up, has been unreachable for `orphan_timeout` seconds."""
+    chief, after having been up, has been unreachable for `orphan_timeout` seconds. Returns the
+    exit status: 0, or 75 after a preemption signal."""
     import tensorflow as tf
     # The server runs the coordinator's ops with its own thread pools, sized by this config;
     # `tf.config.threading` (set by `tfdist train`) does not reach them. One inter-op thread
@@ -186,16 +190,25 @@ def serve_until_chief_gone(spec, orphan_timeout):
                                   start=True)
     print(f"tfdist: {spec.task_type} {spec.task_index} serving at "
           f"{spec.cluster[spec.task_type][spec.task_index]}", flush=True)
-    wait_until_gone(spec.cluster["chief"][0], orphan_timeout)
-    print(f"tfdist: the chief has been gone for {orphan_timeout:g} s; {spec.task_type} "
-          f"{spec.task_index} stops", flush=True)
+    # Preemption stops the whole job: the chief then drains the steps in flight and saves, which
+    # needs these servers, so a signal here waits for the chief to go, `grace` s at most.
+    signalled = []
+    for name in PREEMPTION_SIGNALS:
+        signal.signal(getattr(signal, "SIG" + name),
+                      lambda n, f: signalled.append(time.monotonic()))
+    wait_until_gone(spec.cluster["chief"][0], orphan_timeout, signalled, grace)
+    why = (f"preempted: the chief is gone or {grace:g} s have passed" if signalled else
+           f"the chief has been gone for {orphan_timeout:g} s")
+    print(f"tfdist: {why}; {spec.task_type} {spec.task_index} stops", flush=True)
     del server
+    return EXIT_PREEMPTED if signalled else 0
 
 
-def wait_until_gone(address, timeout):
+def wait_until_gone(address, timeout, signalled=(), grace=0.0):
     """Returns once `address`, after having accepted a connection, has refused them for
-    `timeout` seconds (a chief whose run is over). Polls twice a second: often enough to see a
-    chief that is up for a second only."""
+    `timeout` seconds (a chief whose run is over), or, once `signalled` holds the time of a
+    signal, when `address` refuses or `grace` seconds have passed since. Polls twice a second:
+    often enough to see a chief that is up for a second only."""
     seen, down_since = False, None
     while True:
         if _accepts(address):
@@ -204,6 +217,10 @@ def wait_until_gone(address, timeout):
             down_since = down_since or time.monotonic()
             if seen and time.monotonic() - down_since > timeout:
                 return
+            if signalled:
+                return
+        if signalled and time.monotonic() - signalled[0] > grace:
+            return
         time.sleep(0.5)
 
 

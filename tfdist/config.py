@@ -21,6 +21,7 @@ import ml_collections
 from tfdist.errors import UsageError
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+_SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")  # what a scheduler sends before it kills
 
 
 def default_config():
@@ -106,6 +107,10 @@ def default_config():
     c.backup.every_steps = 50
     c.backup.keep = 2
     c.backup.delete_on_success = True
+    # Preemption (tfdist/preemption.py): on these signals the run finishes its step, writes a
+    # backup within grace_secs and exits with status 75 ("resume me").
+    c.backup.preemption_signals = "TERM,USR1"
+    c.backup.grace_secs = 30.0
 
     c.sample = ml_collections.ConfigDict()
     c.sample.prompt = "def "
@@ -164,6 +169,10 @@ _RULES = {
     "zero.stage": (lambda v: v in (0, 1, 2), "0, 1 or 2"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
+    "backup.preemption_signals": (
+        lambda v: all(n.strip().upper() in _SIGNALS for n in v.split(",") if n.strip()),
+        "comma-separated signal names such as TERM,USR1 (\"\": none)"),
+    "backup.grace_secs": (lambda v: v > 0, "a number of seconds > 0"),
     "sample.max_new_tokens": (_positive_int, "an integer > 0"),
     "sample.temperature": (lambda v: v > 0, "a number > 0"),
     "sample.top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: no top-k)"),

@@ -7,6 +7,10 @@ with status 2, without a traceback (`install_excepthook`). Other exceptions are 
 import os
 import sys
 
+#: The exit status of a preempted run (`tfdist.preemption`): sysexits.h's EX_TEMPFAIL, "try again
+#: later". `tfdist launch` and launchers/slurm/tfdist.sbatch resume on it instead of giving up.
+EXIT_PREEMPTED = 75
+
 
 class UsageError(Exception):
     """Bad input from the user: a config value, a path, a strategy name, a mismatched backup.

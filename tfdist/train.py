@@ -10,6 +10,7 @@ byte), `loss.png`, `tokenizer/` and `model.keras`. The data comes from a token s
 first use (`tfdist prepare` does it beforehand, in parallel). Run the same command again after a
 crash and it resumes at the exact step.
 """
+import contextlib
 import os
 import sys
 
@@ -17,6 +18,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from tfdist import cli
+from tfdist.lock import WorkdirLock
+from tfdist.preemption import Preemption
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = cli.define_config_flag(
@@ -77,7 +80,8 @@ def prepare(c, workdir, overwrite=False):
 
     strategies.get_class(c.strategy.name)
     model_vocab(c, open_store(c.data))
-    prepare_workdir(workdir, c.backup.dir or os.path.join(workdir, "backup"), overwrite)
+    with WorkdirLock(workdir):  # a run on it now: refused here, before any worker starts
+        prepare_workdir(workdir, c.backup.dir or os.path.join(workdir, "backup"), overwrite)
 
 
 class Hooks:
@@ -117,14 +121,20 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     """Runs training for config `c` into `workdir`. Returns a dict of results.
 
     `extra_callbacks` run after tfdist's own (after the backup of a step has been written).
-    `hooks`: a `Hooks` (tests).
+    `hooks`: a `Hooks` (tests). The chief holds the workdir's lock (`tfdist.lock`) throughout.
+    A preemption signal ends it with `tfdist.preemption.Preempted` (a SystemExit, status 75)
+    once the backup of the step in progress is written.
     """
+    with contextlib.ExitStack() as held:  # the workdir's lock, the preemption signal handlers
+        return _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks or Hooks())
+
+
+def _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks):
     import tensorflow as tf
     from tfdist import strategies
     from tfdist.errors import UsageError
     from tfdist.strategies.base import configure_logical_cpus
 
-    hooks = hooks or Hooks()
     if hooks.disable_patches:
         from tfdist import compat
         compat.disable(*hooks.disable_patches)
@@ -166,6 +176,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
         configure_logical_cpus(devices_needed)  # one logical CPU device per stage and shard
     strategy = strategies.from_config(c)
     strategy.serve()  # a task that only serves others (parameter server) ends here
+    if strategy.is_chief:  # one run per workdir: before anything there is read or removed
+        held.enter_context(WorkdirLock(workdir))
 
     import keras
     from tfdist import callbacks as cb
@@ -222,9 +234,9 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     backup_dir = c.backup.dir or os.path.join(workdir, "backup")
     if strategy.is_chief or not overwrite:  # after every input has been checked; only the
         prepare_workdir(workdir, backup_dir, overwrite)  # chief deletes
-    backup = cb.BackupAndRestore(
+    backup = cb.BackupAndRestore(  # removed below, once model.keras is written
         backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps, keep=c.backup.keep,
-        delete_on_success=c.backup.delete_on_success, is_chief=strategy.is_chief,
+        delete_on_success=False, is_chief=strategy.is_chief,
         save_checkpoint=hooks.save_checkpoint, barrier=strategy.barrier,
         worker_index=strategy.worker_index, collective=strategy.collective_checkpoints,
         signature={"model": c.model.to_dict(), "data": {
@@ -235,12 +247,13 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     # meanwhile. Every worker starts at step 0 then (the chief's deletion precedes its first step,
     # which no worker can finish without it).
     start = backup.restore(model) if c.backup.enabled and not overwrite else 0
-    if start >= t.steps:
-        raise UsageError(f"the backup in {backup_dir} is already at step {start} of {t.steps}; "
-                         f"raise train.steps or remove the backup")
+    if start > t.steps:
+        raise UsageError(f"the backup in {backup_dir} is at step {start}, beyond train.steps="
+                         f"{t.steps}; raise train.steps or remove the backup")
     log = cb.TrainingLog(workdir, tokens_per_step=t.batch_size * c.model.block_size,
                          initial_step=start, total_steps=t.steps, is_chief=strategy.is_chief,
                          log_every_steps=t.log_every_steps,
+                         flush_every_steps=c.backup.every_steps if c.backup.enabled else 0,
                          val_bytes_per_token=data.split("val").bytes_per_token)
     if strategy.is_chief:
         save_tokenizer(data, workdir)
@@ -248,15 +261,31 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     if split:
         say(f"tfdist: {model.describe()}")
     say(f"tfdist: model {model.num_params():,} parameters; {data.describe()}")
-    if start:
+    if start == t.steps:  # killed after the last backup, before model.keras: only that is left
+        say(f"tfdist: the backup in {backup_dir} is at the final step {start}; training is done, "
+            f"finishing the run")
+    elif start:
         say(f"tfdist: resuming from {backup_dir} at step {start} of {t.steps}")
 
     callbacks = [log] + ([backup] if c.backup.enabled else []) + list(extra_callbacks)
-    strategy.fit(model, train_windows, epochs=t.steps // t.steps_per_epoch,
-                 steps_per_epoch=t.steps_per_epoch, initial_step=start, callbacks=callbacks,
-                 validation_data=val_windows, validation_steps=t.eval_steps,
-                 verbose=verbose if strategy.is_chief else 0,  # one progress bar per cluster
-                 strategy_callbacks=hooks.strategy_callbacks(strategy.callbacks()))
+    if c.backup.enabled and c.backup.preemption_signals.strip():  # last: the others see the step
+        def save_now():  # every process calls it, after the same step
+            log.flush()
+            backup.save()
+            strategy.barrier()  # none exits (and has a launcher stop the rest) before all saved
+            return int(backup.step.numpy())
+        callbacks.append(held.enter_context(Preemption(
+            c.backup.preemption_signals.split(","), save=save_now, agree=strategy.any_process,
+            grace_secs=c.backup.grace_secs)))
+    if start < t.steps:
+        strategy.fit(model, train_windows, epochs=t.steps // t.steps_per_epoch,
+                     steps_per_epoch=t.steps_per_epoch, initial_step=start, callbacks=callbacks,
+                     validation_data=val_windows, validation_steps=t.eval_steps,
+                     verbose=verbose if strategy.is_chief else 0,  # one progress bar per cluster
+                     strategy_callbacks=hooks.strategy_callbacks(strategy.callbacks()))
+    else:  # the last epoch's validation is in metrics.json already (logged before the backup)
+        log.set_model(model)
+        log.on_train_end()
 
     if split:
         for row in model.memory_report(per_replica):
@@ -273,6 +302,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     if strategy.is_chief:
         # The plain GPT (tensor-parallel shards joined): it samples on any device.
         plain_gpt(model).save(os.path.join(workdir, "model.keras"))
+        if c.backup.enabled and c.backup.delete_on_success:
+            backup.remove()  # only now: a kill before model.keras was written resumes from it
         say(f"tfdist: done: {result['steps_run']} steps run (step {log.step} of {t.steps}), "
             f"validation loss {result['val_loss']:.4f} nats/token"
             + (f" ({result['val_bits_per_byte']:.4f} bits/byte), "

@@ -19,12 +19,20 @@ What it does:
    `--worker_logs/w<i>.log` if given).
 3. Supervises (abort and restart, TF's own design for synchronous training). When a worker exits
    non-zero, the others are stopped (SIGTERM, then SIGKILL) and the group starts again on fresh
-   ports. The restart waits `--backoff` seconds, doubling each time up to 60 s, and there are at
-   most `--max_restarts` of them. `tfdist train` resumes from its backup at the exact step.
+   ports. The restart waits `--backoff` seconds, doubling each
+   time up to 60 s, and there are at most `--max_restarts` of them. `tfdist train` resumes from
+   its backup at the exact step.
+
+Preemption (`tfdist.preemption`): SIGTERM or SIGUSR1 to the launcher is passed on to the workers,
+which back up the step in progress and exit 75; the launcher waits for them (at most
+`preemption_grace` seconds, then SIGKILL) and exits 75 too, which means "run the same command to
+resume". A worker that exits 75 by itself (it alone was signalled) restarts the group at once,
+without counting a restart.
 
 Exit status: 0 when the run completed. 2 for bad usage: this launcher's flags, the prepare step's,
 or a worker that exited 2 (restarting cannot fix that). 1 when the restart budget ran out.
-128+N when the launcher was stopped by signal N (the workers are stopped too).
+75 when preempted, as above. 128+N when the launcher was stopped by signal N otherwise (the
+workers are stopped too).
 
 Listening only on 127.0.0.1: TF's gRPC server binds every interface whatever TF_CONFIG says
 (tensorflow/tensorflow#2925). `--bind=loopback` (the default) therefore preloads
@@ -44,7 +52,7 @@ import threading
 import time
 
 from tfdist import cli
-from tfdist.errors import UsageError
+from tfdist.errors import EXIT_PREEMPTED, UsageError
 
 MAX_BACKOFF = 60.0
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -221,6 +229,7 @@ class Supervisor:
     """
 
     FINISH_GRACE = 120.0  # seconds the others may take to exit after the chief has finished
+    preemption_grace = 45.0  # seconds the workers get to back up and exit when preempted
 
     def __init__(self, argv, roles, *, restart_alone=(), servers=(), max_restarts=3, backoff=2.0,
                  env=None, log_dir=None, output=None, tf_config=True, server_argv=None):
@@ -235,6 +244,7 @@ class Supervisor:
         self.stop_signal = None
         self._wake = threading.Event()
         self.restarts = 0
+        self.preemptions = 0  # group restarts after a worker's exit 75: not counted in restarts
 
     def say(self, message):
         self.out.line(f"tfdist launch: {message}")
@@ -248,7 +258,8 @@ class Supervisor:
 
     def _spawn(self, cluster, role, index):
         name = f"{'c' if role == 'chief' else 'w' if role == 'worker' else 'ps'}{index}"
-        env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT": str(self.restarts)}
+        env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT":
+               str(self.restarts + self.preemptions)}
         if self.tf_config:
             env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
         else:  # one process that starts the others itself (horovodrun)
@@ -284,11 +295,11 @@ class Supervisor:
                  f"(pids {', '.join(str(p.pid) for p in procs.values())})")
         return cluster, procs, pumps
 
-    def _stop(self, procs, grace=10.0):
-        """SIGTERM to every process still running, SIGKILL after `grace` seconds. Ours only, by PID."""
+    def _stop(self, procs, grace=10.0, sig=signal.SIGTERM):
+        """`sig` to every process still running, SIGKILL after `grace` seconds. Ours, by PID."""
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(sig)
         deadline = time.monotonic() + grace
         for p in procs:
             try:
@@ -339,7 +350,8 @@ class Supervisor:
 
     def run(self):
         """Runs the group to completion. Returns the exit status (see the module doc)."""
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM,
+                                                                   signal.SIGUSR1)}
         try:
             return self._run()
         finally:
@@ -350,12 +362,19 @@ class Supervisor:
         while True:
             cluster, procs, pumps = self._start()
             failure = self._wait(cluster, procs, pumps)
-            if failure or self.stop_signal:
+            preempted = self.stop_signal in (signal.SIGTERM, signal.SIGUSR1)
+            if preempted:  # passed on: each worker backs up its step and exits 75
+                self._stop(list(procs.values()), grace=self.preemption_grace, sig=self.stop_signal)
+            elif failure or self.stop_signal:
                 self._stop(list(procs.values()))
             for t, log in pumps:
                 t.join(timeout=5)
                 if log:
                     log.close()
+            if preempted and procs[self.roles[0]].returncode == EXIT_PREEMPTED:
+                self.say(f"preempted ({signal.Signals(self.stop_signal).name}): the workers backed "
+                         f"up their step; exit {EXIT_PREEMPTED} (run the same command to resume)")
+                return EXIT_PREEMPTED
             if self.stop_signal:
                 self.say(f"stopped by {signal.Signals(self.stop_signal).name}; workers stopped")
                 return 128 + self.stop_signal
@@ -366,6 +385,11 @@ class Supervisor:
                 self.say(f"done: {what}" + (f" after {self.restarts} restart(s)" if self.restarts else ""))
                 return 0
             (role, index), code = failure
+            if code == EXIT_PREEMPTED:  # a worker was preempted on its own, and backed up: resume
+                self.preemptions += 1
+                self.say(f"{role} {index} was preempted (exit {EXIT_PREEMPTED}, backup written); "
+                         f"restarting the group to resume (not counted as a restart)")
+                continue
             if code == 2:
                 self.say(f"{role} {index} exited with status 2 (bad usage); not restarting")
                 return 2

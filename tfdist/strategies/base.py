@@ -249,6 +249,11 @@ class Strategy:
     def barrier(self):
         """Returns once every process of the job has called it (one process: at once)."""
 
+    def any_process(self, flag):
+        """Whether `flag` is true in any process of the job (every process must call it, at the
+        same point: it is a collective). One process: `flag`."""
+        return bool(flag)
+
     def callbacks(self):
         return []
 

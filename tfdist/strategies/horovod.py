@@ -155,6 +155,11 @@ class Horovod(Strategy):
     def barrier(self):
         self.hvd.allreduce(tf.constant(0.0), name="tfdist_barrier")
 
+    def any_process(self, flag):
+        total = self.hvd.allreduce(tf.constant(1.0 if flag else 0.0), op=self.hvd.Sum,
+                                   name="tfdist_any_process")
+        return bool(total > 0)
+
     def zero_collectives(self):
         """ZeRO's collectives: Horovod's reducescatter (averaging, as its allreduce here),
         allgather, and a summing allreduce, under fixed names (in a graph, ranks meet by name)."""

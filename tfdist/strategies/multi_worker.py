@@ -64,11 +64,15 @@ class MultiWorkerMirrored(Strategy):
 
     def barrier(self):
         """Every worker meets: a summing all-reduce of one scalar (the strategy's own keys)."""
+        self.any_process(False)
+
+    def any_process(self, flag):
+        """A summing all-reduce of one scalar per replica over the workers."""
         if self._barrier is None:  # (a function: run eagerly, the strategy warns of overhead)
             s = self.tf_strategy
             self._barrier = tf.function(
-                lambda: s.reduce("SUM", s.run(tf.ones, ([],)), axis=None), autograph=False)
-        self._barrier()
+                lambda x: s.reduce("SUM", s.run(tf.identity, (x,)), axis=None), autograph=False)
+        return bool(self._barrier(tf.constant(1.0 if flag else 0.0)) > 0)
 
     def zero_collectives(self):
         """ZeRO's collectives over the workers, one replica each: TF's collective ops (public

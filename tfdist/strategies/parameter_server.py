@@ -16,7 +16,8 @@ Keras 3 `fit` does not support ParameterServerStrategy (keras-team/keras#18624).
 * callbacks run on the coordinator every 10 completed steps (`log_every_steps`; one
   `on_train_batch_end` stands for the steps since the last, `logs["tfdist/steps"]`). Before a
   backup and at each epoch end the loop waits for every step in flight (`join`), so a backup
-  holds exactly the steps counted;
+  holds exactly the steps counted. On a preemption signal (`tfdist.preemption`) it schedules no
+  new step and drains those in flight, and the backup holds them all;
 * validation, `evaluate` and `predict` send each batch to a free worker; loss and metrics are
   computed here, in order.
 
@@ -113,13 +114,15 @@ class ParameterServer(Strategy):
     def serve(self):
         """On a worker or ps task: serves, then ends the process (TF's server threads would keep
         it alive) once the chief, after having been up, has been unreachable for ORPHAN_TIMEOUT
-        seconds (under Slurm or by hand nothing else ends a server). On the chief: returns."""
+        seconds (under Slurm or by hand nothing else ends a server). After a preemption signal it
+        serves on while the chief drains and saves, until the chief is gone (exit 75). On the
+        chief: returns."""
         if self.cluster.task_type == "chief":
             return
-        cluster_lib.serve_until_chief_gone(self.cluster, float(os.environ.get(
+        code = cluster_lib.serve_until_chief_gone(self.cluster, float(os.environ.get(
             "TFDIST_SERVER_ORPHAN_TIMEOUT", self.ORPHAN_TIMEOUT)))
         sys.stdout.flush()
-        os._exit(0)
+        os._exit(code)
 
     # -- a user's Keras program --------------------------------------------------------------
     def keras_call(self, method, model, upstream, arguments):
@@ -207,6 +210,7 @@ class ParameterServer(Strategy):
         extra_logs = any(isinstance(c, TrainingLog) for c in callbacks)
         every = log_every_steps or max(1, min(steps_per_epoch, 10))
         backup_every = [c.every_steps for c in callbacks if getattr(c, "every_steps", 0)]
+        preemption = [c for c in callbacks if hasattr(c, "received")]  # tfdist.preemption
         history = keras.callbacks.History()
         cbs = keras.callbacks.CallbackList(callbacks + [history], model=model, epochs=epochs,
                                            steps=steps_per_epoch, verbose=0)
@@ -240,6 +244,8 @@ class ParameterServer(Strategy):
                 t0 = time.perf_counter()
                 target = min(done + every, end)
                 barrier = target == end or any(target // b > done // b for b in backup_every)
+                if any(c.received for c in preemption):  # drain: no new step, wait for those in
+                    target, barrier = min(max(scheduled, done + 1), end), True  # flight; it saves
                 scheduled = self._advance(train_fn, scheduled, target, end, barrier)
                 now = int(self._count())  # >= target: steps in flight may have finished too
                 runs, loss_sum = (float(v) for v in self._runs_and_loss())

@@ -1,0 +1,127 @@
+"""Preemption: on SIGTERM (or the signal a scheduler sends ahead of its time limit), finish the
+step in progress, write a backup, and exit with status 75, which `tfdist launch` and
+`launchers/slurm/tfdist.sbatch` take as "run again to resume", not as a failure.
+
+    tfdist train --config=configs/gpt_nano.py --workdir=runs/nano &
+    kill -TERM $!        # -> "preempted at step N: backup written", exit status 75
+    tfdist train --config=configs/gpt_nano.py --workdir=runs/nano   # resumes at step N
+
+Slurm, Kubernetes and preemptible VMs send SIGTERM and kill after a grace period (Kubernetes's
+`terminationGracePeriodSeconds`, 30 s by default; with Slurm, `sbatch --signal=USR1@120` sends
+USR1 two minutes ahead of the time limit). The signals are `backup.preemption_signals`; the
+backup must be written within `backup.grace_secs` of the signal, after which the process exits
+75 anyway, and the run resumes from the backup before.
+
+Under a synchronous multi-process strategy every process must save the same step, whichever of
+them got the signal (as TF's `PreemptionCheckpointHandler` does). After each step the processes
+agree on whether any was signalled: one summing all-reduce of a scalar
+(`strategy.any_process`), so all of them stop after the same step.
+
+Example (a signal to this process during step 2 of 4):
+
+    >>> import os, signal, keras, numpy as np
+    >>> from tfdist.preemption import Preemption, Preempted
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> saved = []
+    >>> class Signal(keras.callbacks.Callback):
+    ...     def on_train_batch_begin(self, batch, logs=None):
+    ...         if batch == 1:
+    ...             os.kill(os.getpid(), signal.SIGUSR1)
+    >>> stop = Preemption(["USR1"], save=lambda: saved.append("backup") or 2, say=lambda m: None)
+    >>> with stop:
+    ...     try:
+    ...         model.fit(np.ones((4, 2)), np.ones((4, 1)), batch_size=1, verbose=0,
+    ...                   callbacks=[Signal(), stop])
+    ...     except Preempted as e:
+    ...         print(e.code, e.step, saved)
+    75 2 ['backup']
+"""
+import os
+import signal
+import sys
+import threading
+
+import keras
+
+from tfdist.errors import EXIT_PREEMPTED
+
+
+class Preempted(SystemExit):
+    """Raised (exit status 75) once the backup of the interrupted step is written."""
+
+    def __init__(self, step):
+        super().__init__(EXIT_PREEMPTED)
+        self.step = step
+
+
+class Preemption(keras.callbacks.Callback):
+    """Catches `signals` (names such as "TERM", "USR1") while active (`with`), and after the step
+    in progress calls `save()` (which returns the step saved) and raises `Preempted`.
+
+    `agree(flag) -> bool`: whether any process of the job was signalled (every process calls it
+    after every step: `strategy.any_process`). On an epoch's last step the stop waits for the
+    epoch's end, so its validation is logged as in an uninterrupted run. `grace_secs`: the bound
+    on the time from the signal to the exit. `say`: where the one-line reports go (stderr)."""
+
+    def __init__(self, signals=("TERM",), *, save, agree=None, grace_secs=30.0, say=None):
+        super().__init__()
+        self.signals = [s.strip().upper() for s in signals if s.strip()]
+        self.save, self.agree, self.grace_secs = save, agree or (lambda flag: flag), grace_secs
+        self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.received = None  # the signal's name, once one came
+        self._at_epoch_end = False
+        self._previous, self._timer = {}, None
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only
+        for name in self.signals:
+            number = getattr(signal, "SIG" + name)
+            self._previous[number] = signal.signal(number, self._on_signal)
+        return self
+
+    def __exit__(self, *exc):
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _on_signal(self, number, frame):
+        if self.received is not None:
+            return  # already stopping
+        self.received = signal.Signals(number).name
+        self.say(f"tfdist: {self.received}: finishing the step in progress and writing a backup "
+                 f"(within {self.grace_secs:g} s)")
+        self._timer = threading.Timer(self.grace_secs, self._out_of_time)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _out_of_time(self):
+        self.say(f"tfdist: error: no backup written within backup.grace_secs={self.grace_secs:g} "
+                 f"s of {self.received}; exiting with status {EXIT_PREEMPTED}: the run resumes "
+                 f"from the backup before")
+        os._exit(EXIT_PREEMPTED)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._at_epoch_end or not self.agree(self.received is not None):
+            return
+        if batch + 1 >= ((self.params or {}).get("steps") or float("inf")):
+            self._at_epoch_end = True  # the epoch's last step: its validation and backup first
+            return
+        self._stop()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._at_epoch_end:
+            self._stop()
+
+    def _stop(self):
+        step = self.save()  # (the timer still bounds the rest: a hung teardown ends at it)
+        why = self.received or "another process's signal"
+        self.say(f"tfdist: preempted ({why}) at step {step}: backup written; exiting with status "
+                 f"{EXIT_PREEMPTED} (run the same command to resume)")
+        raise Preempted(step)
+
+    def get_config(self):
+        return {"signals": self.signals, "grace_secs": self.grace_secs}
