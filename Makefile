@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos chaos-ps chaos-horovod chaos-zero plan-validate plan-measured clean
+        bench-allreduce bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos \
+        chaos-ps chaos-horovod chaos-zero plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
 
@@ -22,16 +23,24 @@ $(HOROVOD): $(STAMP) tools/build_horovod.sh tools/horovod-0.28.1-tf2.21.patch
 	tools/build_horovod.sh $(BIN)
 	touch $(HOROVOD)
 
+# What the cluster tests need beyond Python (tools/netcluster.py): iptables, from Debian, as root.
+# Without it (not root, no package repository) those tests are skipped and say why.
+cluster-tools:
+	@command -v iptables >/dev/null || { [ "$$(id -u)" = 0 ] && \
+	  (apt-get install -y -q iptables >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iptables >/dev/null 2>&1)); } || \
+	  echo "cluster-tools: iptables could not be installed; the network-namespace tests will be skipped"
+
 # The main job: train the demo GPT on the default corpus (this Python's standard library), then sample.
 demo: $(STAMP)
 	$(BIN)/tfdist train --config=configs/gpt_demo.py --workdir=runs/demo --overwrite
 	$(BIN)/tfdist sample --model=runs/demo/model.keras --prompt='def ' --max_new_tokens=300
 
-test: $(STAMP) $(HOROVOD)
+test: $(STAMP) $(HOROVOD) cluster-tools
 	$(BIN)/python -m pytest -q -ra --durations=25 -m 'not long'
 
 # The trials `make test` leaves out for time (tests marked long).
-test-long: $(STAMP) $(HOROVOD)
+test-long: $(STAMP) $(HOROVOD) cluster-tools
 	$(BIN)/python -m pytest -q -ra -m long
 
 # Under 3 minutes from a fresh clone (pip's wheel cache warm): no Horovod build, no training in

@@ -7,15 +7,28 @@
  * a bind to 127.0.0.1 (::ffff:127.0.0.1 on a dual-stack socket), which is what the workers dial.
  * Every other bind passes through unchanged.
  *
+ * TFDIST_BIND_ADDRESS=<IPv4 address> binds the wildcard to that address instead: a worker on a
+ * host with several interfaces (tools/netcluster.py's namespaces) listens on its own address only.
+ *
  * Built on first use by launchers/local.py:  cc -shared -fPIC -O2 -o loopback_bind.so loopback_bind.c -ldl
  */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <dlfcn.h>
 #include <netinet/in.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 
 typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
+
+/* The address wildcard binds go to (network byte order): TFDIST_BIND_ADDRESS, else 127.0.0.1. */
+static in_addr_t target(void) {
+  const char *given = getenv("TFDIST_BIND_ADDRESS");
+  struct in_addr a;
+  if (given && inet_pton(AF_INET, given, &a) == 1) return a.s_addr;
+  return htonl(INADDR_LOOPBACK);
+}
 
 int bind(int fd, const struct sockaddr *addr, socklen_t len) {
   static bind_fn real_bind;
@@ -24,14 +37,16 @@ int bind(int fd, const struct sockaddr *addr, socklen_t len) {
     struct sockaddr_in a;
     memcpy(&a, addr, sizeof a);
     if (a.sin_addr.s_addr == htonl(INADDR_ANY)) {
-      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      a.sin_addr.s_addr = target();
       return real_bind(fd, (struct sockaddr *)&a, sizeof a);
     }
   } else if (addr && addr->sa_family == AF_INET6 && len >= sizeof(struct sockaddr_in6)) {
     struct sockaddr_in6 a;
     memcpy(&a, addr, sizeof a);
     if (IN6_IS_ADDR_UNSPECIFIED(&a.sin6_addr)) {
-      static const unsigned char mapped[16] = {0,0,0,0,0,0,0,0,0,0,0xff,0xff,127,0,0,1};
+      in_addr_t v4 = target();
+      unsigned char mapped[16] = {0,0,0,0,0,0,0,0,0,0,0xff,0xff};
+      memcpy(mapped + 12, &v4, 4);
       memcpy(&a.sin6_addr, mapped, 16);
       return real_bind(fd, (struct sockaddr *)&a, sizeof a);
     }

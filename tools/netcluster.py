@@ -1,0 +1,232 @@
+"""A cluster of hosts on one machine: network namespaces on a bridge, with shaped links (root).
+
+    .venv/bin/python tools/netcluster.py check --rate=1gbit     # (root) up, connect across, down
+
+    with NetCluster(2, rate="1gbit", loss="5%") as net:
+        net.run(0, ["python", "-c", "..."])          # on host 0; host 1 is net.address(1)
+
+Host i is the namespace `<name>-h<i>` with a loopback and one interface, `eth0`, at
+10.213.0.<i+1>/24. Its cable is a veth pair whose other end is on a bridge in a namespace of its
+own, `<name>-sw`. Nothing is created in the machine's own namespace: its interfaces, routes and
+firewall stay as they were. The hosts have no route beyond their /24 and the bridge no uplink,
+so their traffic reaches only each other's addresses.
+
+Links: `rate` caps each host's link in both directions (a `tbf` qdisc on both ends of its
+cable); `loss` is the fraction of its packets a host's egress drops (an iptables rule in its
+namespace). `partition(i)` silently drops everything on host i's cable (no error reaches the
+sender, as with a pulled cable behind a switch); `heal(i)` restores its shaping; `shape(i, ...)`
+changes one link (a straggler: a tenth of the rate). Latency is not available: this machine's
+kernel has no `netem` qdisc ("Specified qdisc kind is unknown"), so `delay` is refused.
+
+Processes started with `popen`/`run` run in a host's namespace and are the cluster's: `down()`
+(the context manager's exit, also after an error) kills those still running, by PID, then
+deletes the namespaces, which removes the veths, the bridge and the qdiscs with them.
+"""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+SUBNET = "10.213.0"
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+def namespaces():
+    """Names of the machine's network namespaces (`ip netns list`)."""
+    return [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
+
+
+class NetCluster:
+    """`n` hosts as network namespaces on one bridge (see the module doc). Needs root."""
+
+    def __init__(self, n, *, rate=None, delay=None, loss=None, name=None):
+        self.n = n
+        self.name = name or f"tfdist{os.getpid() % 100000}"
+        self.link = dict(rate=rate, delay=delay, loss=loss)
+        self.links = [dict(self.link) for _ in range(n)]
+        self.procs = []
+        self.created = []
+        self._filtered = {}
+
+    # -- names ----------------------------------------------------------------------------------
+    def ns(self, i):
+        return f"{self.name}-h{i}"
+
+    @property
+    def switch(self):
+        return f"{self.name}-sw"
+
+    def address(self, i):
+        return f"{SUBNET}.{i + 1}"
+
+    def get_config(self):
+        return {"n": self.n, "name": self.name, **self.link}
+
+    # -- life -----------------------------------------------------------------------------------
+    def up(self):
+        if os.geteuid() != 0:
+            raise PermissionError("tools/netcluster.py needs root (network namespaces)")
+        clash = [s for s in namespaces() if s.startswith(self.name + "-")]
+        if clash:
+            raise RuntimeError(f"namespaces {clash} exist already; remove them (ip netns del) or "
+                               f"pick another name")
+        try:
+            self._add_ns(self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for i in range(self.n):
+                ns, port = self.ns(i), f"h{i}"
+                self._add_ns(ns)
+                _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port,
+                    "netns", self.switch)
+                _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("-n", ns, "link", "set", "eth0", "up")
+                _ip("-n", self.switch, "link", "set", port, "master", "br0")
+                _ip("-n", self.switch, "link", "set", port, "up")
+                self._shape(i, **self.links[i])
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _add_ns(self, ns):
+        _ip("netns", "add", ns)
+        self.created.append(ns)
+
+    def down(self):
+        """Kills the cluster's processes still running (by PID), then deletes its namespaces."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in reversed(self.created):
+            _ip("netns", "del", ns, check=False)
+        self.created = []
+
+    def __enter__(self):
+        return self.up()
+
+    def __exit__(self, *exc):
+        self.down()
+
+    # -- links ----------------------------------------------------------------------------------
+    # This machine's kernel has no netem ("Specified qdisc kind is unknown") and no tc
+    # classifiers, so: the rate is a token bucket (tbf) on both ends of the cable; loss and
+    # partitions are iptables rules in the host's own namespace. Latency cannot be added here.
+    def _tbf(self, ns, dev, rate):
+        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True,
+                       timeout=30)
+        if rate:
+            burst = max(_bits(rate) // 8 // 250, 32768)  # >= rate / HZ, or tbf caps below rate
+            subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                            rate, "burst", str(burst), "latency", "50ms"], check=True,
+                           capture_output=True, timeout=30)
+
+    def _filter(self, i, loss=None, drop_all=False):
+        ns = self.ns(i)
+        for chain in ("INPUT", "OUTPUT"):
+            subprocess.run(["ip", "netns", "exec", ns, "iptables", "-F", chain], check=True,
+                           capture_output=True, timeout=30)
+        rules = []
+        if drop_all:  # both ways, silently (DROP, not REJECT); the host's loopback still works
+            rules = [["INPUT", "-i", "eth0", "-j", "DROP"], ["OUTPUT", "-o", "eth0", "-j", "DROP"]]
+        elif loss:
+            rules = [["OUTPUT", "-o", "eth0", "-m", "statistic", "--mode", "random",
+                      "--probability", str(_fraction(loss)), "-j", "DROP"]]
+        for r in rules:
+            subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", *r], check=True,
+                           capture_output=True, timeout=30)
+
+    def _shape(self, i, rate=None, delay=None, loss=None, drop_all=False):
+        if delay:
+            raise ValueError("this kernel has no netem: link latency cannot be added here")
+        self._tbf(self.ns(i), "eth0", rate)
+        self._tbf(self.switch, f"h{i}", rate)
+        if loss or drop_all or self._filtered.get(i):
+            self._filter(i, loss, drop_all)
+            self._filtered[i] = bool(loss or drop_all)
+
+    def shape(self, i, *, rate=None, loss=None):
+        """Changes host i's link (None keeps a setting)."""
+        for k, v in dict(rate=rate, loss=loss).items():
+            if v is not None:
+                self.links[i][k] = v
+        self._shape(i, **self.links[i])
+
+    def partition(self, i):
+        """Host i's cable drops everything, both ways, without an error to the sender."""
+        self._filter(i, drop_all=True)
+        self._filtered[i] = True
+
+    def heal(self, i):
+        self._shape(i, **self.links[i])
+
+    # -- processes ------------------------------------------------------------------------------
+    def command(self, i, cmd):
+        return ["ip", "netns", "exec", self.ns(i), *cmd]
+
+    def popen(self, i, cmd, **kwargs):
+        """Starts `cmd` on host i (a Popen the cluster kills at `down`)."""
+        p = subprocess.Popen(self.command(i, cmd), **kwargs)
+        self.procs.append(p)
+        return p
+
+    def run(self, i, cmd, timeout=60, **kwargs):
+        p = self.popen(i, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _bits(rate):
+    """bits/s of a tc rate ("1gbit", "100mbit", "500kbit")."""
+    for unit, f in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
+        if rate.endswith(unit):
+            return int(float(rate[:-len(unit)]) * f)
+    raise ValueError(f"rate {rate!r}: give e.g. 1gbit, 100mbit")
+
+
+def _fraction(loss):
+    """0.05 from "5%" or 0.05."""
+    return float(str(loss).rstrip("%")) / 100 if str(loss).endswith("%") else float(loss)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("command", choices=["check"])
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--rate", default="1gbit")
+    args = ap.parse_args()
+    probe = ("import socket,sys; s=socket.socket(); s.settimeout(5); "
+             "s.connect((sys.argv[1], int(sys.argv[2]))); print('connected to', sys.argv[1])")
+    with NetCluster(args.hosts, rate=args.rate) as net:
+        server = net.popen(args.hosts - 1, [sys.executable, "-c",
+                                            "import socket,time; s=socket.socket(); "
+                                            f"s.bind(('{net.address(args.hosts - 1)}', 7000)); "
+                                            "s.listen(); s.accept(); time.sleep(1)"])
+        time.sleep(1)
+        p = net.run(0, [sys.executable, "-c", probe, net.address(args.hosts - 1), "7000"])
+        print((p.stdout or p.stderr).strip())
+        server.wait(timeout=10)
+        print(f"{net.n} hosts: {net.get_config()}")
+    left = [s for s in namespaces() if s.startswith(net.name + "-")]
+    print("left behind:", left or "nothing")
+    return 1 if left or p.returncode else 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # the with block still tears down
+    sys.exit(main())
