@@ -7,7 +7,7 @@ HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos \
-        chaos-ps chaos-horovod chaos-zero plan-validate plan-measured clean cluster-tools
+        chaos-ps chaos-horovod chaos-zero chaos-preempt plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
 
@@ -23,13 +23,16 @@ $(HOROVOD): $(STAMP) tools/build_horovod.sh tools/horovod-0.28.1-tf2.21.patch
 	tools/build_horovod.sh $(BIN)
 	touch $(HOROVOD)
 
-# What the cluster tests need beyond Python (tools/netcluster.py): iptables, from Debian, as root.
-# Without it (not root, no package repository) those tests are skipped and say why.
+# What the cluster tests need beyond Python: iptables (tools/netcluster.py), and Debian's Slurm and
+# munge (tools/slurm_local.py), as root. Where they cannot be installed (not root, no package
+# repository) those tests are skipped and say why.
+CLUSTER_PACKAGES := iptables slurm-wlm munge
 cluster-tools:
-	@command -v iptables >/dev/null || { [ "$$(id -u)" = 0 ] && \
-	  (apt-get install -y -q iptables >/dev/null 2>&1 || \
-	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iptables >/dev/null 2>&1)); } || \
-	  echo "cluster-tools: iptables could not be installed; the network-namespace tests will be skipped"
+	@missing=""; for c in iptables slurmctld slurmd munged; do command -v $$c >/dev/null || missing=1; done; \
+	[ -z "$$missing" ] || { [ "$$(id -u)" = 0 ] && \
+	  (apt-get install -y -q $(CLUSTER_PACKAGES) >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $(CLUSTER_PACKAGES) >/dev/null 2>&1)); } || \
+	  echo "cluster-tools: $(CLUSTER_PACKAGES) could not be installed; those tests will be skipped"
 
 # The main job: train the demo GPT on the default corpus (this Python's standard library), then sample.
 demo: $(STAMP)
@@ -119,3 +122,10 @@ plan-validate: $(STAMP)
 
 plan-measured: $(STAMP)
 	$(BIN)/tfdist plan --measured --config=configs/gpt_mini.py
+
+# Preemption, 5 trials per strategy: SIGTERM to one process while a random step runs; every process
+# backs up that step and exits 75, the run is started again and must end with the exact steps and
+# bitwise the weights of an uninterrupted run.
+chaos-preempt: $(HOROVOD)
+	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=single
+	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=multi_worker_mirrored
