@@ -89,6 +89,7 @@ def test_data_x_pipeline_x_tensor_parallel_processes_stay_identical(tmp_path, da
 
 
 @pytest.mark.slow
+@pytest.mark.long  # time; test_zero's ZeRO + tensor-parallel test resumes t = 2 as t = 1
 def test_a_backup_of_two_shards_restores_into_one_and_into_two_stages_of_two(tmp_path, data_dir):
     o = common(data_dir, **{"backup.every_steps": 1, "tensor.parallel": 2})
     driver(tmp_path / "ref", o)
