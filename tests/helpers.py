@@ -169,12 +169,13 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
-def tree_digest(root):
-    """Hash of every file's path and content under root: proves nothing on disk changed."""
+def tree_digest(root, exclude=()):
+    """Hash of every file's path and content under root: proves nothing on disk changed. Files
+    named in `exclude` are left out."""
     h = hashlib.sha1()
     for dirpath, dirnames, filenames in sorted(os.walk(root)):
         dirnames.sort()
-        for f in sorted(filenames):
+        for f in sorted(set(filenames) - set(exclude)):
             p = os.path.join(dirpath, f)
             h.update(p.encode())
             with open(p, "rb") as data:

@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+from tfdist.lock import LOCK_NAME
 from tests.helpers import ROOT, assert_usage_error, driver, load_config, metrics, tfdist, tree_digest
 
 STEPS, PER_EPOCH = 20, 10  # of the finished run below
@@ -106,14 +107,15 @@ def test_backup_from_a_different_model_config_is_refused(tmp_path, data_dir):
          "backup.every_steps": 5}
     p, _ = driver(tmp_path, o, "--kill-at-step", "7", check=False)
     assert p.returncode == -9
-    before = tree_digest(tmp_path)
+    assert (tmp_path / LOCK_NAME).exists()  # the killed run's: the refused one takes it over
+    before = tree_digest(tmp_path, exclude=[LOCK_NAME])  # and, leaving, removes it
     n_layer = load_config("configs/gpt_nano.py").model.n_layer + 1  # not the backup's model
     p = tfdist("train", f"--workdir={tmp_path}", f"--config.data.data_dir={data_dir}",
                f"--config.train.steps={STEPS}", f"--config.train.steps_per_epoch={PER_EPOCH}",
                f"--config.model.n_layer={n_layer}", check=False)
     line = assert_usage_error(p, "different model")
     assert "n_layer" in line
-    assert tree_digest(tmp_path) == before
+    assert tree_digest(tmp_path) == before and not (tmp_path / LOCK_NAME).exists()
 
 
 def test_config_files_all_validate():

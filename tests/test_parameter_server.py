@@ -120,6 +120,7 @@ class Launch:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # time; the kill tests and the Keras-program test train under it too
 def test_trains_as_well_as_the_collective_mode(tmp_path, data_dir):
     """Same config and steps: the final validation loss is within 10 % of MultiWorkerMirrored's."""
     runs, steps, per_epoch = {}, 80, 40
@@ -217,6 +218,29 @@ def test_a_killed_ps_task_restarts_the_job_from_its_backup(tmp_path, data_dir):
     assert "tfdist: resuming from" in run.out
     assert metrics(tmp_path)["steps"][-1]["step"] == steps
     assert not (tmp_path / "backup").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_drains_backs_up_and_resumes(tmp_path, data_dir):
+    """Preemption of the whole job: SIGTERM to `tfdist launch` reaches every task; the coordinator
+    drains the steps in flight and backs them up (there is no scheduled backup: epoch ends
+    only), the servers wait for it, and every process exits 75. Run again,
+    the job resumes at that step and ends at exactly the planned steps."""
+    steps, per_epoch = 600, 300
+    f = flags(tmp_path, data_dir, steps, per_epoch, **{"backup.every_steps": 0})
+    run = Launch("parameter_server", f, per_epoch)
+    run.wait_for_step(50, "before the signal ")
+    run.p.send_signal(signal.SIGTERM)
+    assert run.finish() == 75, run.out[-3000:]
+    found = re.search(r"preempted \(SIGTERM\) at step (\d+): backup written", run.out)
+    assert found, run.out[-3000:]
+    at = int(found.group(1))
+    assert 50 <= at < per_epoch
+    assert "tfdist launch: preempted (SIGTERM): the workers backed up their step; exit 75" in run.out
+    again = Launch("parameter_server", f, per_epoch)
+    assert again.finish() == 0, again.out[-3000:]
+    assert f"resuming from {tmp_path}/backup at step {at} of {steps}" in again.out
+    assert metrics(tmp_path)["steps"][-1]["step"] == steps
 
 
 USER_MODEL = r"""

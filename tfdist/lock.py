@@ -11,7 +11,8 @@
 
 The lock is `fcntl.flock` on an open file. The kernel drops it when the holder dies, however it
 dies (SIGKILL included), so a restart after a crash takes it over at once; the file still names
-the dead holder until the new one rewrites it. A requeued job that starts while its old copy still
+the dead holder until the new one rewrites it. A run that ends (or is refused) removes the file,
+so it leaves no trace. A requeued job that starts while its old copy still
 runs is refused instead of resuming from backups the other is writing.
 
 Where it holds: local filesystems, and NFSv4 (Linux maps flock to byte-range locks there). Where
@@ -50,14 +51,18 @@ class WorkdirLock:
             return self
         import fcntl
         os.makedirs(self.workdir, exist_ok=True)
-        f = open(self.path, "a+")  # "a+": never truncates the holder's record before we hold it
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = self.holder(f)
-            f.close()
-            raise UsageError(f"{self.workdir} is in use by another run ({holder}); wait for it to "
-                             f"end, stop it, or choose another --workdir") from None
+        while True:
+            f = open(self.path, "a+")  # "a+": never truncates the holder's record
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self.holder(f)
+                f.close()
+                raise UsageError(f"{self.workdir} is in use by another run ({holder}); wait for "
+                                 f"it to end, stop it, or choose another --workdir") from None
+            if self._same_file(f):
+                break
+            f.close()  # its holder removed it meanwhile (release): lock the new one
         f.seek(0)
         f.truncate()
         f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
@@ -65,6 +70,13 @@ class WorkdirLock:
         f.flush()
         self._file = f
         return self
+
+    def _same_file(self, f):
+        try:
+            a, b = os.fstat(f.fileno()), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)
 
     def holder(self, f=None):
         """The holder's record, as words ("pid 123 on host h since ...")."""
@@ -78,8 +90,12 @@ class WorkdirLock:
             return "holder unknown: its record is being written"
 
     def release(self):
+        """Removes the lock file (a run leaves no trace), then drops the lock. A process that
+        opened the file meanwhile sees it gone once it holds the lock, and starts over."""
         if self._file is not None:
-            self._file.close()  # closing drops the flock; the file stays (its name is harmless)
+            if self._same_file(self._file):
+                os.unlink(self.path)
+            self._file.close()
             self._file = None
 
     def __enter__(self):

@@ -176,8 +176,6 @@ def _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks):
         configure_logical_cpus(devices_needed)  # one logical CPU device per stage and shard
     strategy = strategies.from_config(c)
     strategy.serve()  # a task that only serves others (parameter server) ends here
-    if strategy.is_chief:  # one run per workdir: before anything there is read or removed
-        held.enter_context(WorkdirLock(workdir))
 
     import keras
     from tfdist import callbacks as cb
@@ -232,6 +230,8 @@ def _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks):
         say(f"tfdist: {describe(optimizer)}")
 
     backup_dir = c.backup.dir or os.path.join(workdir, "backup")
+    if strategy.is_chief:  # one run per workdir: before anything there is read or removed
+        held.enter_context(WorkdirLock(workdir))
     if strategy.is_chief or not overwrite:  # after every input has been checked; only the
         prepare_workdir(workdir, backup_dir, overwrite)  # chief deletes
     backup = cb.BackupAndRestore(  # removed below, once model.keras is written

@@ -21,7 +21,13 @@ the run completes (exit 0), the counted steps equal the planned steps, the runs 
 workers exceed them by no more than the steps that were in flight (TF's coordinator re-runs a
 closure whose worker died: at least once), and no gap between two progress reports exceeds 60 s.
 
-Prints a table and writes bench_results/chaos.json (chaos-ps.json, chaos-horovod.json). Exit status 1 if a trial fails.
+--fault=sigterm (preemption; also --strategy=single): the worker gets SIGTERM while the step
+runs. Every process backs up that step and exits 75 (tfdist/preemption.py); the launcher restarts
+the group (a single process is run again), and the run resumes at that step. Backups are written
+at epoch ends only, so the resumed step is the signal's own backup. Passes as above.
+
+Prints a table and writes bench_results/chaos.json (chaos-ps.json, chaos-horovod.json,
+chaos-sigterm-<strategy>.json). Exit status 1 if a trial fails.
 """
 import argparse
 import json
@@ -41,12 +47,29 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def launch(workdir, overrides, workers, *extra):
+    if overrides["strategy.name"] == "single":  # one process, run again by hand after exit 75
+        return single(workdir, overrides, *extra)
     cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}", "--max_restarts=2",
            f"--strategy={overrides['strategy.name']}",
            "--backoff=0.5", "--", sys.executable, DRIVER, workdir, json.dumps(overrides), *extra]
     t = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     return p, time.monotonic() - t
+
+
+def single(workdir, overrides, *extra):
+    """The driver, and once more if it exited 75 (preempted), as a scheduler would requeue it.
+    Returns a CompletedProcess whose stdout counts its starts as the launcher's would."""
+    t, out, err = time.monotonic(), "", ""
+    for attempt in range(2):
+        p = subprocess.run([sys.executable, DRIVER, workdir, json.dumps(overrides),
+                            *(extra if attempt == 0 else ())], capture_output=True, text=True,
+                           timeout=900, cwd=ROOT)
+        out += "tfdist launch: started 1 process\n" + p.stdout
+        err += p.stderr
+        if p.returncode != 75:
+            break
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err), time.monotonic() - t
 
 
 def steps_by_worker(workdir):
@@ -73,16 +96,21 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--data_dir", default="", help="TFDS data_dir (default ~/tensorflow_datasets)")
     ap.add_argument("--strategy", default="multi_worker_mirrored",
-                    choices=["multi_worker_mirrored", "parameter_server", "horovod"])
+                    choices=["multi_worker_mirrored", "parameter_server", "horovod", "single"])
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
                     help="ZeRO stage, synchronous strategies (each replica backs up its optimizer shard)")
+    ap.add_argument("--fault", default="kill", choices=["kill", "sigterm"],
+                    help="kill: SIGKILL after a step; sigterm: preemption during a step (the run "
+                         "backs up that step and exits 75)")
     ap.add_argument("--out", default=None, help="default bench_results/chaos.json (chaos-ps.json, "
-                    "chaos-horovod.json, chaos-zero.json, chaos-zero-mwms.json)")
+                    "chaos-horovod.json, chaos-zero.json, chaos-zero-mwms.json, "
+                    "chaos-sigterm-<strategy>.json)")
     args = ap.parse_args()
-    if args.strategy == "parameter_server":
+    if args.strategy == "parameter_server" and args.fault == "kill":
         return ps_trials(args)
     mwms = args.strategy == "multi_worker_mirrored"
     args.out = args.out or os.path.join(ROOT, "bench_results", (
+        f"chaos-sigterm-{args.strategy}.json" if args.fault == "sigterm" else
         ("chaos-zero-mwms.json" if args.zero else "chaos.json") if mwms
         else "chaos-zero.json" if args.zero else "chaos-horovod.json"))
     if args.steps < 4 or args.steps % 10 or args.workers < 1 or args.trials < 1:
@@ -91,6 +119,10 @@ def main():
     overrides = {"train.steps": args.steps, "train.steps_per_epoch": 10, "train.batch_size": 16,
                  "train.deterministic": True, "train.eval_steps": 2, "model.dropout": 0.1,
                  "backup.every_steps": 1, "strategy.name": args.strategy, "zero.stage": args.zero}
+    if args.fault == "sigterm":  # backups at epoch ends only: the signal's backup is the one used
+        overrides["backup.every_steps"] = 0
+    if args.strategy == "single":
+        args.workers = 1
     if args.data_dir:
         overrides["data.data_dir"] = args.data_dir
     plan = {w: args.steps for w in range(args.workers)}
@@ -107,8 +139,9 @@ def main():
     for trial in range(args.trials):
         worker, step = trial % args.workers, rng.randint(1, args.steps - 1)  # chief, then others
         d = os.path.join(tmp, f"trial{trial}")
-        p, seconds = launch(d, overrides, args.workers, "--kill-at-step", str(step),
-                            "--kill-worker", str(worker))
+        fault = (["--kill-at-step", str(step)] if args.fault == "kill" else
+                 ["--signal-at-step", str(step), "--signal", "TERM"])
+        p, seconds = launch(d, overrides, args.workers, *fault, "--kill-worker", str(worker))
         restarts = p.stdout.count("tfdist launch: started") - 1
         executed = steps_by_worker(d) if os.path.exists(os.path.join(d, "executed_steps.txt")) else {}
         diff = None
@@ -116,7 +149,8 @@ def main():
             diff = max(float(abs(a - b).max()) for a, b in zip(final_weights(d), reference))
         resumed = f"resuming from {d}/backup at step {step} of {args.steps}" in p.stdout
         ok = p.returncode == 0 and restarts == 1 and executed == plan and resumed and diff == 0.0
-        rows.append({"trial": trial, "killed_worker": worker, "kill_after_step": step,
+        rows.append({"trial": trial, "fault": args.fault, "killed_worker": worker,
+                     "kill_after_step": step,
                      "exit": p.returncode, "restarts": restarts, "resumed_at_kill_step": resumed,
                      "executed_steps": executed, "planned_steps": args.steps,
                      "max_abs_weight_diff": diff, "seconds": round(seconds, 1), "ok": ok})
@@ -124,8 +158,9 @@ def main():
             print(p.stdout[-3000:], p.stderr[-2000:], sep="\n")
         print(f"trial {trial}: {'ok' if ok else 'FAILED'}", flush=True)
 
-    head = ("trial", "killed", "after step", "exit", "restarts", "executed (per worker)", "planned",
-            "max |dw|", "s", "ok")
+    head = ("trial", "killed" if args.fault == "kill" else "signalled",
+            "after step" if args.fault == "kill" else "during step", "exit", "restarts",
+            "executed (per worker)", "planned", "max |dw|", "s", "ok")
     table = [head] + [(r["trial"], f"w{r['killed_worker']}", r["kill_after_step"], r["exit"],
                        r["restarts"], "/".join(str(r["executed_steps"].get(w, 0))
                                                for w in range(args.workers)),

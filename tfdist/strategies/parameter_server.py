@@ -16,8 +16,8 @@ Keras 3 `fit` does not support ParameterServerStrategy (keras-team/keras#18624).
 * callbacks run on the coordinator every 10 completed steps (`log_every_steps`; one
   `on_train_batch_end` stands for the steps since the last, `logs["tfdist/steps"]`). Before a
   backup and at each epoch end the loop waits for every step in flight (`join`), so a backup
-  holds exactly the steps counted. On a preemption signal (`tfdist.preemption`) it schedules no
-  new step and drains those in flight, and the backup holds them all;
+  holds exactly the steps counted. After a preemption signal (`tfdist.preemption`) it drains the
+  steps in flight before it reports, so the backup written then holds them all;
 * validation, `evaluate` and `predict` send each batch to a free worker; loss and metrics are
   computed here, in order.
 
@@ -244,9 +244,9 @@ class ParameterServer(Strategy):
                 t0 = time.perf_counter()
                 target = min(done + every, end)
                 barrier = target == end or any(target // b > done // b for b in backup_every)
-                if any(c.received for c in preemption):  # drain: no new step, wait for those in
-                    target, barrier = min(max(scheduled, done + 1), end), True  # flight; it saves
                 scheduled = self._advance(train_fn, scheduled, target, end, barrier)
+                if any(c.received for c in preemption):  # signalled: drain the steps in flight,
+                    self.coordinator.join()  # so that the backup it writes now holds them all
                 now = int(self._count())  # >= target: steps in flight may have finished too
                 runs, loss_sum = (float(v) for v in self._runs_and_loss())
                 if runs > last_runs:  # mean loss of the runs since the last report (steps still
