@@ -129,3 +129,4 @@ plan-measured: $(STAMP)
 chaos-preempt: $(HOROVOD)
 	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=single
 	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=multi_worker_mirrored
+	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=horovod

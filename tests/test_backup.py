@@ -290,3 +290,37 @@ def test_a_second_run_on_a_busy_workdir_is_refused_and_the_first_goes_on(tmp_pat
     assert first.returncode == 0, err[-2000:]
     for a, b in zip(final_weights(tmp_path), reference[4]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_signal_in_an_epochs_last_step_stops_after_its_validation():
+    """Preemption in the last step of an epoch waits for the epoch's end, so its validation is
+    logged as in an uninterrupted run; in any other step it stops at the step's end."""
+    from tfdist.preemption import Preempted, Preemption
+    x = np.ones((4, 2), "float32")
+    for signal_at, expected in (
+            ((0, 3), ["batch 1", "batch 3", "epoch 0 val", "save"]),
+            ((1, 1), ["batch 1", "batch 3", "epoch 0 val", "batch 1", "save"])):
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        events = []
+
+        class Watch(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.epoch = epoch
+
+            def on_train_batch_begin(self, batch, logs=None):
+                if (self.epoch, batch) == signal_at:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+
+            def on_train_batch_end(self, batch, logs=None):
+                if batch in (1, 3):
+                    events.append(f"batch {batch}")
+
+            def on_epoch_end(self, epoch, logs=None):
+                events.append(f"epoch {epoch} val" if "val_loss" in logs else f"epoch {epoch}")
+
+        stop = Preemption(["USR1"], save=lambda: events.append("save") or 0, say=lambda m: None)
+        with stop, pytest.raises(Preempted):
+            model.fit(x, x[:, :1], batch_size=1, epochs=2, validation_data=(x, x[:, :1]),
+                      callbacks=[Watch(), stop], verbose=0)
+        assert events == expected, (signal_at, events)

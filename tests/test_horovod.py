@@ -162,6 +162,27 @@ def test_killed_rank_resumes_step_exactly(tmp_path, data_dir, uninterrupted, ran
 
 
 @pytest.mark.slow
+def test_sigterm_to_one_rank_backs_up_both_at_its_step(tmp_path, data_dir, uninterrupted):
+    """Preemption: rank 1 alone gets SIGTERM during a step; the ranks agree (an allreduce after
+    each step), rank 0 backs that step up (no scheduled backup: epoch ends only), both exit 75,
+    and the run resumes there and ends bitwise equal to an uninterrupted one."""
+    step = random.Random(4).choice([s for s in range(3, CHAOS_STEPS - 2) if s % 12])
+    o = {**chaos_overrides(data_dir), "backup.every_steps": 0}
+    p = launch_horovod(tmp_path, o, "--dump-weights", "--signal-at-step", str(step),
+                       "--kill-worker", "1")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    out = p.stdout + p.stderr
+    assert f"preempted (SIGTERM) at step {step}: backup written" in out
+    assert f"preempted (another process's signal) at step {step}" in out
+    assert p.stdout.count("tfdist launch: started") == 2
+    assert f"at step {step} of {CHAOS_STEPS}" in p.stdout
+    assert steps_by_worker(tmp_path) == {r: CHAOS_STEPS for r in range(RANKS)}
+    ref = weights(uninterrupted, 0)
+    assert max_diff(weights(tmp_path, 0), ref) == 0.0
+    assert max_diff(weights(tmp_path, 1), ref) == 0.0
+
+
+@pytest.mark.slow
 def test_a_users_functional_model_fits_under_two_ranks(tmp_path):
     """Plain `model.fit` on a user's functional model (launchers/examples/keras_functional.py)."""
     example = os.path.join(ROOT, "launchers", "examples", "keras_functional.py")
