@@ -19,16 +19,17 @@ $(STAMP): setup.cfg pyproject.toml
 # Horovod 0.28.1, patched for TF 2.21 and built once per machine (cached in ~/.cache/tfdist).
 horovod: $(HOROVOD)
 
-$(HOROVOD): $(STAMP) tools/build_horovod.sh tools/horovod-0.28.1-tf2.21.patch
+# After cluster-tools (order only), so that Horovod is built with MPI where Open MPI was installed.
+$(HOROVOD): $(STAMP) tools/build_horovod.sh tools/horovod-0.28.1-tf2.21.patch | cluster-tools
 	tools/build_horovod.sh $(BIN)
 	touch $(HOROVOD)
 
-# What the cluster tests need beyond Python: iptables (tools/netcluster.py), and Debian's Slurm and
-# munge (tools/slurm_local.py), as root. Where they cannot be installed (not root, no package
+# What the cluster tests need beyond Python: iptables (tools/netcluster.py), Debian's Slurm and
+# munge (tools/slurm_local.py), and Open MPI (Horovod over MPI), as root. Where they cannot be installed (not root, no package
 # repository) those tests are skipped and say why.
-CLUSTER_PACKAGES := iptables slurm-wlm munge
+CLUSTER_PACKAGES := iptables slurm-wlm munge openmpi-bin libopenmpi-dev
 cluster-tools:
-	@missing=""; for c in iptables slurmctld slurmd munged; do command -v $$c >/dev/null || missing=1; done; \
+	@missing=""; for c in iptables slurmctld slurmd munged mpirun mpicc; do command -v $$c >/dev/null || missing=1; done; \
 	[ -z "$$missing" ] || { [ "$$(id -u)" = 0 ] && \
 	  (apt-get install -y -q $(CLUSTER_PACKAGES) >/dev/null 2>&1 || \
 	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $(CLUSTER_PACKAGES) >/dev/null 2>&1)); } || \

@@ -4,7 +4,10 @@
 # Horovod 0.28.1 does not build against TF 2.21 from PyPI: horovod/tensorflow/xla_mpi_ops.cc
 # includes XLA headers the TF 2.21 wheel no longer ships (first error
 # `highwayhash/arch_specific.h: No such file`). Everything in that file is GPU-only, so
-# tools/horovod-0.28.1-tf2.21.patch compiles it only with HAVE_GPU. The rest builds as is.
+# tools/horovod-0.28.1-tf2.21.patch compiles it only with HAVE_GPU. The rest builds as is. The
+# patch also fixes one bug: the Gloo context of a process set (the global one included) ignored
+# HOROVOD_GLOO_IFACE and took the hostname's address, a loopback one on Debian, so ranks on
+# different hosts could not connect (found across tools/netcluster.py's hosts).
 #
 # The wheel is cached outside the repo, keyed by Horovod, TF and Python versions and the
 # collectives built in, so only the first set-up on a machine pays the ~4-minute build.
