@@ -11,7 +11,7 @@ import tempfile
 
 from absl import app, flags, logging
 
-from tfdist.errors import UsageError
+from tfdist.errors import EXIT_PEER_LOST, PeerLost, UsageError
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show TensorFlow's start-up messages (also: "
                              "TFDIST_VERBOSE=1).")
@@ -126,5 +126,9 @@ def run(main, argv):
             return main(args)
         except UsageError as e:
             fail(str(e), hard=getattr(e, "hard_exit", False))
+        except PeerLost as e:  # TF's threads may still wait on the lost peer: end at once
+            sys.stdout.flush()
+            print(f"tfdist: error: {e}", file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER_LOST)
 
     app.run(guarded, argv=argv, flags_parser=_parse_flags)

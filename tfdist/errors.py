@@ -12,6 +12,18 @@ import sys
 EXIT_PREEMPTED = 75
 
 
+#: The exit status of a process that lost its cluster (`PeerLost`): sysexits.h's EX_UNAVAILABLE.
+#: A fault of the cluster, not of the input, so `tfdist launch` and launchers/slurm/tfdist.sbatch
+#: restart the group from its backup (counted as a restart).
+EXIT_PEER_LOST = 69
+
+
+class PeerLost(Exception):
+    """A synchronous run lost a peer (a partitioned host, a dead process) and aborted its
+    collectives: `tfdist train` prints one line and exits EXIT_PEER_LOST, and the supervisor
+    restarts the group from its last backup."""
+
+
 class UsageError(Exception):
     """Bad input from the user: a config value, a path, a strategy name, a mismatched backup.
 

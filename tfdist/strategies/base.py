@@ -54,7 +54,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist import callbacks as callbacks_lib
 from tfdist.callbacks import STEPS_KEY
-from tfdist.errors import UsageError
+from tfdist.errors import PeerLost, UsageError
 
 
 def configure_logical_cpus(n):
@@ -91,8 +91,9 @@ class Launch:
     `roles`: the task types of its cluster, the first one the chief (its exit 0 ends the run).
     `restart_alone`: roles whose dead task is restarted alone; any other failure restarts the
     whole group (abort and restart, for synchronous training). `servers`: roles that serve until
-    stopped, stopped as soon as the chief is done. `wrapper(n, argv)`: the argv of one process
-    that starts the n ranks itself (horovodrun; no TF_CONFIG then), or None. `server_module`: a
+    stopped, stopped as soon as the chief is done. `wrapper(n, argv, hosts)`: the argv of one process
+    that starts the n ranks itself (horovodrun; no TF_CONFIG then), on `hosts` (None: this
+    one), or None. `server_module`: a
     module that serves (`python -m <it>`), run on the `servers` when the launched command is a
     user's own program, so that the program runs on the chief only.
     """
@@ -246,6 +247,13 @@ class Strategy:
     #: `() -> tfdist.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
     zero_collectives = None
 
+    def lost_peer(self, error):
+        """Why this process lost its cluster, if the TF error `error`, raised while training,
+        says so: `fit` then raises `PeerLost` with it (one line, exit EXIT_PEER_LOST, and the
+        supervisor restarts the group). None for any other error, which propagates as it is.
+        Strategies whose processes wait on each other say how their collectives report that."""
+        return None
+
     def barrier(self):
         """Returns once every process of the job has called it (one process: at once)."""
 
@@ -362,7 +370,17 @@ class Strategy:
         def train_data(start):
             return self.distribute(data(start)) if positionable else data
 
-        keras_fit = compat.keras_method("fit")  # Keras's own: the strategy's part is done here
+        upstream_fit = compat.keras_method("fit")  # Keras's own: the strategy's part is done here
+
+        def keras_fit(*args, **kwargs):
+            try:
+                return upstream_fit(*args, **kwargs)
+            except tf.errors.OpError as e:
+                lost = self.lost_peer(e)
+                if lost:
+                    raise PeerLost(lost) from None
+                raise
+
         history = None
         if done_in_epoch and first_epoch < epochs:  # finish the interrupted epoch
             history = keras_fit(model, train_data(initial_step), epochs=first_epoch + 1,
