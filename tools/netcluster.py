@@ -19,14 +19,23 @@ changes one link (a straggler: a tenth of the rate). Latency is not available: t
 kernel has no `netem` qdisc ("Specified qdisc kind is unknown"), so `delay` is refused.
 
 Processes started with `popen`/`run` run in a host's namespace and are the cluster's: `down()`
-(the context manager's exit, also after an error) kills those still running, by PID, then
-deletes the namespaces, which removes the veths, the bridge and the qdiscs with them.
+(the context manager's exit, also after an error) kills those still running, by PID, and every
+process left inside the cluster's namespaces (`ip netns pids`: started there by the cluster's own
+processes), then deletes the namespaces, which removes the veths, the bridge and the qdiscs.
+
+`ssh`: multi-host launchers (horovodrun, mpirun) start their remote processes with `ssh HOST
+COMMAND`. `net.ssh_path()` is a directory holding an `ssh` for the front of PATH that runs
+COMMAND with `sh -c` in HOST's namespace (HOST: an address of the cluster), in the caller's
+environment, as sshd would on that host. No sshd, keys or login are involved.
 """
 import argparse
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 SUBNET = "10.213.0"
@@ -52,6 +61,7 @@ class NetCluster:
         self.procs = []
         self.created = []
         self._filtered = {}
+        self._ssh_dir = None
 
     # -- names ----------------------------------------------------------------------------------
     def ns(self, i):
@@ -109,9 +119,18 @@ class NetCluster:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+        for ns in self.created:  # what they started there (e.g. through `ssh`), by PID
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for ns in reversed(self.created):
             _ip("netns", "del", ns, check=False)
         self.created = []
+        if self._ssh_dir:
+            shutil.rmtree(self._ssh_dir, ignore_errors=True)
+            self._ssh_dir = None
 
     def __enter__(self):
         return self.up()
@@ -181,6 +200,27 @@ class NetCluster:
         self.procs.append(p)
         return p
 
+    def host_of(self, address):
+        """The index of the host with `address` (or `user@address`), or None."""
+        address = address.rsplit("@", 1)[-1]
+        for i in range(self.n):
+            if address == self.address(i):
+                return i
+        return None
+
+    def ssh_path(self):
+        """A directory with an `ssh` that runs its command on a host of this cluster (module doc);
+        put it first on PATH. Removed at `down`."""
+        if self._ssh_dir is None:
+            self._ssh_dir = tempfile.mkdtemp(prefix=f"{self.name}-ssh-")
+            script = os.path.join(self._ssh_dir, "ssh")
+            with open(script, "w") as f:
+                f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} "
+                        f"{shlex.quote(os.path.abspath(__file__))} ssh --name={self.name} "
+                        f"--hosts={self.n} -- \"$@\"\n")
+            os.chmod(script, 0o755)
+        return self._ssh_dir
+
     def run(self, i, cmd, timeout=60, **kwargs):
         p = self.popen(i, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
         try:
@@ -204,7 +244,47 @@ def _fraction(loss):
     return float(str(loss).rstrip("%")) / 100 if str(loss).endswith("%") else float(loss)
 
 
+# ssh's options that take a value (OpenSSH's ssh(1)); the others are flags.
+_SSH_VALUED = set("BbcDEeFIiJLlmOoPpQRSWw")
+
+
+def ssh(name, n, argv):
+    """`ssh [options] HOST COMMAND...` for the cluster `name` of `n` hosts: replaces this process
+    with COMMAND under `sh -c` in HOST's namespace. Options are accepted and ignored."""
+    words, target, i = [], None, 0
+    while i < len(argv):  # as ssh(1): options before the host and right after it, then COMMAND
+        a = argv[i]
+        if a == "--" and target is None:
+            target, words, i = (argv[i + 1], [], i + 2) if i + 1 < len(argv) else (None, [], i + 1)
+            break
+        if a.startswith("-") and len(a) > 1:
+            i += 2 if len(a) == 2 and a[1] in _SSH_VALUED else 1
+        elif target is None:
+            target, i = a, i + 1
+        else:
+            break
+    words = argv[i:]
+    if target is None:
+        sys.exit("netcluster ssh: no host given")
+    net = NetCluster(n, name=name)
+    host, command = net.host_of(target), " ".join(words)
+    if host is None:  # as ssh says for a host it cannot resolve; exit status 255, as ssh's
+        sys.stderr.write(f"ssh: Could not resolve hostname {target}: not a host of {name}\n")
+        sys.exit(255)
+    if not command:
+        sys.stderr.write("netcluster ssh: no command (an interactive login is not offered)\n")
+        sys.exit(255)
+    os.execvp("ip", ["ip", "netns", "exec", net.ns(host), "sh", "-c", command])
+
+
 def main():
+    if sys.argv[1:2] == ["ssh"]:  # the `ssh` of ssh_path(): options are ssh's, after `--`
+        ap = argparse.ArgumentParser(prog="netcluster.py ssh")
+        ap.add_argument("--name", required=True)
+        ap.add_argument("--hosts", type=int, required=True)
+        split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+        args = ap.parse_args(sys.argv[2:split])
+        return ssh(args.name, args.hosts, sys.argv[split + 1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("command", choices=["check"])
     ap.add_argument("--hosts", type=int, default=2)

@@ -4,6 +4,7 @@
     tfdist launch --strategy=parameter_server --workers 2 --ps 1 -- --config=configs/gpt_nano.py
     tfdist launch --strategy=horovod --workers 2 -- --config=configs/gpt_nano.py
     tfdist launch --workers 2 -- python my_keras_program.py --its --flags
+    tfdist launch --hosts=node1,node2 --workers 2 -- --config=configs/gpt_nano.py  # one per host
 
 See `tfdist/launch/local.py` for what it does, and its exit status.
 """
@@ -31,6 +32,10 @@ _BACKOFF = flags.DEFINE_float("backoff", 2.0,
 _BIND = flags.DEFINE_enum("bind", "loopback", ["loopback", "all"],
                           "loopback: workers listen on 127.0.0.1 only; all: TF's default "
                           "(every interface).")
+_HOSTS = flags.DEFINE_list("hosts", None, "Hosts (names or addresses) to run the tasks on, round "
+                           "robin; those not this machine through ssh (same paths there). Default: "
+                           "all here, on 127.0.0.1.")
+_PORT = flags.DEFINE_integer("port", 12345, "With --hosts: the first port of the tasks on each host.")
 _LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write each process's output to "
                                "<worker_logs>/<name>.log (w0, w1, ..., c0, ps0).")
 
@@ -56,8 +61,13 @@ def main(argv):
         raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
     if _MAX_RESTARTS.value < 0 or _BACKOFF.value < 0:
         raise UsageError("--max_restarts and --backoff must be >= 0")
+    hosts = [h.strip() for h in _HOSTS.value or [] if h.strip()] or None
+    if _HOSTS.value is not None and not hosts:
+        raise UsageError("--hosts is empty: give host names or addresses, e.g. --hosts=node1,node2")
+    if hosts and not 1 <= _PORT.value <= 65535 - 64:
+        raise UsageError(f"--port must be between 1 and {65535 - 64}, got {_PORT.value}")
     env = dict(os.environ)
-    if _BIND.value == "loopback":
+    if _BIND.value == "loopback":  # with --hosts: each task's own host address
         env["LD_PRELOAD"] = " ".join(filter(None, [loopback_shim(), env.get("LD_PRELOAD")]))
 
     if rest[0].startswith("-"):  # tfdist train flags
@@ -78,13 +88,14 @@ def main(argv):
 
     counts = {"chief": 1, "worker": n, "ps": _PS.value}
     if spec.wrapper:  # one process (e.g. horovodrun) that starts and stops the ranks itself
-        argv, roles = spec.wrapper(n, argv), [("worker", 0)]
+        argv, roles = spec.wrapper(n, argv, hosts), [("worker", 0)]
     else:
         roles = [(role, i) for role in spec.roles for i in range(counts[role])]
     code = Supervisor(argv, roles, restart_alone=spec.restart_alone, servers=spec.servers,
                       max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
                       env=env, log_dir=_LOG_DIR.value, tf_config=not spec.wrapper,
-                      server_argv=server_argv).run()
+                      server_argv=server_argv, hosts=None if spec.wrapper else hosts,
+                      port=_PORT.value).run()
     sys.exit(code)
 
 

@@ -34,6 +34,14 @@ or a worker that exited 2 (restarting cannot fix that). 1 when the restart budge
 75 when preempted, as above. 128+N when the launcher was stopped by signal N otherwise (the
 workers are stopped too).
 
+Other hosts (`--hosts=a,b,...`): task k runs on host k mod N, at `<host>:<port>` (from
+`--port` on each host); a host that is not this machine is reached with `ssh` (see `Host`),
+which needs key-based login and the same paths there, as horovodrun and mpirun do. Each task's
+gRPC server listens on its host's address only (the bind shim below, with that address).
+A synchronous task that loses a peer (a partitioned host: TF's coordination service misses its
+heartbeats for 10 s) exits 69 (`tfdist.errors.EXIT_PEER_LOST`), and the group restarts from
+its backup like after any failure; a restarted group waits at start-up until every host answers.
+
 Listening only on 127.0.0.1: TF's gRPC server binds every interface whatever TF_CONFIG says
 (tensorflow/tensorflow#2925). `--bind=loopback` (the default) therefore preloads
 `loopback_bind.c`, which the system C compiler builds once into ~/.cache/tfdist. It turns the
@@ -43,6 +51,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -169,8 +178,9 @@ class _Output:
             self.stream.flush()
             self._open = True
 
-    def pump(self, fd, prefix, log=None):
-        """Copies a worker's output (file descriptor `fd`) until it closes."""
+    def pump(self, fd, prefix, log=None, header=None):
+        """Copies a worker's output (file descriptor `fd`) until it closes. `header`, if given,
+        receives the first line instead."""
         buf = b""
         while True:
             chunk = os.read(fd, 65536)
@@ -179,6 +189,9 @@ class _Output:
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for raw in lines:
+                if header:
+                    header, _ = None, header(raw.decode(errors="replace").strip())
+                    continue
                 self.line(_ranks(prefix + _last_state(raw)), log)
             if b"\r" in buf:
                 self.progress(_ranks(prefix + _last_state(buf)))
@@ -210,6 +223,68 @@ def _is_noise(text):
     return any(n in text for n in _NOISE)
 
 
+DEFAULT_PORT = 12345  # --hosts: the first port of the tasks on each host
+
+
+def _passed_on(name, base):
+    """Whether the variable `name` goes with a task started on another host: what the launcher
+    set (absent from its own environment `base`), and tfdist's, TF's, Keras's and Python's."""
+    return name not in base or name.startswith(("TFDIST_", "TF_", "KERAS_", "PYTHON", "XLA_"))
+
+
+class Host:
+    """A host of `tfdist launch --hosts`: a name or address. Tasks on this machine are started
+    directly; on another host with `ssh HOST 'cd <cwd> && exec env VARS... ARGV'` (key-based,
+    no prompt: BatchMode), which needs the same paths there (a shared filesystem, as
+    horovodrun and mpirun assume). The remote shell first prints its pid, so that stopping the
+    task signals the task itself (`ssh HOST kill -SIG PID`), as a local stop would; closing an
+    ssh session alone would leave it running."""
+
+    SSH_TIMEOUT = 10  # seconds for ssh to connect, and for a remote kill to return
+
+    def __init__(self, name):
+        self.name = name
+        try:
+            self.address = socket.gethostbyname(name)
+        except OSError:
+            raise UsageError(f"--hosts: cannot resolve host '{name}'; give names this machine "
+                             f"resolves, or addresses") from None
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.bind((self.address, 0))  # only an address of this machine can be bound
+            self.local = True
+        except OSError:
+            self.local = False
+        finally:
+            probe.close()
+
+    def ssh(self, argv, env):
+        script = (f"echo $$ && cd {shlex.quote(os.getcwd())} && exec env "
+                  + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items())) + " "
+                  + shlex.join(argv))
+        return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.SSH_TIMEOUT}",
+                self.name, script]
+
+    def kill(self, pid, sig):
+        try:
+            subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.SSH_TIMEOUT}",
+                            self.name, f"kill -{signal.Signals(sig).name[3:]} {int(pid)}"],
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=self.SSH_TIMEOUT)
+        except (subprocess.TimeoutExpired, OSError, ValueError):
+            pass
+
+
+def _signal(p, sig):
+    """`sig` to the task of Popen `p`: the process itself, or its remote pid through ssh."""
+    remote = getattr(p, "tfdist_remote", None)
+    if remote and remote[1]:
+        remote[0].kill(remote[1][0], sig)
+    elif remote and sig == signal.SIGKILL:  # pid not yet known: end the ssh client
+        p.kill()
+    elif not remote:
+        p.send_signal(sig)
+
+
 class Supervisor:
     """Starts `argv` as the tasks `roles` ([(role, index), ...], the first the chief) with
     TF_CONFIG on fresh 127.0.0.1 ports, and restarts on failure (the strategy plugin's `Launch`
@@ -232,8 +307,11 @@ class Supervisor:
     preemption_grace = 45.0  # seconds the workers get to back up and exit when preempted
 
     def __init__(self, argv, roles, *, restart_alone=(), servers=(), max_restarts=3, backoff=2.0,
-                 env=None, log_dir=None, output=None, tf_config=True, server_argv=None):
+                 env=None, log_dir=None, output=None, tf_config=True, server_argv=None,
+                 hosts=None, port=DEFAULT_PORT):
         self.argv, self.roles, self.tf_config = argv, list(roles), tf_config
+        self.hosts = [Host(h) for h in hosts] if hosts else None
+        self.port = port
         self.server_argv = server_argv
         self.restart_alone, self.servers = tuple(restart_alone), tuple(servers)
         self.n = sum(role == "worker" for role, _ in self.roles)
@@ -250,8 +328,17 @@ class Supervisor:
         self.out.line(f"tfdist launch: {message}")
 
     def _cluster(self):
+        cluster, self.placed = {}, {}
+        if self.hosts:  # round robin; on each host the tasks take ports from --port on
+            used = {}
+            for k, (role, index) in enumerate(self.roles):
+                host = self.hosts[k % len(self.hosts)]
+                port = self.port + used.get(host.address, 0)
+                used[host.address] = used.get(host.address, 0) + 1
+                cluster.setdefault(role, []).append(f"{host.address}:{port}")
+                self.placed[role, index] = host
+            return cluster
         ports = iter(free_ports(len(self.roles)))
-        cluster = {}
         for role, _ in self.roles:
             cluster.setdefault(role, []).append(f"127.0.0.1:{next(ports)}")
         return cluster
@@ -264,18 +351,26 @@ class Supervisor:
             env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
         else:  # one process that starts the others itself (horovodrun)
             name = "hvd"
+        host = self.placed.get((role, index))
+        argv = self.server_argv if self.server_argv and role in self.servers else self.argv
+        if host:  # its gRPC server on the host's address only (the bind shim, if preloaded)
+            env["TFDIST_BIND_ADDRESS"] = host.address
+        if host and not host.local:
+            argv = host.ssh(argv, {k: v for k, v in env.items() if _passed_on(k, self.env)})
         read_fd, write_fd = os.pipe()
         try:
-            argv = self.server_argv if self.server_argv and role in self.servers else self.argv
             p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=write_fd,
                                  stderr=write_fd, start_new_session=True)
         finally:
             os.close(write_fd)
+        p.tfdist_remote = (host, []) if host and not host.local else None
         log = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             log = open(os.path.join(self.log_dir, f"{name}.log"), "a")
-        t = threading.Thread(target=self.out.pump, args=(read_fd, f"[{name}] ", log), daemon=True)
+        header = p.tfdist_remote[1].append if p.tfdist_remote else None  # the remote pid
+        t = threading.Thread(target=self.out.pump, args=(read_fd, f"[{name}] ", log, header),
+                             daemon=True)
         t.start()
         return p, (t, log)
 
@@ -296,17 +391,22 @@ class Supervisor:
         return cluster, procs, pumps
 
     def _stop(self, procs, grace=10.0, sig=signal.SIGTERM):
-        """`sig` to every process still running, SIGKILL after `grace` seconds. Ours, by PID."""
+        """`sig` to every process still running, SIGKILL after `grace` seconds. Ours, by PID (a
+        task on another host: its pid there, through ssh)."""
         for p in procs:
             if p.poll() is None:
-                p.send_signal(sig)
+                _signal(p, sig)
         deadline = time.monotonic() + grace
         for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                _signal(p, signal.SIGKILL)
+                try:
+                    p.wait(timeout=Host.SSH_TIMEOUT)
+                except subprocess.TimeoutExpired:  # the host is cut off: end our ssh client
+                    p.kill()
+                    p.wait()
 
     def _wait(self, cluster, procs, pumps):
         """Waits for the group. Returns None if it succeeded, else ((role, index), exit code) of

@@ -71,15 +71,23 @@ def _import_horovod():
     return hvd
 
 
-def horovodrun_argv(n, argv):
-    """`horovodrun` for `n` ranks on this host over Gloo, on the loopback interface only."""
+def horovodrun_argv(n, argv, hosts=None):
+    """`horovodrun` for `n` ranks over Gloo: on this host, on the loopback interface only; or on
+    `hosts`, round robin (horovodrun starts the others' ranks through ssh and finds the
+    interface the hosts share)."""
     exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     if not os.path.exists(exe):
         exe = shutil.which("horovodrun")
     if not exe:
         raise UsageError("--strategy=horovod needs horovodrun: install Horovod with `make horovod`")
-    return [exe, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--network-interfaces", "lo",
-            *argv]
+    if hosts:
+        slots = {}
+        for k in range(n):
+            slots[hosts[k % len(hosts)]] = slots.get(hosts[k % len(hosts)], 0) + 1
+        where = ["-H", ",".join(f"{h}:{c}" for h, c in slots.items())]
+    else:
+        where = ["-H", f"localhost:{n}", "--network-interfaces", "lo"]
+    return [exe, "-np", str(n), *where, "--gloo", *argv]
 
 
 class Horovod(Strategy):
