@@ -6,13 +6,17 @@ removed, and checked to be gone.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
-from tests.helpers import DRIVER, driver, losses, steps_by_worker, wait_until
+from tests.helpers import (DRIVER, ROOT, driver, final_weights, losses, max_diff, metrics,
+                           steps_by_worker, wait_until)
 from tools.netcluster import NetCluster, namespaces
 
 
@@ -41,15 +45,28 @@ def _connects(net, host, address, port):
     return net.run(host, [sys.executable, "-c", probe, address, str(port)]).returncode == 0
 
 
-def _listening(pid):
-    """IPv4 (address, port) of the LISTEN sockets in the network namespace of process `pid`;
-    a dual-stack socket's v4-mapped address counts as its IPv4 address."""
-    found = []
+def _socket_inodes(pid):
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def _listening(pid, own=False):
+    """IPv4 (address, port) of the LISTEN sockets in the network namespace of process `pid`
+    (`own`: only those the process holds); a dual-stack socket's v4-mapped address counts as its
+    IPv4 address."""
+    found, mine = [], _socket_inodes(pid) if own else None
     for table in ("tcp", "tcp6"):
         with open(f"/proc/{pid}/net/{table}") as f:
             for line in f.readlines()[1:]:
                 cols = line.split()
-                if cols[3] != "0A":  # LISTEN
+                if cols[3] != "0A" or (own and cols[9] not in mine):  # LISTEN (its own)
                     continue
                 ip, port = cols[1].split(":")
                 raw = bytes.fromhex(ip)
@@ -87,32 +104,245 @@ def test_a_partition_drops_silently_and_heals():
         assert _connects(net, 0, net.address(1), PORT)
 
 
-@pytest.mark.slow
-def test_mwms_across_two_hosts_equals_single_and_listens_on_its_own_address(tmp_path, data_dir):
+def _common(data_dir):
+    return {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": 10,
+            "train.batch_size": 16, "backup.enabled": False}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, data_dir):
+    """The reference: `single` on this machine, 20 steps of gpt_nano."""
+    work = tmp_path_factory.mktemp("single")
+    driver(work, {**_common(data_dir), "strategy.name": "single"})
+    return work
+
+
+def _env(net, i, cluster, role, index):
+    """Task (role, index) on host i: its TF_CONFIG, and TF's gRPC server bound to the host's own
+    address only (the bind shim, as `tfdist launch` uses it for 127.0.0.1)."""
     from tfdist.launch.local import loopback_shim
-    common = {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": 10,
-              "train.batch_size": 16, "backup.enabled": False}
-    driver(tmp_path / "single", {**common, "strategy.name": "single"})
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CONFIG": json.dumps(
+        {"cluster": cluster, "task": {"type": role, "index": index}}),
+        "LD_PRELOAD": loopback_shim(), "TFDIST_BIND_ADDRESS": net.address(i)}
+
+
+def _own_address_only(net, procs):
+    """Each process listens on its host's address, on no other, and is reached from elsewhere."""
+    for i, p in enumerate(procs):
+        assert (net.address(i), PORT) in _listening(p.pid), _listening(p.pid)
+        assert not [a for a, port in _listening(p.pid) if port == PORT and a != net.address(i)]
+        assert _connects(net, (i + 1) % len(procs), net.address(i), PORT)  # from another host
+        assert not _connects(net, i, "127.0.0.1", PORT)  # on its own loopback: refused
+
+
+@pytest.mark.slow
+def test_mwms_across_two_hosts_equals_single_and_listens_on_its_own_address(tmp_path, data_dir,
+                                                                            single):
+    common = _common(data_dir)
     work = tmp_path / "hosts"
     o = json.dumps({**common, "strategy.name": "multi_worker_mirrored"})
     with NetCluster(2, rate="1gbit") as net:
         cluster = {"worker": [f"{net.address(i)}:{PORT}" for i in range(2)]}
-        procs = []
-        for i in range(2):
-            env = {**os.environ, "TF_CONFIG": json.dumps(
-                {"cluster": cluster, "task": {"type": "worker", "index": i}}),
-                "LD_PRELOAD": loopback_shim(), "TFDIST_BIND_ADDRESS": net.address(i)}
-            procs.append(net.popen(i, [sys.executable, DRIVER, str(work), o], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs = [net.popen(i, [sys.executable, DRIVER, str(work), o],
+                           env=_env(net, i, cluster, "worker", i), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True) for i in range(2)]
         wait_until(lambda: steps_by_worker(work).get(0), 300, "worker 0's first step",
                    proc=procs[0])
-        for i, p in enumerate(procs):  # TF's server: the host's own address, no wildcard
-            assert (net.address(i), PORT) in _listening(p.pid)
-            assert not [a for a, port in _listening(p.pid) if port == PORT and a != net.address(i)]
-        assert _connects(net, 1, net.address(0), PORT)  # from another host: yes
-        assert not _connects(net, 0, "127.0.0.1", PORT)  # on its own loopback: no
+        _own_address_only(net, procs)  # TF's server: the host's own address, no wildcard
         outs = [p.communicate(timeout=400)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    a, b = losses(tmp_path / "single"), losses(work)
+    a, b = losses(single), losses(work)
     assert len(a) == len(b) == STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+
+
+@pytest.mark.slow
+def test_parameter_server_across_four_hosts_trains_as_single(tmp_path, data_dir, single):
+    """Chief on host 0, the ps on host 1, workers on hosts 2 and 3. Asynchronous, so not equal
+    per step: every step is counted, both workers train, and the last evaluation is within 10 %
+    of `single`'s."""
+    work = tmp_path / "hosts"
+    roles = [("chief", 0), ("ps", 0), ("worker", 0), ("worker", 1)]
+    with NetCluster(4, rate="1gbit") as net:
+        cluster = {}
+        for i, (role, _) in enumerate(roles):
+            cluster.setdefault(role, []).append(f"{net.address(i)}:{PORT}")
+        chief = [sys.executable, "-m", "tfdist", "train", "--config=configs/gpt_nano.py",
+                 f"--workdir={work}", "--config.strategy.name=parameter_server",
+                 *[f"--config.{k}={v}" for k, v in _common(data_dir).items()]]
+        server = [sys.executable, "-m", "tfdist.strategies.parameter_server"]
+        procs = [net.popen(i, chief if role == "chief" else server, cwd=ROOT,
+                           env={**_env(net, i, cluster, role, index),
+                                "TFDIST_SERVER_ORPHAN_TIMEOUT": "5"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+                 for i, (role, index) in enumerate(roles)]
+        wait_until(lambda: os.path.exists(work / "metrics.json"), 300, "the chief's first log",
+                   proc=procs[0])
+        _own_address_only(net, procs)
+        out = procs[0].communicate(timeout=400)[0]
+        assert procs[0].returncode == 0, out[-3000:]
+        for p in procs[1:]:  # the servers end 5 s after the chief is gone
+            p.communicate(timeout=120)
+            assert p.returncode == 0
+    steps = metrics(work)["steps"]  # logged every steps_per_epoch
+    assert steps[-1]["step"] == STEPS, steps
+    per_worker = steps[-1]["worker_steps"]
+    assert sum(per_worker) == STEPS and min(per_worker) > 0, per_worker
+    ours, ref = metrics(work)["evals"][-1]["loss"], metrics(single)["evals"][-1]["loss"]
+    assert abs(ours - ref) <= 0.10 * ref, (ours, ref)
+
+
+def _ranks(net, i, program):
+    """PIDs of the processes on host i whose command line holds `program` (its namespace's)."""
+    found = []
+    for pid in subprocess.run(["ip", "netns", "pids", net.ns(i)], capture_output=True, text=True,
+                              timeout=30).stdout.split():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if program.encode() in argv and os.path.basename(argv[0]).startswith(b"python"):
+            found.append(int(pid))
+    return found
+
+
+def _horovod_across(tmp_path, data_dir, single, launcher):
+    """2 Horovod ranks, one on each of 2 hosts, started by `launcher(net, work, program)` on host
+    0 through the cluster's ssh: each rank's listening sockets are on its host's address only,
+    and the losses equal `single`'s within 1e-5."""
+    work = tmp_path / "hosts"
+    o = json.dumps({**_common(data_dir), "strategy.name": "horovod"})
+    with NetCluster(2, rate="1gbit") as net:
+        env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"],
+               "PYTHONUNBUFFERED": "1"}
+        p = net.popen(0, launcher(net, [sys.executable, DRIVER, str(work), o]), cwd=ROOT, env=env,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_until(lambda: len(steps_by_worker(work)) == 2, 300, "both ranks' first step", proc=p)
+        for i in range(2):
+            (rank,) = _ranks(net, i, DRIVER)
+            ports = _listening(rank, own=True)
+            assert ports and all(a == net.address(i) for a, _ in ports), (i, ports)
+            assert _connects(net, 1 - i, *ports[0])  # reached from the other host
+        out = p.communicate(timeout=400)[0]
+        assert p.returncode == 0, out[-4000:]
+    a, b = losses(single), losses(work)
+    assert len(a) == len(b) == STEPS
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_horovod_gloo_across_two_hosts_equals_single(tmp_path, data_dir, single):
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+    def launcher(net, program):
+        return [horovodrun, "-np", "2", "-H", f"{net.address(0)}:1,{net.address(1)}:1", "--gloo",
+                "--network-interfaces", "eth0", *program]
+    _horovod_across(tmp_path, data_dir, single, launcher)
+
+
+def _mpi_missing():
+    if not shutil.which("mpirun"):
+        return "needs Open MPI's mpirun (make cluster-tools installs openmpi-bin)"
+    p = subprocess.run([sys.executable, "-c", "import horovod.tensorflow as h; print(h.mpi_built())"],
+                       capture_output=True, text=True, timeout=120)
+    if p.stdout.strip() != "True":
+        return "needs Horovod built with MPI (make horovod, after make cluster-tools)"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_horovod_mpi_across_two_hosts_equals_single(tmp_path, data_dir, single):
+    if _mpi_missing():
+        pytest.skip(_mpi_missing())
+
+    def launcher(net, program):
+        return ["mpirun", "--allow-run-as-root", "-np", "2", "-H",
+                f"{net.address(0)}:1,{net.address(1)}:1", "-bind-to", "none",
+                "--mca", "plm_rsh_agent", os.path.join(net.ssh_path(), "ssh"),
+                "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "eth0",
+                "--mca", "oob_tcp_if_include", "eth0", "-x", "PATH", "-x", "PYTHONUNBUFFERED",
+                *program]
+    out = _horovod_across(tmp_path, data_dir, single, launcher)
+    assert "mpi" in out.lower()
+
+
+# -- faults across hosts --------------------------------------------------------------------------
+def _launch_flags(work, data_dir, steps):
+    return ["--config=configs/gpt_nano.py", f"--workdir={work}", f"--config.data.data_dir={data_dir}",
+            f"--config.train.steps={steps}", "--config.train.steps_per_epoch=10",
+            "--config.train.batch_size=16", "--config.train.eval_steps=2",
+            "--config.backup.every_steps=5"]
+
+
+def _logged_step(work):
+    try:
+        return metrics(work)["steps"][-1]["step"]
+    except (OSError, ValueError, IndexError, KeyError):
+        return 0
+
+
+def partition_trial(net, work, data_dir, host, at_step, seconds, steps=40, strategy="multi_worker_mirrored"):
+    """`tfdist launch --hosts=<every host>` on host 0; once the run has logged `at_step`, host
+    `host` is cut off for `seconds` (every packet dropped, both ways), then healed. Returns the
+    launcher's exit status and output, and the partition's start and end in the launcher's time."""
+    env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"],
+           "PYTHONUNBUFFERED": "1"}
+    hosts = ",".join(net.address(i) for i in range(net.n))
+    p = net.popen(0, [sys.executable, "-m", "tfdist", "launch", f"--strategy={strategy}",
+                      f"--hosts={hosts}", f"--workers={net.n}", "--max_restarts=4", "--backoff=1",
+                      "--", *_launch_flags(work, data_dir, steps)],
+                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
+    reader.start()
+    wait_until(lambda: _logged_step(work) >= at_step, 300, f"step {at_step}", proc=p,
+               describe=lambda: "".join(out)[-3000:])
+    net.partition(host)
+    cut = time.monotonic()
+    while time.monotonic() - cut < seconds and p.poll() is None:
+        time.sleep(0.2)
+    net.heal(host)
+    healed = time.monotonic()
+    try:
+        p.wait(timeout=PARTITION_BOUND + 300)
+    finally:
+        reader.join(timeout=10)
+    return p.returncode, "".join(out), healed - cut
+
+
+PARTITION_BOUND = 120  # seconds: no run may wait longer than this on a partition
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_mwms(tmp_path_factory, data_dir):
+    """The same run as the partition trials, on this machine's loopback, never interrupted."""
+    work = tmp_path_factory.mktemp("uninterrupted")
+    p = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0",
+                        "--", *_launch_flags(work, data_dir, 40)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    return work
+
+
+@pytest.mark.slow
+def test_a_partitioned_host_aborts_the_mwms_group_which_resumes_bitwise(tmp_path, data_dir,
+                                                                         uninterrupted_mwms):
+    """Host 1 cut off for 20 s at step 12 of 40: TF's coordination service misses its heartbeats,
+    both workers abort with one line (exit 69), the launcher restarts the group, which waits for
+    host 1 and resumes from the newest backup; the run ends with every step and the weights
+    of an uninterrupted run, bit for bit."""
+    work = tmp_path / "run"
+    with NetCluster(2, rate="1gbit") as net:
+        code, out, _ = partition_trial(net, work, data_dir, host=1, at_step=12, seconds=20)
+    assert code == 0, out[-5000:]
+    assert "lost its cluster" in out and "stopped sending heartbeats" in out, out[-5000:]
+    assert "exited with status 69" in out and "restart 1 of 4" in out, out[-5000:]
+    assert "Traceback" not in out
+    (at,) = re.findall(rf"resuming from {re.escape(str(work))}/backup at step (\d+) of 40", out)
+    assert int(at) >= 12 and int(at) % 5 == 0, at  # the newest backup before the partition
+    assert [r["step"] for r in metrics(work)["steps"]] == list(range(1, 41))
+    assert max_diff(final_weights(work), final_weights(uninterrupted_mwms)) == 0.0
