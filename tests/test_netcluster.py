@@ -57,26 +57,36 @@ def _socket_inodes(pid):
     return inodes
 
 
-def _listening(pid, own=False):
-    """IPv4 (address, port) of the LISTEN sockets in the network namespace of process `pid`
-    (`own`: only those the process holds); a dual-stack socket's v4-mapped address counts as its
-    IPv4 address."""
+def _v4(hex_address):
+    """"0100007F:3039" of /proc/net/tcp[6] as ("127.0.0.1", 12345); a v4-mapped IPv6 address
+    as its IPv4 address, the IPv6 loopback as "::1", any other IPv6 one as "IPv6"."""
+    ip, port = hex_address.split(":")
+    raw = bytes.fromhex(ip)
+    if len(raw) == 16:  # 4 little-endian words
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+        if raw == b"\0" * 15 + b"\1":
+            return ("::1", int(port, 16))
+        raw = raw[12:] if raw[:12] == b"\0" * 10 + b"\xff\xff" else None
+        return (".".join(str(b) for b in raw) if raw else "IPv6", int(port, 16))
+    return (".".join(str(b) for b in raw[::-1]), int(port, 16))
+
+
+def _tcp(pid, own=False):
+    """(state, local, remote) of the TCP sockets in the network namespace of process `pid`
+    (`own`: only those the process holds); state "0A" is LISTEN, "01" ESTABLISHED."""
     found, mine = [], _socket_inodes(pid) if own else None
     for table in ("tcp", "tcp6"):
         with open(f"/proc/{pid}/net/{table}") as f:
             for line in f.readlines()[1:]:
                 cols = line.split()
-                if cols[3] != "0A" or (own and cols[9] not in mine):  # LISTEN (its own)
-                    continue
-                ip, port = cols[1].split(":")
-                raw = bytes.fromhex(ip)
-                if len(raw) == 16:  # 4 little-endian words
-                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                    raw = raw[12:] if raw[:12] == b"\0" * 10 + b"\xff\xff" else None
-                    found.append((".".join(str(b) for b in raw) if raw else "IPv6", int(port, 16)))
-                else:
-                    found.append((".".join(str(b) for b in raw[::-1]), int(port, 16)))
+                if not own or cols[9] in mine:
+                    found.append((cols[3], _v4(cols[1]), _v4(cols[2])))
     return found
+
+
+def _listening(pid, own=False):
+    """(address, port) of the LISTEN sockets of `_tcp(pid, own)`."""
+    return [local for state, local, _ in _tcp(pid, own) if state == "0A"]
 
 
 def test_the_cluster_is_torn_down_even_after_an_error():
@@ -193,7 +203,7 @@ def test_parameter_server_across_four_hosts_trains_as_single(tmp_path, data_dir,
 
 
 def _ranks(net, i, program):
-    """PIDs of the processes on host i whose command line holds `program` (its namespace's)."""
+    """PIDs of the processes on host i (its namespace's) that are `python <program> ...`."""
     found = []
     for pid in subprocess.run(["ip", "netns", "pids", net.ns(i)], capture_output=True, text=True,
                               timeout=30).stdout.split():
@@ -202,15 +212,16 @@ def _ranks(net, i, program):
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if program.encode() in argv and os.path.basename(argv[0]).startswith(b"python"):
+        if argv[1:2] == [program.encode()] and os.path.basename(argv[0]).startswith(b"python"):
             found.append(int(pid))
     return found
 
 
 def _horovod_across(tmp_path, data_dir, single, launcher):
     """2 Horovod ranks, one on each of 2 hosts, started by `launcher(net, work, program)` on host
-    0 through the cluster's ssh: each rank's listening sockets are on its host's address only,
-    and the losses equal `single`'s within 1e-5."""
+    0 through the cluster's ssh: each rank's sockets (its connections, and any listener; Gloo
+    closes its listeners once connected) are on its host's address only, connected to the other
+    host's, and the losses equal `single`'s within 1e-5."""
     work = tmp_path / "hosts"
     o = json.dumps({**_common(data_dir), "strategy.name": "horovod"})
     with NetCluster(2, rate="1gbit") as net:
@@ -218,13 +229,21 @@ def _horovod_across(tmp_path, data_dir, single, launcher):
                "PYTHONUNBUFFERED": "1"}
         p = net.popen(0, launcher(net, [sys.executable, DRIVER, str(work), o]), cwd=ROOT, env=env,
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_until(lambda: len(steps_by_worker(work)) == 2, 300, "both ranks' first step", proc=p)
+        out = []
+        reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
+        reader.start()
+        wait_until(lambda: len(steps_by_worker(work)) == 2, 300, "both ranks' first step", proc=p,
+                   describe=lambda: "".join(out)[-4000:])
         for i in range(2):
-            (rank,) = _ranks(net, i, DRIVER)
-            ports = _listening(rank, own=True)
-            assert ports and all(a == net.address(i) for a, _ in ports), (i, ports)
-            assert _connects(net, 1 - i, *ports[0])  # reached from the other host
-        out = p.communicate(timeout=400)[0]
+            (rank,) = _ranks(net, i, DRIVER)  # its sockets: its host's address, to the other's
+            used = [(s, local, remote) for s, local, remote in _tcp(rank, own=True)
+                    if s in ("01", "0A") and local[0] not in ("127.0.0.1", "::1")]  # (loopback:
+            #                                               its host's own, e.g. mpirun's daemon)
+            assert used and all(local[0] == net.address(i) for _, local, _ in used), (i, used)
+            assert {remote[0] for s, _, remote in used if s == "01"} == {net.address(1 - i)}
+        p.wait(timeout=400)
+        reader.join(timeout=10)
+        out = "".join(out)
         assert p.returncode == 0, out[-4000:]
     a, b = losses(single), losses(work)
     assert len(a) == len(b) == STEPS
@@ -240,7 +259,8 @@ def test_horovod_gloo_across_two_hosts_equals_single(tmp_path, data_dir, single)
     def launcher(net, program):
         return [horovodrun, "-np", "2", "-H", f"{net.address(0)}:1,{net.address(1)}:1", "--gloo",
                 "--network-interfaces", "eth0", *program]
-    _horovod_across(tmp_path, data_dir, single, launcher)
+    out = _horovod_across(tmp_path, data_dir, single, launcher)
+    assert "horovod: rank 0 of 2, ring-allreduce (gloo)" in out, out[-3000:]
 
 
 def _mpi_missing():
@@ -259,15 +279,18 @@ def test_horovod_mpi_across_two_hosts_equals_single(tmp_path, data_dir, single):
     if _mpi_missing():
         pytest.skip(_mpi_missing())
 
+    from tfdist.launch.local import loopback_shim
+
     def launcher(net, program):
         return ["mpirun", "--allow-run-as-root", "-np", "2", "-H",
                 f"{net.address(0)}:1,{net.address(1)}:1", "-bind-to", "none",
                 "--mca", "plm_rsh_agent", os.path.join(net.ssh_path(), "ssh"),
                 "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "eth0",
-                "--mca", "oob_tcp_if_include", "eth0", "-x", "PATH", "-x", "PYTHONUNBUFFERED",
-                *program]
+                "--mca", "oob_tcp_if_include", "eth0",
+                "-x", "PATH", "-x", "PYTHONUNBUFFERED", "-x", f"LD_PRELOAD={loopback_shim()}",
+                "-x", "TFDIST_BIND_INTERFACE=eth0", *program]  # Open MPI binds the wildcard
     out = _horovod_across(tmp_path, data_dir, single, launcher)
-    assert "mpi" in out.lower()
+    assert "horovod: rank 0 of 2, ring-allreduce (mpi)" in out, out[-3000:]  # Horovod's controller: MPI
 
 
 # -- faults across hosts --------------------------------------------------------------------------
