@@ -369,3 +369,27 @@ def test_a_partitioned_host_aborts_the_mwms_group_which_resumes_bitwise(tmp_path
     assert int(at) >= 12 and int(at) % 5 == 0, at  # the newest backup before the partition
     assert [r["step"] for r in metrics(work)["steps"]] == list(range(1, 41))
     assert max_diff(final_weights(work), final_weights(uninterrupted_mwms)) == 0.0
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_horovod(tmp_path_factory, data_dir):
+    """The Horovod partition trial's run, on this machine's loopback, never interrupted."""
+    work = tmp_path_factory.mktemp("uninterrupted-hvd")
+    p = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--strategy=horovod",
+                        "--workers=2", "--max_restarts=0", "--", *_launch_flags(work, data_dir, 40)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    return work
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_a_partitioned_host_under_horovod_ends_bitwise(tmp_path, data_dir, uninterrupted_horovod):
+    work = tmp_path / "run"
+    with NetCluster(2, rate="1gbit") as net:
+        code, out, _ = partition_trial(net, work, data_dir, host=1, at_step=12, seconds=60,
+                                       strategy="horovod")
+    print(out[-6000:])
+    assert code == 0, out[-5000:]
+    assert [r["step"] for r in metrics(work)["steps"]] == list(range(1, 41))
+    assert max_diff(final_weights(work), final_weights(uninterrupted_horovod)) == 0.0

@@ -67,7 +67,9 @@ def main(argv):
     if hosts and not 1 <= _PORT.value <= 65535 - 64:
         raise UsageError(f"--port must be between 1 and {65535 - 64}, got {_PORT.value}")
     env = dict(os.environ)
-    if _BIND.value == "loopback":  # with --hosts: each task's own host address
+    # With --hosts each task binds its own host's address; horovodrun across hosts binds its own
+    # servers (the ranks' Gloo sockets: the interface the hosts share), so it runs without.
+    if _BIND.value == "loopback" and not (hosts and spec.wrapper):
         env["LD_PRELOAD"] = " ".join(filter(None, [loopback_shim(), env.get("LD_PRELOAD")]))
 
     if rest[0].startswith("-"):  # tfdist train flags

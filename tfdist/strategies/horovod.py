@@ -168,6 +168,17 @@ class Horovod(Strategy):
                                    name="tfdist_any_process")
         return bool(total > 0)
 
+    def lost_peer(self, error):
+        """A Gloo operation that fails (a rank gone, or a peer unanswered for
+        HOROVOD_GLOO_TIMEOUT_SECONDS, default 30 s: a partitioned host) shuts Horovod down on that
+        rank, and every later collective fails with "Horovod has been shut down"."""
+        if "Horovod has been shut down" not in str(error):
+            return None
+        return (f"rank {self.hvd.rank()} of {self.hvd.size()} lost its peers: Horovod shut down "
+                f"after a collective failed (a rank gone, or none answered within "
+                f"HOROVOD_GLOO_TIMEOUT_SECONDS). Restart the ranks (tfdist launch does): they "
+                f"resume from rank 0's last backup")
+
     def zero_collectives(self):
         """ZeRO's collectives: Horovod's reducescatter (averaging, as its allreduce here),
         allgather, and a summing allreduce, under fixed names (in a graph, ranks meet by name)."""
