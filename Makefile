@@ -6,8 +6,8 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos \
-        chaos-ps chaos-horovod chaos-zero chaos-preempt plan-validate plan-measured clean cluster-tools
+        bench-allreduce bench-links bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos \
+        chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
 
@@ -94,6 +94,19 @@ chaos-zero: $(HOROVOD)
 	$(BIN)/python tools/chaos.py --zero=1
 
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
+# On shaped links between tools/netcluster.py's hosts (root), at 1 and 10 Gbit/s: allreduce bus
+# bandwidth and the 2-process scaling of gpt_mini (MWMS, Horovod +- fp16, parameter server), each
+# beside the planner's prediction. One round each (about 25 minutes in all).
+LINKS := 1gbit 10gbit
+bench-links: $(HOROVOD) cluster-tools
+	for link in $(LINKS); do \
+	  $(BIN)/python tools/bench_allreduce.py --link=$$link --rounds=1 --iters=5 && \
+	  $(BIN)/python tools/bench.py --scaling --link=$$link --rounds=1 && \
+	  $(BIN)/python tools/bench.py --scaling --horovod --link=$$link --rounds=1 && \
+	  $(BIN)/python tools/bench.py --scaling --horovod --compression=fp16 --link=$$link --rounds=1 && \
+	  $(BIN)/python tools/bench.py --scaling --ps --link=$$link --rounds=1 || exit 1; \
+	done
+
 bench-scaling-horovod: $(HOROVOD)
 	$(BIN)/python tools/bench.py --scaling --horovod
 	$(BIN)/python tools/bench.py --scaling --horovod --compression=fp16
@@ -131,3 +144,10 @@ chaos-preempt: $(HOROVOD)
 	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=single
 	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=multi_worker_mirrored
 	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=horovod
+
+# Partitions across 2 hosts (network namespaces; root): 3 trials of 10 s and 3 of 60 s per
+# synchronous strategy. The run must move on within 120 s of the heal, log every step once and end
+# bitwise equal to an uninterrupted run.
+chaos-partition: $(HOROVOD) cluster-tools
+	$(BIN)/python tools/chaos_partition.py --strategy=multi_worker_mirrored
+	$(BIN)/python tools/chaos_partition.py --strategy=horovod

@@ -2,6 +2,7 @@
 backoff, restart limit, no restart on bad usage, signals), and the `tfdist train` form end to end."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,12 +30,28 @@ def launch(*args, timeout=120):
     (["--strategy=parameter_server", "--ps=0", "--", PY, "-c", "pass"], "--ps must be between 1 and 16"),
     (["--", "--config=configs/nope.py"], "config file 'configs/nope.py' not found"),
     (["--", "--config=configs/gpt_nano.py", "--config.model.n_layer=0"], "model.n_layer"),
+    (["--hosts=no-such-host.invalid", "--", PY, "-c", "pass"], "cannot resolve host 'no-such-host.invalid'"),
+    (["--hosts=,", "--", PY, "-c", "pass"], "--hosts is empty"),
+    (["--hosts=127.0.0.1", "--port=70000", "--", PY, "-c", "pass"], "--port must be between"),
 ]))
 def test_bad_usage_is_one_line_and_exit_2(args, needle):
     p = launch(*args)
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert needle in one_error_line(p)
     assert "started" not in p.stdout  # no worker was started
+
+
+def test_hosts_place_the_tasks_round_robin_from_the_port():
+    """--hosts: two tasks on one host (this machine: started directly) take --port and the next
+    one; each is told its host's address to bind (TFDIST_BIND_ADDRESS). tests/test_netcluster.py
+    starts tasks on other hosts, through ssh."""
+    prog = ("import os, json; c = json.loads(os.environ['TF_CONFIG']); "
+            "print('CONF', c['cluster']['worker'][c['task']['index']], os.environ['TFDIST_BIND_ADDRESS'])")
+    p = launch("--hosts=127.0.0.1", "--port=23456", "--workers=2", "--max_restarts=0", "--", PY, "-c",
+               prog)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(re.findall(r"CONF (\S+) (\S+)", p.stdout)) == [
+        ("127.0.0.1:23456", "127.0.0.1"), ("127.0.0.1:23457", "127.0.0.1")], p.stdout
 
 
 def test_each_worker_gets_its_tf_config_and_a_prefixed_output(tmp_path):

@@ -77,6 +77,9 @@ _COMPRESSION = flags.DEFINE_enum("compression", "none", ["none", "fp16"],
                                  "--scaling --horovod: gradient compression.")
 _PIPELINE = flags.DEFINE_bool("pipeline", False, "Measure the GPipe pipeline instead (see above).")
 _MICROBATCHES = flags.DEFINE_list("microbatches", ["1", "2", "4", "8", "16"], "--pipeline: M values.")
+_LINK = flags.DEFINE_string("link", None, "--scaling: run the multi-process runs on "
+                            "tools/netcluster.py's hosts, one process per host, on links shaped "
+                            "to this rate (1gbit, 10gbit; root), through `tfdist launch --hosts`.")
 _INTER = flags.DEFINE_integer("inter_op_threads", 1, "--scaling: inter-op threads per process. With "
                               "TF's default (0: one per core) a process with 1 intra-op thread "
                               "still runs independent ops in parallel, on ~1.4 of 2 cores.")
@@ -117,7 +120,7 @@ def _train_run(workdir, workers, steps, inter=None, extra=()):
     else:
         cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}",
                "--max_restarts=0", "--", *train_flags]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    p = _run(cmd, workers)
     _train_run.stdout = p.stdout
     if p.returncode:
         sys.exit(f"bench: {' '.join(cmd[2:5])} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n"
@@ -136,12 +139,44 @@ def _ps_run(workdir, workers, steps):
                    f"--config.train.inter_op_threads={_INTER.value}", "--config.backup.enabled=false"]
     cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=parameter_server",
            f"--workers={workers}", "--ps=1", "--max_restarts=0", "--", *train_flags]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    p = _run(cmd, workers + 2)
     if p.returncode:
         sys.exit(f"bench: parameter_server run failed (exit {p.returncode}):\n{p.stdout[-2000:]}")
     with open(os.path.join(workdir, "metrics.json")) as f:
         log = json.load(f)["steps"][1:]
     return (log[-1]["step"] - log[0]["step"]) / (log[-1]["time"] - log[0]["time"])
+
+
+def _run(cmd, processes):
+    """Runs `cmd`; with --link, a `tfdist launch` runs on host 0 of a tools/netcluster.py cluster
+    of `processes` hosts with --hosts=<all of them>, its links shaped to --link."""
+    if not _LINK.value or cmd[3:4] != ["launch"]:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    from tools.netcluster import NetCluster
+    with NetCluster(processes, rate=_LINK.value) as net:
+        hosts = ",".join(net.address(i) for i in range(processes))
+        env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"]}
+        return net.run(0, [*cmd[:4], f"--hosts={hosts}", *cmd[4:]], timeout=3600, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _link_suffix():
+    return f"-{_LINK.value}" if _LINK.value else ""
+
+
+def _predicted_efficiency(stdout, tps1, tokens_1, fp16):
+    """The planner's model (tfdist.plan.model: no overlap of compute and communication) of the
+    2-process efficiency on a link of --link: T1 / (T1 + ring all-reduce of the gradients)."""
+    import re
+    from tfdist.plan.model import allreduce_seconds
+    from tools.netcluster import _bits
+    found = re.search(r"model ([\d,]+) parameters", stdout or "")
+    if not (_LINK.value and found):
+        return None
+    params = int(found.group(1).replace(",", ""))
+    t1 = tokens_1 / tps1
+    comm = allreduce_seconds(params * (2 if fp16 else 4), _WORKERS.value, _bits(_LINK.value) / 8)
+    return t1 / (t1 + comm)
 
 
 def ps_scaling_main():
@@ -166,12 +201,12 @@ def ps_scaling_main():
               "context": c.model.block_size, "ps_tasks": 1, "intra_op_threads": 1,
               "inter_op_threads": _INTER.value or "TF default", "steps_per_run": steps,
               "rounds": rounds, "steps_per_sec_1": s1, "steps_per_sec_2": s2,
-              "scaling_efficiency": eff}
+              "scaling_efficiency": eff, "link": _LINK.value or "loopback"}
     print(f"\n{result['config']}: batch {c.train.batch_size} x {c.model.block_size} per step, "
           f"parameter_server with 1 ps, median of {_ROUNDS.value} interleaved rounds")
     print(f"1 worker + 1 ps: {s1:.3f} steps/s; 2 workers + 1 ps: {s2:.3f} steps/s")
     print(f"scaling efficiency: {100 * eff:.1f}% (target >= 80%)")
-    write_json(result, "bench_results/scaling-ps.json")
+    write_json(result, f"bench_results/scaling-ps{_link_suffix()}.json")
 
 
 def scaling_main():
@@ -203,16 +238,25 @@ def scaling_main():
               "context": c.model.block_size, "workers": n, "intra_op_threads": 1,
               "inter_op_threads": _INTER.value or "TF default",
               "timed_steps_per_run": _STEPS.value, "rounds": rounds,
-              "tokens_per_sec_1": tps1, f"tokens_per_sec_{n}": tpsn, "scaling_efficiency": eff}
+              "tokens_per_sec_1": tps1, f"tokens_per_sec_{n}": tpsn, "scaling_efficiency": eff,
+              "link": _LINK.value or "loopback"}
+    predicted = _predicted_efficiency(_train_run.stdout, tps1, tokens_1,
+                                      _HOROVOD.value and _COMPRESSION.value == "fp16")
+    if predicted is not None:
+        result["planner_predicted_efficiency"] = predicted
+        result["planner_error"] = predicted / eff - 1
     print(f"\n{result['config']}: batch {c.train.batch_size} x {c.model.block_size} per worker, "
           f"1 intra-op and {_INTER.value or 'default'} inter-op thread(s) per worker, median of "
           f"{_ROUNDS.value} interleaved rounds")
     print(f"{'run':34s} {'tokens/s':>10s} {'s/step':>8s}")
     print(f"{'1 process (single)':34s} {tps1:10.0f} {tokens_1 / tps1:8.2f}")
     print(f"{f'{n} workers ({strategy})':34s} {tpsn:10.0f} {n * tokens_1 / tpsn:8.2f}")
-    print(f"scaling efficiency: {100 * eff:.1f}% (target >= 90%)")
-    write_json(result, "bench_results/scaling.json" if not _HOROVOD.value else
-               f"bench_results/scaling-horovod{'-fp16' if _COMPRESSION.value == 'fp16' else ''}.json")
+    print(f"scaling efficiency: {100 * eff:.1f}% (target >= 90%)"
+          + (f"; on {_LINK.value} links the planner predicts {100 * predicted:.1f}% "
+             f"({100 * result['planner_error']:+.1f}%)" if predicted is not None else ""))
+    write_json(result, (f"bench_results/scaling{_link_suffix()}.json" if not _HOROVOD.value else
+               f"bench_results/scaling-horovod{'-fp16' if _COMPRESSION.value == 'fp16' else ''}"
+               f"{_link_suffix()}.json"))
 
 
 def pipeline_main():

@@ -35,6 +35,9 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Timed allreduces per size.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed allreduces per size first.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Interleaved rounds of the back ends.")
 _OUT = flags.DEFINE_string("out", "bench_results/allreduce.json", "JSON output.")
+_LINK = flags.DEFINE_string("link", None, "Run the 2 processes on 2 of tools/netcluster.py's hosts, "
+                            "on links shaped to this rate (1gbit, 10gbit; root). Writes "
+                            "allreduce-<link>.json unless --out is given.")
 _WORKER = flags.DEFINE_enum("worker", None, ["horovod", "tf"], "Internal: run as a worker.")
 _COMPRESSION = flags.DEFINE_enum("compression", "none", ["none", "fp16"], "Internal: horovod.")
 
@@ -90,8 +93,12 @@ def run_worker():
               flush=True)
 
 
-def _run(cmd):
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+def _run(cmd, net=None):
+    if net is None:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    else:  # on host 0, which reaches host 1 through the cluster's ssh
+        env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"]}
+        p = net.run(0, cmd, timeout=1800, cwd=ROOT, env=env)
     lines = [x for x in p.stdout.splitlines() if "RESULT " in x]
     if p.returncode or not lines:
         sys.exit(f"bench_allreduce: {' '.join(cmd[:6])} failed (exit {p.returncode}):\n"
@@ -107,17 +114,28 @@ def main(argv):
     from tfdist.strategies.horovod import horovodrun_argv
     me = [sys.executable, os.path.abspath(__file__), f"--sizes_mb={','.join(_SIZES.value)}",
           f"--iters={_ITERS.value}", f"--warmup={_WARMUP.value}"]
+    net = None
+    if _LINK.value:
+        from tools.netcluster import NetCluster
+        net = NetCluster(2, rate=_LINK.value).up()
+    hosts = [net.address(0), net.address(1)] if net else None
+    where = [f"--hosts={','.join(hosts)}"] if net else []
     variants = {
-        "horovod/gloo": horovodrun_argv(2, me + ["--worker=horovod"]),
-        "horovod/gloo fp16": horovodrun_argv(2, me + ["--worker=horovod", "--compression=fp16"]),
-        "tf ring (MWMS)": [sys.executable, "-m", "tfdist", "launch", "--workers=2",
+        "horovod/gloo": horovodrun_argv(2, me + ["--worker=horovod"], hosts),
+        "horovod/gloo fp16": horovodrun_argv(2, me + ["--worker=horovod", "--compression=fp16"],
+                                             hosts),
+        "tf ring (MWMS)": [sys.executable, "-m", "tfdist", "launch", *where, "--workers=2",
                            "--max_restarts=0", "--", *me, "--worker=tf"],
     }
     runs = {name: [] for name in variants}
-    for r in range(_ROUNDS.value):
-        for name, cmd in variants.items():
-            runs[name].append(_run(cmd))
-            print(f"round {r + 1}: {name} done", flush=True)
+    try:
+        for r in range(_ROUNDS.value):
+            for name, cmd in variants.items():
+                runs[name].append(_run(cmd, net))
+                print(f"round {r + 1}: {name} done", flush=True)
+    finally:
+        if net:
+            net.down()
     rows = []
     for mb in _SIZES.value:
         row = {"size_mb": float(mb)}
@@ -128,7 +146,8 @@ def main(argv):
             row[name] = {"seconds": t, "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * 2 * (n - 1) / n / 1e9}
         rows.append(row)
     names = list(variants)
-    print("\nallreduce (SUM, float32), 2 processes on 127.0.0.1, bus bandwidth in GB/s "
+    where = f"2 hosts on {_LINK.value} links" if _LINK.value else "2 processes on 127.0.0.1"
+    print(f"\nallreduce (SUM, float32), {where}, bus bandwidth in GB/s "
           f"(median of {_ROUNDS.value} rounds x {_ITERS.value} calls)")
     print(f"{'size':>7s} " + " ".join(f"{n:>20s}" for n in names) + f" {'hvd/tf':>7s}")
     for row in rows:
@@ -136,11 +155,24 @@ def main(argv):
         print(f"{row['size_mb']:4g}MiB " + " ".join(f"{b:13.3f} ({row[n]['seconds'] * 1e3:5.1f}ms)"
                                                     for b, n in zip(bw, names))
               + f" {bw[0] / bw[2]:7.2f}")
-    os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump({"processes": 2, "rounds": _ROUNDS.value, "iters": _ITERS.value, "rows": rows}, f,
-                  indent=1)
-    print(f"wrote {_OUT.value}")
+    result = {"processes": 2, "rounds": _ROUNDS.value, "iters": _ITERS.value, "rows": rows,
+              "link": _LINK.value or "loopback"}
+    if _LINK.value:  # the planner's model: a ring's bus bandwidth is the link's (fp16: 2x, effective)
+        from tools.netcluster import _bits
+        link = _bits(_LINK.value) / 8 / 1e9
+        result["planner_busbw_GBps"] = {n: link * (2 if "fp16" in n else 1) for n in names}
+        big = rows[-1]
+        print(f"planner (ring at the link's rate): " + ", ".join(
+            f"{n} {result['planner_busbw_GBps'][n]:.3f} GB/s "
+            f"({result['planner_busbw_GBps'][n] / big[n]['busbw_GBps'] - 1:+.0%} at "
+            f"{big['size_mb']:g} MiB)" for n in names))
+    out = _OUT.value
+    if _LINK.value and out == "bench_results/allreduce.json":
+        out = f"bench_results/allreduce-{_LINK.value}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
