@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -257,3 +258,20 @@ def test_sigterm_to_one_worker_backs_up_every_worker_at_its_step(tmp_path, data_
     assert res[0]["final_step"] == CHAOS_STEPS
     for a, b in zip(final_weights(tmp_path), uninterrupted["weights"]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_worker_whose_peer_never_joins_gives_up_in_one_line(tmp_path, data_dir):
+    """Worker 0 of 2 started alone (its peer down or cut off): instead of TF's hour-long wait for
+    the coordination service, it ends after TFDIST_JOIN_TIMEOUT s with one line, killed by its
+    watchdog (TF waits in C++ holding the GIL), and the supervisor restarts the group."""
+    from tests.helpers import free_port, one_error_line
+    cluster = {"worker": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]}
+    env = {**os.environ, "TFDIST_JOIN_TIMEOUT": "5", "TF_CONFIG": json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": 0}})}
+    p = subprocess.run([sys.executable, "-m", "tfdist", "train", "--config=configs/gpt_nano.py",
+                        f"--workdir={tmp_path}", f"--config.data.data_dir={data_dir}",
+                        "--strategy=multi_worker_mirrored"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "not every worker joined within 5 s" in one_error_line(p)

@@ -12,11 +12,14 @@ Example:
     (False, 2)
     >>> resolver = spec.resolver()           # for tf.distribute strategies
 """
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 from tfdist.errors import EXIT_PREEMPTED, UsageError
@@ -231,3 +234,30 @@ def _accepts(address):
         return True
     except OSError:
         return False
+
+
+_WATCHDOG = """
+import os, select, signal, sys
+parent, timeout, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if not select.select([sys.stdin], [], [], timeout)[0]:  # the parent closes our stdin when done
+    try:
+        os.kill(parent, 0)
+        print("tfdist: error: " + message, file=sys.stderr, flush=True)
+        os.kill(parent, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+
+
+@contextlib.contextmanager
+def watchdog(timeout, message):
+    """Bounds a wait that Python cannot interrupt (TF blocking in C++ with the GIL held): unless
+    the block ends within `timeout` seconds, a small watchdog process prints `tfdist: error:
+    <message>` and SIGKILLs this process, which a supervisor then restarts."""
+    dog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(timeout),
+                            message], stdin=subprocess.PIPE)
+    try:
+        yield
+    finally:
+        dog.stdin.close()
+        dog.wait(timeout=30)

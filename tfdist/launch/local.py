@@ -40,7 +40,8 @@ which needs key-based login and the same paths there, as horovodrun and mpirun d
 gRPC server listens on its host's address only (the bind shim below, with that address).
 A synchronous task that loses a peer (a partitioned host: TF's coordination service misses its
 heartbeats for 10 s) exits 69 (`tfdist.errors.EXIT_PEER_LOST`), and the group restarts from
-its backup like after any failure; a restarted group waits at start-up until every host answers.
+its backup like after any failure; a restarted group waits at start-up for every host, at most
+TFDIST_JOIN_TIMEOUT seconds (180), after which each worker is stopped and the group restarted.
 
 Listening only on 127.0.0.1: TF's gRPC server binds every interface whatever TF_CONFIG says
 (tensorflow/tensorflow#2925). `--bind=loopback` (the default) therefore preloads

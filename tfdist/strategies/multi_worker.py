@@ -4,6 +4,7 @@ The cluster comes from TF_CONFIG (set by `tfdist launch`, a Kubernetes TFJob, or
 Slurm. Building the strategy blocks until every worker is up. Keras 3 `fit` needs two upstream
 corrections here (keras-team/keras#20585), applied from `tfdist.compat`.
 """
+import os
 import re
 
 import tensorflow as tf
@@ -48,9 +49,22 @@ class MultiWorkerMirrored(Strategy):
         compat.fix_fit_under_multi_worker()
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=_IMPLEMENTATIONS[cross_device_ops])
-        super().__init__(tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=self.cluster.resolver(), communication_options=options))
+        # Building the strategy blocks until every worker has joined TF's coordination service,
+        # which waits an hour for a missing one. A host that is down or cut off ends the wait
+        # after JOIN_TIMEOUT s instead: one line, exit 69, and the supervisor tries again.
+        # It waits in C++ with the GIL held, where no Python timer runs, and TF 2.21 gives no
+        # option for that wait (cluster_register_timeout does not bound it: measured), so a
+        # watchdog process ends this one (SIGKILL, after one line) if the wait runs out.
+        timeout = float(os.environ.get("TFDIST_JOIN_TIMEOUT", self.JOIN_TIMEOUT))
+        with cluster_lib.watchdog(timeout, (
+                f"worker {self.cluster.worker_index} of {self.cluster.num_workers}: not every worker "
+                f"joined within {timeout:g} s (one is not started, down, or cut off); stopping "
+                f"this worker for the group to restart (TFDIST_JOIN_TIMEOUT sets the wait)")):
+            super().__init__(tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=self.cluster.resolver(), communication_options=options))
         self._barrier = None
+
+    JOIN_TIMEOUT = 180.0  # seconds for every worker to join; TFDIST_JOIN_TIMEOUT overrides
 
     @property
     def is_chief(self):
