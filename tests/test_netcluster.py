@@ -277,6 +277,7 @@ def _mpi_missing():
 
 @pytest.mark.slow
 @pytest.mark.horovod
+@pytest.mark.long  # time: the Gloo case shows Horovod across hosts in make test
 def test_horovod_mpi_across_two_hosts_equals_single(tmp_path, data_dir, single):
     if _mpi_missing():
         pytest.skip(_mpi_missing())
