@@ -137,13 +137,14 @@ plan-validate: $(STAMP)
 plan-measured: $(STAMP)
 	$(BIN)/tfdist plan --measured --config=configs/gpt_mini.py
 
-# Preemption, 5 trials per strategy: SIGTERM to one process while a random step runs; every process
-# backs up that step and exits 75, the run is started again and must end with the exact steps and
-# bitwise the weights of an uninterrupted run.
+# Preemption, 5 trials per strategy: SIGTERM to one process while a random step runs (parameter
+# server: to the launcher); every process backs up that step and exits 75, the run is started again
+# and must end with the exact steps (and, synchronous, bitwise the weights of an uninterrupted run).
 chaos-preempt: $(HOROVOD)
 	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=single
 	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=multi_worker_mirrored
 	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=horovod
+	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=parameter_server
 
 # Partitions across 2 hosts (network namespaces; root): 3 trials of 10 s and 3 of 60 s per
 # synchronous strategy. The run must move on within 120 s of the heal, log every step once and end

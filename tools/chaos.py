@@ -26,6 +26,11 @@ runs. Every process backs up that step and exits 75 (tfdist/preemption.py); the 
 the group (a single process is run again), and the run resumes at that step. Backups are written
 at epoch ends only, so the resumed step is the signal's own backup. Passes as above.
 
+Under the parameter server, --fault=sigterm sends SIGTERM to `tfdist launch` at a random time
+(seeded, 1-6 s into training, 600 steps, backups at epoch ends only): the coordinator drains the
+steps in flight and backs them up, every process exits 75, and the same command, run again,
+must resume at that step and count exactly the planned steps.
+
 Prints a table and writes bench_results/chaos.json (chaos-ps.json, chaos-horovod.json,
 chaos-sigterm-<strategy>.json). Exit status 1 if a trial fails.
 """
@@ -106,8 +111,8 @@ def main():
                     "chaos-horovod.json, chaos-zero.json, chaos-zero-mwms.json, "
                     "chaos-sigterm-<strategy>.json)")
     args = ap.parse_args()
-    if args.strategy == "parameter_server" and args.fault == "kill":
-        return ps_trials(args)
+    if args.strategy == "parameter_server":
+        return ps_trials(args) if args.fault == "kill" else ps_preempt_trials(args)
     mwms = args.strategy == "multi_worker_mirrored"
     args.out = args.out or os.path.join(ROOT, "bench_results", (
         f"chaos-sigterm-{args.strategy}.json" if args.fault == "sigterm" else
@@ -244,6 +249,71 @@ def ps_trials(args):
                        "yes" if r["worker_restarted"] else "no", r["counted_steps"],
                        r["runs_incl_retries"], r["planned_steps"], r["max_stall_s"],
                        r["seconds"], "yes" if r["ok"] else "NO") for r in rows]
+    args.steps = steps
+    report(args, table, rows)
+
+
+def ps_preempt_trials(args):
+    """--fault=sigterm under the parameter server: SIGTERM to `tfdist launch` at a random time
+    (seeded, 1-6 s into training); the coordinator drains the steps in flight, backs them up and
+    every process exits 75; the same command then resumes at that step and counts exactly the
+    planned steps."""
+    import re
+    args.out = args.out or os.path.join(ROOT, "bench_results", "chaos-sigterm-parameter_server.json")
+    steps = args.steps if args.steps != 30 else 600
+    rng = random.Random(args.seed)
+    tmp = tempfile.mkdtemp(prefix="tfdist-chaos-ps-")
+    rows = []
+    for trial in range(args.trials):
+        delay = round(rng.uniform(1.0, 6.0), 2)
+        d = os.path.join(tmp, f"trial{trial}")
+        flags = ["--config=configs/gpt_nano.py", f"--workdir={d}", f"--config.train.steps={steps}",
+                 f"--config.train.steps_per_epoch={steps // 2}", "--config.train.eval_steps=4",
+                 "--config.backup.every_steps=0"]  # epoch ends only: the signal's backup is used
+        if args.data_dir:
+            flags.append(f"--config.data.data_dir={args.data_dir}")
+        cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=parameter_server",
+               f"--workers={args.workers}", "--ps=1", "--max_restarts=2", "--backoff=0.5", "--",
+               *flags]
+        t = time.monotonic()
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+        reader.start()
+        while not any("[c0] Epoch 1/" in x for x in lines) and p.poll() is None:
+            time.sleep(0.1)
+        time.sleep(delay)
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=300)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        reader.join(timeout=10)
+        first = "".join(lines)
+        found = re.search(r"preempted \(SIGTERM\) at step (\d+): backup written", first)
+        at = int(found.group(1)) if found else None
+        again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        seconds = time.monotonic() - t
+        resumed = at is not None and f"resuming from {d}/backup at step {at} of {steps}" in again.stdout
+        counted = None
+        if again.returncode == 0:
+            counted = json.load(open(os.path.join(d, "metrics.json")))["steps"][-1]["step"]
+        ok = p.returncode == 75 and at is not None and resumed and again.returncode == 0 and counted == steps
+        rows.append({"trial": trial, "signal_after_s": delay, "first_exit": p.returncode,
+                     "backed_up_step": at, "resumed_there": resumed, "second_exit": again.returncode,
+                     "counted_steps": counted, "planned_steps": steps, "seconds": round(seconds, 1),
+                     "ok": ok})
+        if not ok:
+            print(first[-3000:], again.stdout[-2000:], again.stderr[-1000:], sep="\n")
+        print(f"trial {trial}: {'ok' if ok else 'FAILED'}", flush=True)
+    head = ("trial", "SIGTERM at s", "exit", "backed up step", "resumed there", "exit again",
+            "counted", "planned", "s", "ok")
+    table = [head] + [(r["trial"], r["signal_after_s"], r["first_exit"], r["backed_up_step"],
+                       "yes" if r["resumed_there"] else "no", r["second_exit"], r["counted_steps"],
+                       r["planned_steps"], r["seconds"], "yes" if r["ok"] else "NO") for r in rows]
     args.steps = steps
     report(args, table, rows)
 
