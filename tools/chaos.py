@@ -186,6 +186,29 @@ def report(args, table, rows):
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
 
 
+def _ps_run_with_fault(cmd, delay, fault, timeout):
+    """Runs the parameter-server launcher `cmd`; `delay` s after the chief's first epoch began,
+    calls `fault(popen)`. Returns (exit status, output lines). Every wait is bounded."""
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while not any("[c0] Epoch 1/" in x for x in lines) and p.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(delay)
+    fault(p)
+    try:
+        p.wait(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    reader.join(timeout=10)
+    return p.returncode, lines
+
+
 def ps_trials(args):
     from tfdist.launch.local import children, task_of
 
@@ -203,30 +226,20 @@ def ps_trials(args):
         if args.data_dir:
             flags.append(f"--config.data.data_dir={args.data_dir}")
         t = time.monotonic()
-        p = subprocess.Popen([sys.executable, "-m", "tfdist", "launch", "--strategy=parameter_server",
-                              f"--workers={args.workers}", "--ps=1", "--max_restarts=5",
-                              "--backoff=0.5", "--", *flags], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-        lines = []
-        reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
-        reader.start()
-        while not any("[c0] Epoch 1/" in x for x in lines) and p.poll() is None:
-            time.sleep(0.1)
-        time.sleep(delay)
-        victim = [pid for pid in children(p.pid) if task_of(pid) == ("worker", worker)]
-        for pid in victim:
-            os.kill(pid, signal.SIGKILL)
-        try:
-            p.wait(timeout=900)
-        finally:
-            if p.poll() is None:
-                p.terminate()
-                p.wait()
-        reader.join(timeout=10)
+        cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=parameter_server",
+               f"--workers={args.workers}", "--ps=1", "--max_restarts=5", "--backoff=0.5", "--",
+               *flags]
+        victim = []
+
+        def kill_worker(p):
+            victim.extend(pid for pid in children(p.pid) if task_of(pid) == ("worker", worker))
+            for pid in victim:
+                os.kill(pid, signal.SIGKILL)
+        code, lines = _ps_run_with_fault(cmd, delay, kill_worker, 900)
         out = "".join(lines)
         seconds = time.monotonic() - t
         counted = summed = stall = None
-        if p.returncode == 0:
+        if code == 0:
             log = json.load(open(os.path.join(d, "metrics.json")))["steps"]
             counted, summed = log[-1]["step"], sum(log[-1]["worker_steps"])
             times = [r["time"] for r in log]
@@ -234,10 +247,10 @@ def ps_trials(args):
         restarted = f"worker {worker} was killed by SIGKILL; restarting it alone" in out
         # every step counted once; runs may exceed it by steps re-run after the kill (at most the
         # 2 x workers in flight)
-        ok = (p.returncode == 0 and bool(victim) and restarted and counted == steps
+        ok = (code == 0 and bool(victim) and restarted and counted == steps
               and steps <= summed <= steps + 2 * args.workers and stall < 60)
         rows.append({"trial": trial, "killed_worker": worker, "kill_after_s": delay,
-                     "exit": p.returncode, "worker_restarted": restarted, "counted_steps": counted,
+                     "exit": code, "worker_restarted": restarted, "counted_steps": counted,
                      "runs_incl_retries": summed, "planned_steps": steps,
                      "max_stall_s": stall, "seconds": round(seconds, 1), "ok": ok})
         if not ok:
@@ -276,22 +289,7 @@ def ps_preempt_trials(args):
                f"--workers={args.workers}", "--ps=1", "--max_restarts=2", "--backoff=0.5", "--",
                *flags]
         t = time.monotonic()
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
-        lines = []
-        reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
-        reader.start()
-        while not any("[c0] Epoch 1/" in x for x in lines) and p.poll() is None:
-            time.sleep(0.1)
-        time.sleep(delay)
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=300)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        reader.join(timeout=10)
+        code, lines = _ps_run_with_fault(cmd, delay, lambda p: p.send_signal(signal.SIGTERM), 300)
         first = "".join(lines)
         found = re.search(r"preempted \(SIGTERM\) at step (\d+): backup written", first)
         at = int(found.group(1)) if found else None
@@ -301,8 +299,8 @@ def ps_preempt_trials(args):
         counted = None
         if again.returncode == 0:
             counted = json.load(open(os.path.join(d, "metrics.json")))["steps"][-1]["step"]
-        ok = p.returncode == 75 and at is not None and resumed and again.returncode == 0 and counted == steps
-        rows.append({"trial": trial, "signal_after_s": delay, "first_exit": p.returncode,
+        ok = code == 75 and at is not None and resumed and again.returncode == 0 and counted == steps
+        rows.append({"trial": trial, "signal_after_s": delay, "first_exit": code,
                      "backed_up_step": at, "resumed_there": resumed, "second_exit": again.returncode,
                      "counted_steps": counted, "planned_steps": steps, "seconds": round(seconds, 1),
                      "ok": ok})
