@@ -16,7 +16,7 @@ import sys
 from absl import flags
 
 from tfdist import cli, strategies
-from tfdist.launch.local import Supervisor, loopback_shim
+from tfdist.launch.local import DEFAULT_PORT, Supervisor, loopback_shim
 from tfdist.errors import UsageError
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Number of worker processes.")
@@ -35,7 +35,7 @@ _BIND = flags.DEFINE_enum("bind", "loopback", ["loopback", "all"],
 _HOSTS = flags.DEFINE_list("hosts", None, "Hosts (names or addresses) to run the tasks on, round "
                            "robin; those not this machine through ssh (same paths there). Default: "
                            "all here, on 127.0.0.1.")
-_PORT = flags.DEFINE_integer("port", 12345, "With --hosts: the first port of the tasks on each host.")
+_PORT = flags.DEFINE_integer("port", DEFAULT_PORT, "With --hosts: the first port of the tasks on each host.")
 _LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write each process's output to "
                                "<worker_logs>/<name>.log (w0, w1, ..., c0, ps0).")
 

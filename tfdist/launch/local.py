@@ -263,13 +263,15 @@ class Host:
         script = (f"echo $$ && cd {shlex.quote(os.getcwd())} && exec env "
                   + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items())) + " "
                   + shlex.join(argv))
+        return self._ssh(script)
+
+    def _ssh(self, command):
         return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.SSH_TIMEOUT}",
-                self.name, script]
+                self.name, command]
 
     def kill(self, pid, sig):
         try:
-            subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.SSH_TIMEOUT}",
-                            self.name, f"kill -{signal.Signals(sig).name[3:]} {int(pid)}"],
+            subprocess.run(self._ssh(f"kill -{signal.Signals(sig).name[3:]} {int(pid)}"),
                            stdin=subprocess.DEVNULL, capture_output=True, timeout=self.SSH_TIMEOUT)
         except (subprocess.TimeoutExpired, OSError, ValueError):
             pass
