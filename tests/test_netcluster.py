@@ -16,8 +16,8 @@ import pytest
 
 from tests.helpers import (DRIVER, ROOT, driver, final_weights, losses, max_diff, metrics,
                            steps_by_worker, wait_until)
-from tools.chaos_partition import (PARTITION_BOUND, logged_steps, partition_trial, train_flags,
-                                   uninterrupted)
+from tools.chaos_partition import (PARTITION_BOUND, PS_EPOCH, PS_LAUNCH, logged_steps,
+                                   partition_trial, ps_flags, ps_verdict, train_flags, uninterrupted)
 from tools.netcluster import NetCluster, namespaces
 
 
@@ -346,6 +346,30 @@ def test_mwms_under_5_percent_packet_loss_ends_bitwise(tmp_path, data_dir, unint
     assert drops and drops[0] > 0, dropped  # the rule did drop packets
     assert logged_steps(work) == list(range(1, 41))
     assert max_diff(final_weights(work), final_weights(uninterrupted_mwms)) == 0.0
+
+
+@pytest.mark.slow
+def test_the_parameter_server_trains_on_while_a_worker_is_cut_off_and_takes_it_back(tmp_path,
+                                                                                    data_dir):
+    """4 hosts (chief, 2 workers, ps); worker 1's host cut off for 30 s mid-epoch (step 150 of
+    600). gRPC keepalive (the plugin's keepalive_secs, 5 s) fails the chief's call to it, TF's
+    coordinator runs that step on worker 0, and the run passes the epoch end (a barrier: every
+    step in flight joined) while worker 1 is still cut off; after the heal worker 1 trains again.
+    Every step is counted once, no stretch without a logged step exceeds the bound. Without the
+    keepalive (keepalive_secs=0) the barrier waits for the cut-off worker until after the heal,
+    and the step logged at the heal is still below 200 (measured)."""
+    work, steps = tmp_path / "run", 600
+    with NetCluster(4, rate="1gbit") as net:
+        r = partition_trial(net, work, data_dir, host=2, at_step=150, seconds=30,
+                            strategy="parameter_server", launch=PS_LAUNCH,
+                            flags=ps_flags(work, data_dir, steps))
+    out, v = r["output"], ps_verdict(r, worker=1, seconds=30, steps=steps)
+    assert r["exit"] == 0, out[-5000:]
+    assert "Worker /job:worker/replica:0/task:1 failed with UnavailableError" in out, out[-5000:]
+    assert r["cut_at"] < 2 * PS_EPOCH < r["at_heal"][0], (r["at_cut"], r["at_heal"])
+    assert v["reachable_trained_during_cut"] and v["cut_off_trained_after_heal"], r
+    assert v["counted"] and v["passed"], (v, out[-3000:])
+    assert "Traceback" not in out
 
 
 @pytest.fixture(scope="module")

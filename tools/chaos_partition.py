@@ -63,48 +63,108 @@ def uninterrupted(work, data_dir, strategy, steps=STEPS):
         raise RuntimeError(f"the uninterrupted run failed:\n{p.stdout[-3000:]}{p.stderr[-2000:]}")
 
 
+def progress(work):
+    """(the newest logged step, steps run by each worker so far or None), from metrics.json."""
+    try:
+        with open(os.path.join(work, "metrics.json")) as f:
+            r = json.load(f)["steps"][-1]
+        return r["step"], r.get("worker_steps")
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0, None
+
+
 def partition_trial(net, work, data_dir, host, at_step, seconds, strategy="multi_worker_mirrored",
-                    steps=STEPS, max_restarts=4):
-    """`tfdist launch --hosts=<every host of net>` on host 0; once the run has logged `at_step`,
-    host `host` is cut off for `seconds`, then healed. Returns {"exit", "output", "cut_at" (the
-    logged step then), "moved_on_s" (seconds from the heal until a later step was logged, None if
-    never)}. Every wait is bounded."""
+                    steps=STEPS, max_restarts=4, launch=None, flags=None):
+    """`tfdist launch --hosts=<every host of net>` on host 0 (`launch`: its task counts, by default
+    one worker per host; `flags`: the training flags, by default `train_flags`); once the run has
+    logged `at_step`, host `host` is cut off for `seconds`, then healed. Returns {"exit", "output",
+    "cut_at" (the logged step then), "moved_on_s" (seconds from the heal until a later step was
+    logged, None if never), "at_cut", "at_heal", "at_end" (`progress` then), "longest_stall_s"
+    (the longest time without a new logged step, from the cut)}. Every wait is bounded."""
     env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"],
            "PYTHONUNBUFFERED": "1"}
     hosts = ",".join(net.address(i) for i in range(net.n))
     p = net.popen(0, [sys.executable, "-m", "tfdist", "launch", f"--strategy={strategy}",
-                      f"--hosts={hosts}", f"--workers={net.n}", f"--max_restarts={max_restarts}",
-                      "--backoff=1", "--", *train_flags(work, data_dir, steps)],
+                      f"--hosts={hosts}", *(launch or [f"--workers={net.n}"]),
+                      f"--max_restarts={max_restarts}", "--backoff=1", "--",
+                      *(flags or train_flags(work, data_dir, steps))],
                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = []
     reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
     reader.start()
     deadline = time.monotonic() + 600
-    while max(logged_steps(work), default=0) < at_step:
+    while progress(work)[0] < at_step:
         if p.poll() is not None or time.monotonic() > deadline:
             p.kill()
             reader.join(timeout=10)
-            return {"exit": p.wait(), "output": "".join(out), "cut_at": None, "moved_on_s": None}
+            return {"exit": p.wait(), "output": "".join(out), "cut_at": None, "moved_on_s": None,
+                    "at_cut": None, "at_heal": None, "at_end": progress(work), "longest_stall_s": None}
         time.sleep(0.05)
-    cut_at = max(logged_steps(work))
+    at_cut = progress(work)
     net.partition(host)
-    cut = time.monotonic()
-    while time.monotonic() - cut < seconds and p.poll() is None:
+    cut = last_new = time.monotonic()
+    last, stall = at_cut[0], 0.0
+
+    def watch():  # the longest time without a new logged step
+        nonlocal last, last_new, stall
+        now, step = time.monotonic(), progress(work)[0]
+        if step > last:
+            last, last_new = step, now
+        stall = max(stall, now - last_new)
         time.sleep(0.2)
+
+    while time.monotonic() - cut < seconds and p.poll() is None:
+        watch()
     net.heal(host)
+    at_heal = progress(work)
     healed, moved_on = time.monotonic(), None
     end = healed + PARTITION_BOUND + 600
     while p.poll() is None and time.monotonic() < end:
-        if moved_on is None and max(logged_steps(work), default=0) > cut_at:
+        if moved_on is None and progress(work)[0] > at_cut[0]:
             moved_on = time.monotonic() - healed
-        time.sleep(0.2)
+        watch()
     if p.poll() is None:
         p.kill()
     p.wait()
     reader.join(timeout=10)
-    if moved_on is None and max(logged_steps(work), default=0) > cut_at:
+    if moved_on is None and progress(work)[0] > at_cut[0]:
         moved_on = 0.0  # it moved on before the heal (or in the last 0.2 s)
-    return {"exit": p.returncode, "output": "".join(out), "cut_at": cut_at, "moved_on_s": moved_on}
+    return {"exit": p.returncode, "output": "".join(out), "cut_at": at_cut[0], "moved_on_s": moved_on,
+            "at_cut": at_cut, "at_heal": at_heal, "at_end": progress(work),
+            "longest_stall_s": round(stall, 1)}
+
+
+# The parameter server: 4 hosts (chief, 2 workers, ps), long enough that a 60 s cut ends mid-run.
+PS_STEPS, PS_EPOCH = 1200, 100
+PS_LAUNCH = ["--workers=2", "--ps=1"]
+
+
+def ps_flags(work, data_dir, steps=PS_STEPS):
+    return ["--config=configs/gpt_nano.py", f"--workdir={work}", f"--config.data.data_dir={data_dir}",
+            f"--config.train.steps={steps}", f"--config.train.steps_per_epoch={PS_EPOCH}",
+            "--config.train.eval_steps=2", "--config.backup.every_steps=50"]
+
+
+DETECTION_S = 2 * 5.0  # 2 x the plugin's default keepalive_secs: a lost worker is noticed by then
+
+
+def ps_verdict(r, worker, seconds, steps=PS_STEPS):
+    """What a parameter-server trial shows: worker `worker` (of 2) was cut off for `seconds`. The
+    run ends with every step counted once, the cut-off worker trains again after the heal, and no
+    stretch without a logged step exceeds PARTITION_BOUND. A cut that outlasts the detection
+    (2 x keepalive_secs) by 10 s must also leave the reachable worker training during it; a
+    shorter one may hold a barrier (a backup, an epoch end) until it heals."""
+    other = 1 - worker
+    at_cut, at_heal, at_end = r["at_cut"], r["at_heal"], r["at_end"]
+    counted = f"{steps:,} steps run" in r["output"] or f"(step {steps} of {steps})" in r["output"]
+    kept_on = bool(at_cut and at_heal and at_heal[1] and at_heal[1][other] > at_cut[1][other])
+    back = bool(at_heal and at_end[1] and at_end[1][worker] > at_heal[1][worker])
+    must_keep_on = seconds >= DETECTION_S + 10
+    return {"counted": counted and at_end[0] == steps, "reachable_trained_during_cut": kept_on,
+            "cut_off_trained_after_heal": back,
+            "passed": (r["exit"] == 0 and counted and at_end[0] == steps and back and
+                       (kept_on or not must_keep_on) and r["longest_stall_s"] is not None and
+                       r["longest_stall_s"] <= PARTITION_BOUND)}
 
 
 def final_weights(work):
@@ -127,14 +187,16 @@ def prepare_data(directory):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--strategy", default="multi_worker_mirrored",
-                    choices=["multi_worker_mirrored", "horovod"])
+                    choices=["multi_worker_mirrored", "horovod", "parameter_server"])
     ap.add_argument("--seconds", default="10,60", help="partition lengths, comma-separated")
     ap.add_argument("--trials", type=int, default=3, help="per partition length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import numpy as np
     out = args.out or os.path.join(ROOT, "bench_results", f"chaos-partition-{args.strategy}.json")
+    if args.strategy == "parameter_server":
+        return ps_trials(args, out)
+    import numpy as np
     rng = random.Random(args.seed)
     rows, tmp = [], tempfile.mkdtemp(prefix="tfdist-partition-")
     data_dir = prepare_data(os.path.join(tmp, "data"))
@@ -179,6 +241,55 @@ def main():
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"strategy": args.strategy, "steps": STEPS, "backup_every": EVERY, "seed": args.seed,
+                   "bound_s": PARTITION_BOUND, "link": "1gbit", "commit": subprocess.run(
+                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       cwd=ROOT).stdout.strip(), "trials": rows}, f, indent=1)
+    print(f"wrote {out}")
+    return 0 if passed == len(rows) else 1
+
+
+def ps_trials(args, out):
+    """The parameter server's trials: 4 hosts, worker 0's host and worker 1's in turn cut off at
+    a seeded step; judged by `ps_verdict` (there is no bitwise reference: asynchronous)."""
+    rng = random.Random(args.seed)
+    rows, tmp = [], tempfile.mkdtemp(prefix="tfdist-partition-")
+    data_dir = prepare_data(os.path.join(tmp, "data"))
+    trial = 0
+    for seconds in [float(s) for s in args.seconds.split(",")]:
+        for _ in range(args.trials):
+            worker, at = trial % 2, rng.randint(100, 300)
+            work = os.path.join(tmp, f"trial{trial}")
+            t = time.monotonic()
+            with NetCluster(4, rate="1gbit") as net:  # chief, worker 0, worker 1, ps
+                r = partition_trial(net, work, data_dir, 1 + worker, at, seconds, "parameter_server",
+                                    launch=PS_LAUNCH, flags=ps_flags(work, data_dir))
+            v = ps_verdict(r, worker, seconds)
+            rows.append({"trial": trial, "seconds": seconds, "worker_cut": worker,
+                         "cut_at_step": r["cut_at"], "exit": r["exit"],
+                         "worker_steps_at_cut": r["at_cut"] and r["at_cut"][1],
+                         "worker_steps_at_heal": r["at_heal"] and r["at_heal"][1],
+                         "worker_steps_at_end": r["at_end"][1],
+                         "detected": "failed with UnavailableError" in r["output"],
+                         "worker_restarts": r["output"].count("restarting it alone"),
+                         "longest_stall_s": r["longest_stall_s"], **v,
+                         "wall_s": round(time.monotonic() - t, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+            if not v["passed"]:
+                print(r["output"][-4000:], flush=True)
+            trial += 1
+    head = ("trial", "partition", "worker cut", "cut at step", "worker steps at cut / heal / end",
+            "detected", "longest stall", "counted", "exit", "passed")
+    print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        print(f"| {r['trial']} | {r['seconds']:g} s | {r['worker_cut']} | {r['cut_at_step']} | "
+              f"{r['worker_steps_at_cut']} / {r['worker_steps_at_heal']} / {r['worker_steps_at_end']} | "
+              f"{'yes' if r['detected'] else 'no'} | {r['longest_stall_s']} s | "
+              f"{PS_STEPS if r['counted'] else 'NO'} | {r['exit']} | {'yes' if r['passed'] else 'NO'} |")
+    passed = sum(r["passed"] for r in rows)
+    print(f"\n{passed} of {len(rows)} trials passed (parameter_server)")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"strategy": "parameter_server", "steps": PS_STEPS, "seed": args.seed,
                    "bound_s": PARTITION_BOUND, "link": "1gbit", "commit": subprocess.run(
                        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                        cwd=ROOT).stdout.strip(), "trials": rows}, f, indent=1)

@@ -58,8 +58,14 @@ class ParameterServer(Strategy):
     # rejoins (asynchronous training goes on without it); the servers run until stopped.
     launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"),
                     server_module="tfdist.strategies.parameter_server")
+    options = {
+        "keepalive_secs": (5.0, lambda v: v == 0 or 1 <= v <= 3600,
+                           "0 (off) or a number of seconds in [1, 3600]: gRPC keepalive pings "
+                           "while a step is in flight, so a worker cut off is noticed"),
+    }
 
-    def __init__(self, cluster=None, **unused_options):
+    def __init__(self, cluster=None, keepalive_secs=5.0, **unused_options):
+        _keepalive(keepalive_secs)
         self.cluster = cluster or cluster_lib.from_environment(allowed_roles=_ROLES)
         if self.cluster is None:
             raise UsageError("parameter_server needs a cluster with chief, worker and ps tasks: set "
@@ -332,13 +338,13 @@ class ParameterServer(Strategy):
         @tf.function
         def train_by_step(step):
             def replica_fn(step):
-                count(step, model.train_step(data.batch(step))["loss"])
+                count(step, compat.train_step_loss(model, data.batch(step)))
             strategy.run(replica_fn, args=(step,))
 
         @tf.function
         def train_from_iterator(iterator, step):
             def replica_fn(batch, step):
-                count(step, model.train_step(batch)["loss"])
+                count(step, compat.train_step_loss(model, batch))
             strategy.run(replica_fn, args=(next(iterator), step))
 
         if by_step:
@@ -363,6 +369,26 @@ class ParameterServer(Strategy):
                    for s in range(steps)]
         self.coordinator.join()
         return float(np.mean([r.fetch() for r in results]))
+
+
+def _keepalive(seconds):
+    """gRPC keepalive on this process's channels, from TF's `TF_GRPC_DEFAULT_OPTIONS` (read when
+    TF makes its first channel; a value the user set is kept). Without it, a step in flight on a
+    worker whose host is cut off waits for TCP: measured across tools/netcluster.py's hosts, the
+    whole run stalled at the next barrier until ~25 s after the partition healed. With pings every
+    `seconds` and `seconds` to answer, the chief's call fails (Unavailable), TF's coordinator runs
+    the step again on a reachable worker and takes the lost one back when it answers: training
+    goes on (docs/deployment.md#faults). A worker's gRPC server answers pings that come more often
+    than every 5 min, with no reply in between, with "Too many pings" at the third; so a single
+    step longer than about 3 x `seconds` may fail with "Too many pings": TF's coordinator takes
+    that for a worker failure and runs the step again, and gRPC doubles that channel's interval
+    (measured: gpt_mini at 4-6 s a step with keepalive_secs=1: one step failed and ran again, and
+    the run finished). So long steps cost a step or two; raise it for steps that long."""
+    if seconds and "TF_GRPC_DEFAULT_OPTIONS" not in os.environ:
+        ms = int(seconds * 1000)
+        os.environ["TF_GRPC_DEFAULT_OPTIONS"] = (
+            f"grpc.keepalive_time_ms={ms},grpc.keepalive_timeout_ms={ms},"
+            "grpc.http2.max_pings_without_data=0")
 
 
 def _step_addressed(data):
