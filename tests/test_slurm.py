@@ -5,6 +5,8 @@
   step is in metrics.json exactly once.
 * The end window: a workdir as a kill after the final backup and before `model.keras` leaves it
   (the backup at the last step, no model): the job finishes it, exit 0, the same model.
+* Slurm's warning signal: USR1 to the batch script of a `--requeue` job; both tasks back up one
+  step, the job requeues itself and resumes there.
 
 Skipped, with the reason, where Slurm cannot run (not root; slurm-wlm or munge missing:
 `make cluster-tools` installs them). The stand-in `srun` of test_cluster_launchers.py stays for
@@ -12,6 +14,7 @@ the parameter-server variant (4 tasks on this 2-CPU node) and for machines witho
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,7 +38,7 @@ def slurm():
         yield s
 
 
-def submit(slurm, workdir, data_dir):
+def submit(slurm, workdir, data_dir, *sbatch_flags):
     """`sbatch --wait` of the script (a Popen) and its output file."""
     out = os.path.join(workdir, "job.out")
     flags = ["--config=configs/gpt_nano.py", f"--workdir={workdir}",
@@ -49,7 +52,8 @@ def submit(slurm, workdir, data_dir):
     env.pop("TF_CONFIG", None)
     os.makedirs(workdir, exist_ok=True)
     p = subprocess.Popen(["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2",
-                          "--cpus-per-task=1", f"--output={out}", SBATCH, *flags], env=env,
+                          "--cpus-per-task=1", f"--output={out}", *sbatch_flags, SBATCH, *flags],
+                         env=env,
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return p, out
 
@@ -138,5 +142,30 @@ def test_the_end_window_finishes_under_slurm(slurm, killed_and_resumed, tmp_path
     assert p.returncode == 0, text[-4000:]
     assert f"is at the final step {STEPS}; training is done" in text
     assert "tfdist.sbatch: done after 0 restart(s)" in text
+    for a, b in zip(final_weights(work), final_weights(done)):
+        assert (a == b).all()
+
+
+def test_usr1_backs_up_requeues_and_the_job_resumes_at_that_step(slurm, killed_and_resumed,
+                                                                 tmp_path, data_dir):
+    """Slurm's warning signal (`sbatch --signal=B:USR1@<s>`, sent here at once with `scancel
+    --signal=USR1 --batch`): the script passes USR1 on to the step, both tasks back up the same
+    step and exit 75, the script requeues the job (`scontrol requeue`), and the job's next run
+    resumes at that step and finishes with the weights of the uninterrupted-by-signal run."""
+    done, _ = killed_and_resumed
+    work = str(tmp_path / "run")
+    p, out = submit(slurm, work, data_dir, "--requeue", "--open-mode=append")
+    job = job_id(p)
+    wait_until(lambda: backed_up_step(work) >= KILL_AFTER, 400, "the backup to reach step 6",
+               proc=p)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env={**os.environ, **slurm.env},
+                   check=True, timeout=30)
+    text = finish(p, out)
+    assert p.returncode == 0, text[-4000:]
+    assert f"job {job} requeued" in text, text[-4000:]
+    at = int(re.findall(r"preempted \(\w+\) at step (\d+): backup written", text)[0])
+    assert f"resuming from {work}/backup at step {at} of {STEPS}" in text, text[-4000:]
+    with open(os.path.join(work, "metrics.json")) as f:
+        assert [r["step"] for r in json.load(f)["steps"]] == list(range(1, STEPS + 1))
     for a, b in zip(final_weights(work), final_weights(done)):
         assert (a == b).all()
