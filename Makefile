@@ -96,7 +96,8 @@ chaos-zero: $(HOROVOD)
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
 # On shaped links between tools/netcluster.py's hosts (root), at 1 and 10 Gbit/s: allreduce bus
 # bandwidth and the 2-process scaling of gpt_mini (MWMS, Horovod +- fp16, parameter server), each
-# beside the planner's prediction. One round each (about 25 minutes in all).
+# beside the planner's prediction. One round each (about 25 minutes in all). Then a straggler: the
+# second worker's host at 100 Mbit/s, the others at 1 Gbit/s (MWMS and the parameter server).
 LINKS := 1gbit 10gbit
 bench-links: $(HOROVOD) cluster-tools
 	for link in $(LINKS); do \
@@ -106,6 +107,8 @@ bench-links: $(HOROVOD) cluster-tools
 	  $(BIN)/python tools/bench.py --scaling --horovod --compression=fp16 --link=$$link --rounds=1 && \
 	  $(BIN)/python tools/bench.py --scaling --ps --link=$$link --rounds=1 || exit 1; \
 	done
+	$(BIN)/python tools/bench.py --scaling --link=1gbit --straggler=100mbit --rounds=1
+	$(BIN)/python tools/bench.py --scaling --ps --link=1gbit --straggler=100mbit --rounds=1
 
 bench-scaling-horovod: $(HOROVOD)
 	$(BIN)/python tools/bench.py --scaling --horovod
@@ -148,7 +151,9 @@ chaos-preempt: $(HOROVOD)
 
 # Partitions across 2 hosts (network namespaces; root): 3 trials of 10 s and 3 of 60 s per
 # synchronous strategy. The run must move on within 120 s of the heal, log every step once and end
-# bitwise equal to an uninterrupted run.
+# bitwise equal to an uninterrupted run. The parameter server (4 hosts): every step counted once,
+# the reachable worker trains on during a 60 s cut, the cut-off one again after the heal.
 chaos-partition: $(HOROVOD) cluster-tools
 	$(BIN)/python tools/chaos_partition.py --strategy=multi_worker_mirrored
 	$(BIN)/python tools/chaos_partition.py --strategy=horovod
+	$(BIN)/python tools/chaos_partition.py --strategy=parameter_server

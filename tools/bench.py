@@ -80,6 +80,9 @@ _MICROBATCHES = flags.DEFINE_list("microbatches", ["1", "2", "4", "8", "16"], "-
 _LINK = flags.DEFINE_string("link", None, "--scaling: run the multi-process runs on "
                             "tools/netcluster.py's hosts, one process per host, on links shaped "
                             "to this rate (1gbit, 10gbit; root), through `tfdist launch --hosts`.")
+_STRAGGLER = flags.DEFINE_string("straggler", None, "--scaling --link: the last worker's host "
+                                 "gets this rate instead (100mbit: a tenth of 1gbit), a straggler; "
+                                 "the baseline runs keep --link.")
 _INTER = flags.DEFINE_integer("inter_op_threads", 1, "--scaling: inter-op threads per process. With "
                               "TF's default (0: one per core) a process with 1 intra-op thread "
                               "still runs independent ops in parallel, on ~1.4 of 2 cores.")
@@ -120,7 +123,7 @@ def _train_run(workdir, workers, steps, inter=None, extra=()):
     else:
         cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}",
                "--max_restarts=0", "--", *train_flags]
-    p = _run(cmd, workers)
+    p = _run(cmd, workers, straggler_host=workers - 1 if workers > 1 else None)
     _train_run.stdout = p.stdout
     if p.returncode:
         sys.exit(f"bench: {' '.join(cmd[2:5])} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n"
@@ -139,21 +142,25 @@ def _ps_run(workdir, workers, steps):
                    f"--config.train.inter_op_threads={_INTER.value}", "--config.backup.enabled=false"]
     cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=parameter_server",
            f"--workers={workers}", "--ps=1", "--max_restarts=0", "--", *train_flags]
-    p = _run(cmd, workers + 2)
+    p = _run(cmd, workers + 2, straggler_host=workers if workers > 1 else None)  # chief, workers, ps
     if p.returncode:
         sys.exit(f"bench: parameter_server run failed (exit {p.returncode}):\n{p.stdout[-2000:]}")
     with open(os.path.join(workdir, "metrics.json")) as f:
         log = json.load(f)["steps"][1:]
+    _ps_run.worker_steps = log[-1].get("worker_steps")
     return (log[-1]["step"] - log[0]["step"]) / (log[-1]["time"] - log[0]["time"])
 
 
-def _run(cmd, processes):
+def _run(cmd, processes, straggler_host=None):
     """Runs `cmd`; with --link, a `tfdist launch` runs on host 0 of a tools/netcluster.py cluster
-    of `processes` hosts with --hosts=<all of them>, its links shaped to --link."""
+    of `processes` hosts with --hosts=<all of them>, its links shaped to --link (and host
+    `straggler_host`'s to --straggler, if given)."""
     if not _LINK.value or cmd[3:4] != ["launch"]:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     from tools.netcluster import NetCluster
     with NetCluster(processes, rate=_LINK.value) as net:
+        if _STRAGGLER.value and straggler_host is not None:
+            net.shape(straggler_host, rate=_STRAGGLER.value)
         hosts = ",".join(net.address(i) for i in range(processes))
         env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"]}
         return net.run(0, [*cmd[:4], f"--hosts={hosts}", *cmd[4:]], timeout=3600, env=env,
@@ -161,7 +168,8 @@ def _run(cmd, processes):
 
 
 def _link_suffix():
-    return f"-{_LINK.value}" if _LINK.value else ""
+    return ((f"-{_LINK.value}" if _LINK.value else "") +
+            (f"-straggler{_STRAGGLER.value}" if _LINK.value and _STRAGGLER.value else ""))
 
 
 def _predicted_efficiency(stdout, tps1, tokens_1, fp16):
@@ -175,7 +183,8 @@ def _predicted_efficiency(stdout, tps1, tokens_1, fp16):
         return None
     params = int(found.group(1).replace(",", ""))
     t1 = tokens_1 / tps1
-    comm = allreduce_seconds(params * (2 if fp16 else 4), _WORKERS.value, _bits(_LINK.value) / 8)
+    slowest = _STRAGGLER.value or _LINK.value  # a ring goes at its slowest link's pace
+    comm = allreduce_seconds(params * (2 if fp16 else 4), _WORKERS.value, _bits(slowest) / 8)
     return t1 / (t1 + comm)
 
 
@@ -193,7 +202,7 @@ def ps_scaling_main():
             row[workers] = _ps_run(os.path.join(tmp, f"w{workers}"), workers, steps)
             print(f"round {r + 1}: {workers} worker(s) + 1 ps: {row[workers]:.3f} steps/s", flush=True)
         rounds.append({"steps_per_sec_1": row[1], "steps_per_sec_2": row[2],
-                       "efficiency": row[2] / (2 * row[1])})
+                       "efficiency": row[2] / (2 * row[1]), "worker_steps_2": _ps_run.worker_steps})
     eff = float(np.median([x["efficiency"] for x in rounds]))
     s1 = float(np.median([x["steps_per_sec_1"] for x in rounds]))
     s2 = float(np.median([x["steps_per_sec_2"] for x in rounds]))
@@ -201,7 +210,8 @@ def ps_scaling_main():
               "context": c.model.block_size, "ps_tasks": 1, "intra_op_threads": 1,
               "inter_op_threads": _INTER.value or "TF default", "steps_per_run": steps,
               "rounds": rounds, "steps_per_sec_1": s1, "steps_per_sec_2": s2,
-              "scaling_efficiency": eff, "link": _LINK.value or "loopback"}
+              "scaling_efficiency": eff, "link": _LINK.value or "loopback",
+              "straggler": _LINK.value and _STRAGGLER.value}
     print(f"\n{result['config']}: batch {c.train.batch_size} x {c.model.block_size} per step, "
           f"parameter_server with 1 ps, median of {_ROUNDS.value} interleaved rounds")
     print(f"1 worker + 1 ps: {s1:.3f} steps/s; 2 workers + 1 ps: {s2:.3f} steps/s")
@@ -239,7 +249,7 @@ def scaling_main():
               "inter_op_threads": _INTER.value or "TF default",
               "timed_steps_per_run": _STEPS.value, "rounds": rounds,
               "tokens_per_sec_1": tps1, f"tokens_per_sec_{n}": tpsn, "scaling_efficiency": eff,
-              "link": _LINK.value or "loopback"}
+              "link": _LINK.value or "loopback", "straggler": _LINK.value and _STRAGGLER.value}
     predicted = _predicted_efficiency(_train_run.stdout, tps1, tokens_1,
                                       _HOROVOD.value and _COMPRESSION.value == "fp16")
     if predicted is not None:
