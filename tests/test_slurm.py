@@ -146,6 +146,7 @@ def test_the_end_window_finishes_under_slurm(slurm, killed_and_resumed, tmp_path
         assert (a == b).all()
 
 
+@pytest.mark.long  # time (about 2 min); the SIGKILL and end-window cases are in make test
 def test_usr1_backs_up_requeues_and_the_job_resumes_at_that_step(slurm, killed_and_resumed,
                                                                  tmp_path, data_dir):
     """Slurm's warning signal (`sbatch --signal=B:USR1@<s>`, sent here at once with `scancel
