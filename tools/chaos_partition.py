@@ -230,20 +230,30 @@ def main():
             trial += 1
     head = ("trial", "partition", "host", "cut at step", "exit", "restarts", "detected",
             "moved on after heal", "steps once", "bitwise", "wall", "passed")
+    return report(rows, head, lambda r: (
+        r["trial"], f"{r['seconds']:g} s", r["host"], r["cut_at_step"], r["exit"], r["restarts"],
+        "yes" if r["detected"] else "no", f"{r['moved_on_after_heal_s']} s", yes(r["steps_logged_once"]),
+        yes(r["bitwise_equal"]), f"{r['wall_s']:.0f} s", yes(r["passed"])), args.strategy, out,
+        steps=STEPS, backup_every=EVERY, seed=args.seed)
+
+
+def yes(flag):
+    return "yes" if flag else "NO"
+
+
+def report(rows, head, cells, strategy, out, **facts):
+    """Prints the trials' table and writes them to `out` (JSON); 0 if every trial passed, else 1."""
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        print(f"| {r['trial']} | {r['seconds']:g} s | {r['host']} | {r['cut_at_step']} | {r['exit']} | "
-              f"{r['restarts']} | {'yes' if r['detected'] else 'no'} | {r['moved_on_after_heal_s']} s | "
-              f"{'yes' if r['steps_logged_once'] else 'NO'} | {'yes' if r['bitwise_equal'] else 'NO'} | "
-              f"{r['wall_s']:.0f} s | {'yes' if r['passed'] else 'NO'} |")
+        print("| " + " | ".join(str(c) for c in cells(r)) + " |")
     passed = sum(r["passed"] for r in rows)
-    print(f"\n{passed} of {len(rows)} trials passed ({args.strategy})")
+    print(f"\n{passed} of {len(rows)} trials passed ({strategy})")
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     with open(out, "w") as f:
-        json.dump({"strategy": args.strategy, "steps": STEPS, "backup_every": EVERY, "seed": args.seed,
-                   "bound_s": PARTITION_BOUND, "link": "1gbit", "commit": subprocess.run(
-                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                       cwd=ROOT).stdout.strip(), "trials": rows}, f, indent=1)
+        json.dump({"strategy": strategy, **facts, "bound_s": PARTITION_BOUND, "link": "1gbit",
+                   "commit": commit, "trials": rows}, f, indent=1)
     print(f"wrote {out}")
     return 0 if passed == len(rows) else 1
 
@@ -279,22 +289,12 @@ def ps_trials(args, out):
             trial += 1
     head = ("trial", "partition", "worker cut", "cut at step", "worker steps at cut / heal / end",
             "detected", "longest stall", "counted", "exit", "passed")
-    print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for r in rows:
-        print(f"| {r['trial']} | {r['seconds']:g} s | {r['worker_cut']} | {r['cut_at_step']} | "
-              f"{r['worker_steps_at_cut']} / {r['worker_steps_at_heal']} / {r['worker_steps_at_end']} | "
-              f"{'yes' if r['detected'] else 'no'} | {r['longest_stall_s']} s | "
-              f"{PS_STEPS if r['counted'] else 'NO'} | {r['exit']} | {'yes' if r['passed'] else 'NO'} |")
-    passed = sum(r["passed"] for r in rows)
-    print(f"\n{passed} of {len(rows)} trials passed (parameter_server)")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"strategy": "parameter_server", "steps": PS_STEPS, "seed": args.seed,
-                   "bound_s": PARTITION_BOUND, "link": "1gbit", "commit": subprocess.run(
-                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                       cwd=ROOT).stdout.strip(), "trials": rows}, f, indent=1)
-    print(f"wrote {out}")
-    return 0 if passed == len(rows) else 1
+    return report(rows, head, lambda r: (
+        r["trial"], f"{r['seconds']:g} s", r["worker_cut"], r["cut_at_step"],
+        f"{r['worker_steps_at_cut']} / {r['worker_steps_at_heal']} / {r['worker_steps_at_end']}",
+        "yes" if r["detected"] else "no", f"{r['longest_stall_s']} s",
+        PS_STEPS if r["counted"] else "NO", r["exit"], yes(r["passed"])), "parameter_server", out,
+        steps=PS_STEPS, seed=args.seed)
 
 
 if __name__ == "__main__":
