@@ -372,18 +372,18 @@ class ParameterServer(Strategy):
 
 
 def _keepalive(seconds):
-    """gRPC keepalive on this process's channels, from TF's `TF_GRPC_DEFAULT_OPTIONS` (read when
-    TF makes its first channel; a value the user set is kept). Without it, a step in flight on a
+    """gRPC keepalive on this process's channels, from TF's `TF_GRPC_DEFAULT_OPTIONS` (read when TF
+    makes its first channel; a value the user set is kept). Without it, a step in flight on a
     worker whose host is cut off waits for TCP: measured across tools/netcluster.py's hosts, the
     whole run stalled at the next barrier until ~25 s after the partition healed. With pings every
     `seconds` and `seconds` to answer, the chief's call fails (Unavailable), TF's coordinator runs
-    the step again on a reachable worker and takes the lost one back when it answers: training
-    goes on (docs/deployment.md#faults). A worker's gRPC server answers pings that come more often
-    than every 5 min, with no reply in between, with "Too many pings" at the third; so a single
-    step longer than about 3 x `seconds` may fail with "Too many pings": TF's coordinator takes
-    that for a worker failure and runs the step again, and gRPC doubles that channel's interval
-    (measured: gpt_mini at 4-6 s a step with keepalive_secs=1: one step failed and ran again, and
-    the run finished). So long steps cost a step or two; raise it for steps that long."""
+    the step again on a reachable worker and takes the lost one back when it answers: training goes
+    on (docs/deployment.md, "network faults"). A worker's gRPC server answers pings that come more
+    often than every 5 min, with no reply in between, with "Too many pings" at the third; so a
+    single step longer than about 3 x `seconds` may fail with "Too many pings": TF's coordinator
+    takes that for a worker failure and runs the step again, and gRPC doubles that channel's
+    interval (measured: gpt_mini at 4-6 s a step with keepalive_secs=1: one step failed and ran
+    again, and the run finished). So long steps cost a step or two; raise it for steps that long."""
     if seconds and "TF_GRPC_DEFAULT_OPTIONS" not in os.environ:
         ms = int(seconds * 1000)
         os.environ["TF_GRPC_DEFAULT_OPTIONS"] = (
