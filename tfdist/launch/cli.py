@@ -10,7 +10,6 @@ See `tfdist/launch/local.py` for what it does, and its exit status.
 """
 import os
 import shutil
-import subprocess
 import sys
 
 from absl import flags
@@ -44,6 +43,38 @@ def _train_argv(args, strategy):
     return [sys.executable, "-m", "tfdist", "train", *args, f"--strategy={strategy}"]
 
 
+def _prepare(args, env):
+    """`tfdist train <args> --prepare_only` (the config checked, the dataset prepared, the workdir
+    readied) once, before any worker starts; its exit status. It runs in a fork of this process,
+    which has TensorFlow imported already (a new process would import it again: 3 to 7 s) but
+    not started (no op has run), so the fork starts TF's runtime afresh. In the fork the
+    launcher's flags give way to `tfdist train`'s, parsed from `args`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.environ.clear()
+            os.environ.update(env)
+            for flag in list(flags.FLAGS.flags_by_module_dict().get(__name__, [])):
+                delattr(flags.FLAGS, flag.name)  # (absl's own and tfdist.cli's stay)
+            sys.argv = ["tfdist train", *args, "--prepare_only"]
+            from tfdist import train
+            train.run(sys.argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # a crash is reported as a process would report it
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
 def main(argv):
     rest = argv[1:]
     n, strategy = _WORKERS.value, _STRATEGY.value
@@ -75,9 +106,9 @@ def main(argv):
     if rest[0].startswith("-"):  # tfdist train flags
         if any(a.startswith("--strategy") for a in rest):
             raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
-        p = subprocess.run(_train_argv(rest, strategy) + ["--prepare_only"], env=env)
-        if p.returncode:
-            sys.exit(2 if p.returncode == 2 else 1)
+        code = _prepare([*rest, f"--strategy={strategy}"], env)
+        if code:
+            sys.exit(2 if code == 2 else 1)
         worker_args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
         argv = _train_argv(worker_args, strategy)
     else:  # any program
