@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tfdist.launch.local import loopback_shim
-from tests.helpers import ROOT, free_port_run
+from tests.helpers import ROOT, free_port_run, run
 from tfdist import cluster
 
 SBATCH = os.path.join(ROOT, "launchers", "slurm", "tfdist.sbatch")
@@ -152,8 +152,7 @@ def test_tfjob_command_runs_here(tmp_path):
     pod = job["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]
     cmd = [a.replace("/runs/", f"{tmp_path}/") for a in pod["initContainers"][0]["command"]]
     assert cmd[0] == "tfdist"
-    p = subprocess.run([sys.executable, "-m", "tfdist", *cmd[1:]], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    p = run([sys.executable, "-m", "tfdist", *cmd[1:]], timeout=300, check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"tfdist: prepared {tmp_path}/gpt-mini" in p.stdout
     assert any(os.path.exists(os.path.join(d, "manifest.json"))  # the token store, prepared

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_usage_error
+from tests.helpers import ROOT, assert_usage_error, run
 
 PROGRAM = os.path.join(ROOT, "launchers", "examples", "keras_cnn.py")
 MODELS = ("cnn", "functional", "subclassed")
@@ -40,8 +40,7 @@ def run_program(strategy, base, models=MODELS, env=None):
     argv = launch(strategy) + [os.path.join(ROOT, "tests", "own_dir.py"), str(base), PROGRAM,
                                f"--strategy={strategy}", "--devices=2", "--epochs=3",
                                "--min_delta=1e9", "--models=" + ",".join(models)]
-    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
-                       env={**os.environ, "TMPDIR": str(tmp), **(env or {})})
+    p = run(argv, timeout=TIMEOUT, check=False, env={"TMPDIR": str(tmp), **(env or {})})
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     results = {}
@@ -193,8 +192,7 @@ def bad_use(tmp_path, case, strategy, horovod=False, env=None):
     argv = [sys.executable, str(prog), case, strategy]
     if horovod:
         argv = launch("horovod") + argv[1:]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **(env or {})})
+    return run(argv, timeout=60, check=False, env=env)
 
 
 @pytest.mark.slow
@@ -209,7 +207,8 @@ def test_an_optimizer_built_outside_the_scope_is_rebuilt_or_refused(tmp_path):
 @pytest.mark.slow
 @pytest.mark.horovod
 @pytest.mark.parametrize("case, needle", [("unknown_batch", "batch size is unknown"),
-                                          ("odd_batch", "batch size is 15")])
+                                          pytest.param("odd_batch", "batch size is 15",
+                                                       marks=pytest.mark.long)])  # (time)
 def test_a_dataset_horovod_cannot_split_is_one_line(tmp_path, case, needle):
     p = bad_use(tmp_path, case, "horovod", horovod=True)
     assert p.returncode != 0

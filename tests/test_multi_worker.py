@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, ROOT, children, driver, final_weights, load_config, losses,
+from tests.helpers import (DRIVER, ROOT, children, driver, final_weights, load_config, losses, run,
                            steps_by_worker, tagged)
 
 STEPS = 20
@@ -29,8 +29,7 @@ def launch_cmd(workdir, overrides, *extra, workers=WORKERS, max_restarts=0, bind
 
 def launch(workdir, overrides, *extra, timeout=400, **kw):
     """Runs the launcher; returns (CompletedProcess, {worker index: DRIVER_RESULT dict})."""
-    p = subprocess.run(launch_cmd(workdir, overrides, *extra, **kw), capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT)
+    p = run(launch_cmd(workdir, overrides, *extra, **kw), timeout=timeout, check=False)
     return p, tagged(p.stdout, "DRIVER_RESULT")
 
 
@@ -138,6 +137,7 @@ def test_each_keras_correction_is_needed(tmp_path, data_dir, fix):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # tests/test_keras_programs.py runs this functional model under 2 workers
 def test_a_users_functional_model_fits_under_two_workers(tmp_path):
     """Plain `model.fit` on a user's functional model (launchers/examples/keras_functional.py)."""
     epochs = 3

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, first_fast
+from tests.helpers import ROOT, first_fast, run
 from tfdist import config as tfdist_config
 from tfdist import plan
 
@@ -17,6 +17,10 @@ GB = 1e9
 
 
 def tfdist_plan(*args, cwd=ROOT):
+    """`tfdist plan ARGS`: in a fork of the tests' fork server from the repository root (as
+    tests.helpers.run does), a new process elsewhere."""
+    if cwd == ROOT:
+        return run([sys.executable, "-m", "tfdist", "plan", *args], timeout=120, check=False)
     return subprocess.run([sys.executable, "-m", "tfdist", "plan", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
 
