@@ -40,12 +40,17 @@ demo: $(STAMP)
 	$(BIN)/tfdist train --config=configs/gpt_demo.py --workdir=runs/demo --overwrite
 	$(BIN)/tfdist sample --model=runs/demo/model.keras --prompt='def ' --max_new_tokens=300
 
+# Two pytest processes (pytest-xdist), each test file whole in one of them (its module fixtures,
+# such as an uninterrupted reference run, made once): many tests wait on their processes (restarts,
+# partitions, heartbeats) and leave a core idle.
+PYTEST_PROCS := -n 2 --dist loadfile
+
 test: $(STAMP) $(HOROVOD) cluster-tools
-	$(BIN)/python -m pytest -q -ra --durations=25 -m 'not long'
+	$(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_PROCS) -m 'not long'
 
 # The trials `make test` leaves out for time (tests marked long).
 test-long: $(STAMP) $(HOROVOD) cluster-tools
-	$(BIN)/python -m pytest -q -ra -m long
+	$(BIN)/python -m pytest -q -ra $(PYTEST_PROCS) -m long
 
 # Under 3 minutes from a fresh clone (pip's wheel cache warm): no Horovod build, no training in
 # subprocesses, one case of each family of CLI error cases (tests/helpers.py first_fast).

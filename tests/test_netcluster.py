@@ -18,7 +18,7 @@ from tests.helpers import (DRIVER, ROOT, driver, final_weights, losses, max_diff
                            steps_by_worker, wait_until)
 from tools.chaos_partition import (PARTITION_BOUND, PS_EPOCH, PS_LAUNCH, logged_steps,
                                    partition_trial, ps_flags, ps_verdict, train_flags, uninterrupted)
-from tools.netcluster import NetCluster, namespaces
+from tools.netcluster import NetCluster, leftovers, namespaces, root_links
 
 
 def _missing():
@@ -33,11 +33,6 @@ def _missing():
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 PORT = 12345  # every host has its own address space: one port for all
 STEPS = 20
-
-
-def _root_links():
-    return sorted(line.split()[0] for line in subprocess.run(
-        ["ip", "-br", "link"], capture_output=True, text=True, check=True).stdout.splitlines())
 
 
 def _connects(net, host, address, port):
@@ -91,14 +86,29 @@ def _listening(pid, own=False):
 
 
 def test_the_cluster_is_torn_down_even_after_an_error():
-    links = _root_links()
+    links = root_links()
     with pytest.raises(RuntimeError, match="boom"):
         with NetCluster(3, rate="100mbit", loss="5%") as net:
             sleeper = net.popen(0, ["sleep", "600"])
             raise RuntimeError("boom")
     assert sleeper.returncode is not None  # killed by the cluster, by PID
     assert not [s for s in namespaces() if s.startswith(net.name + "-")]
-    assert _root_links() == links  # nothing made in the machine's own namespace
+    assert root_links() == links  # nothing made in the machine's own namespace
+
+
+def test_the_suite_end_check_sees_a_cluster_left_up():
+    """The companion of conftest's `nothing_left_on_the_network`: a cluster brought up and not
+    torn down is reported (its namespaces), and once down nothing is."""
+    links = root_links()
+    net = NetCluster(2, name=f"tfdist-left{os.getpid() % 100000}")
+    try:
+        net.up()
+        left = leftovers(net.name + "-", links)
+        assert sorted(left) == sorted(f"namespace {net.ns(i)}" for i in range(2)) + [
+            f"namespace {net.switch}"], left
+    finally:
+        net.down()
+    assert leftovers(net.name + "-", links) == []
 
 
 def test_a_partition_drops_silently_and_heals():

@@ -50,6 +50,22 @@ def namespaces():
     return [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
 
 
+def root_links():
+    """Names of the interfaces in the machine's own network namespace (`ip -br link`)."""
+    return sorted(line.split()[0] for line in _ip("-br", "link").stdout.splitlines())
+
+
+def leftovers(prefix, links_before):
+    """What test clusters named `prefix...` left on the machine: their namespaces still there
+    (deleting one removes its veths, bridge, qdiscs and rules), and interfaces of the machine's
+    own namespace added or gone since `links_before` (`root_links()`). Empty when clean."""
+    left = [f"namespace {n}" for n in namespaces() if n.startswith(prefix)]
+    now = root_links()
+    left += [f"interface {x} added" for x in now if x not in links_before]
+    left += [f"interface {x} gone" for x in links_before if x not in now]
+    return left
+
+
 class NetCluster:
     """`n` hosts as network namespaces on one bridge (see the module doc). Needs root."""
 
