@@ -4,8 +4,6 @@ resumes step-exactly; fp16 compression and gradient accumulation."""
 import json
 import os
 import random
-import re
-import subprocess
 import sys
 
 import pytest
@@ -44,12 +42,14 @@ def single(tmp_path_factory, data_dir):
 
 
 def test_check_build():
-    p = subprocess.run([HOROVODRUN, "--check-build"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert re.search(r"\[X\] TensorFlow", p.stdout), p.stdout
-    assert re.search(r"\[X\] Gloo", p.stdout), p.stdout
+    """The build `make horovod` made: 0.28.1, its TensorFlow ops loaded (the import fails
+    otherwise) and Gloo built in; in this process, as `horovodrun --check-build` reports it
+    (which takes about 30 s here: it tries every framework)."""
     import horovod
+    import horovod.tensorflow as hvd
     assert horovod.__version__ == "0.28.1"
+    assert hvd.gloo_built()
+    assert os.access(HOROVODRUN, os.X_OK)
 
 
 @pytest.mark.slow
@@ -183,6 +183,7 @@ def test_sigterm_to_one_rank_backs_up_both_at_its_step(tmp_path, data_dir, unint
 
 
 @pytest.mark.slow
+@pytest.mark.long  # tests/test_keras_programs.py runs this functional model under horovod
 def test_a_users_functional_model_fits_under_two_ranks(tmp_path):
     """Plain `model.fit` on a user's functional model (launchers/examples/keras_functional.py)."""
     example = os.path.join(ROOT, "launchers", "examples", "keras_functional.py")

@@ -137,6 +137,7 @@ def test_trains_as_well_as_the_collective_mode(tmp_path, data_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # time: test_netcluster's partitioned worker shows the other training on alone
 def test_a_paused_worker_does_not_stop_the_other(tmp_path, data_dir):
     """Worker 1 is SIGSTOPped 3 times, each time until the chief has counted PAUSED more steps:
     worker 0 alone runs them. In the reports logged while worker 1 was stopped, worker 1's step
@@ -211,6 +212,7 @@ def test_a_killed_worker_is_restarted_alone_and_no_step_is_lost(tmp_path, data_d
 
 
 @pytest.mark.slow
+@pytest.mark.long  # time: the SIGTERM test restarts the whole job from its backup
 def test_a_killed_ps_task_restarts_the_job_from_its_backup(tmp_path, data_dir):
     steps, per_epoch = 600, 300
     run = Launch("parameter_server", flags(tmp_path, data_dir, steps, per_epoch,

@@ -40,7 +40,7 @@ def test_losses_over_ten_steps_equal_the_unsplit_model():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.long)])  # (4: for time)
 def test_every_stage_is_on_its_device(k):
     r = probe("placement", k, 4)
     stage_of_block = {b: s for s, blocks in enumerate(r["stage_blocks"]) for b in blocks}

@@ -221,7 +221,7 @@ def plain_accumulating(tmp_path_factory, data_dir):
 
 @pytest.mark.slow
 @pytest.mark.horovod
-@pytest.mark.parametrize("stage", [2, 1])
+@pytest.mark.parametrize("stage", [2, pytest.param(1, marks=pytest.mark.long)])  # 1: for time
 def test_zero_with_gradient_accumulation_equals_plain_data_parallel(tmp_path, data_dir,
                                                                     plain_accumulating, stage):
     """2 microsteps per update: ZeRO-2 reduce-scatters each and keeps only its shard's
@@ -284,6 +284,7 @@ def test_a_killed_run_resumes_from_its_shards_at_two_ranks_and_at_one(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.horovod
+@pytest.mark.long  # time: the resume of 2 ranks' shards at 1 rank shows the resharding
 def test_a_one_rank_backup_resumes_at_two_ranks(tmp_path, data_dir, zero1):
     horovod(tmp_path, data_dir, 1, "--kill-at-step", str(KILL_AT), "--kill-worker", "0", ranks=1,
             check=False)
