@@ -212,6 +212,22 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
+# -- gradient overlap (tfdist/buckets.py, tfdist/profiling.py) -------------------------------------
+OVERLAP_BUCKET_MB = 0.1  # gpt_nano's 0.46 MiB of gradients in 4 buckets
+
+
+def assert_overlap(overlapped, not_overlapped, workers):
+    """Each process's profiled step (train.profile_step) read back: in the `overlapped` run,
+    gradient all-reduces were issued before its last backward op ended; in `not_overlapped` (the
+    companion: strategy.overlap=off) there is one, issued after it. An order, not a timing."""
+    from tfdist import profiling
+    for w in range(workers):
+        on = profiling.overlap(profiling.read(os.path.join(overlapped, "profile", f"worker-{w}")))
+        off = profiling.overlap(profiling.read(os.path.join(not_overlapped, "profile", f"worker-{w}")))
+        assert len(on["all_reduces"]) > 1 and on["issued_during_backward"] >= 1, on
+        assert len(off["all_reduces"]) == 1 and off["issued_during_backward"] == 0, off
+
+
 def tree_digest(root, exclude=()):
     """Hash of every file's path and content under root: proves nothing on disk changed. Files
     named in `exclude` are left out."""

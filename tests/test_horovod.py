@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from tfdist.strategies.horovod import horovodrun_argv
-from tests.helpers import (DRIVER, ROOT, driver, losses, max_diff, run_group, steps_by_worker,
-                           tagged, weights)
+from tests.helpers import (DRIVER, OVERLAP_BUCKET_MB, ROOT, assert_overlap, driver, losses,
+                           max_diff, run_group, steps_by_worker, tagged, weights)
 
 STEPS = 20
 CHAOS_STEPS = 24
@@ -54,15 +54,26 @@ def test_check_build():
 
 @pytest.mark.slow
 def test_two_ranks_identical_and_equal_to_single_process(tmp_path, data_dir, single):
-    p = horovodrun(tmp_path, {**common(data_dir), "strategy.name": "horovod"}, "--dump-weights")
-    assert f"horovod: rank 0 of {RANKS}, ring-allreduce (gloo)" in p.stdout
-    w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)
-    assert max_diff(w0, w1) == 0.0  # bitwise: every rank applied the same averaged gradient
-    assert max_diff(w0, weights(single, 0)) <= 1e-5
-    a, b = losses(single), losses(tmp_path)  # rank 0 logs the loss averaged over both ranks
-    assert len(a) == len(b) == STEPS
+    """2 ranks equal one process, their weights bitwise equal. Gradients go in buckets that
+    overlap the backward pass (the default; here 0.1 MiB); without overlap (strategy.overlap=off)
+    the losses are the same within 1e-6; the profiled last step shows the overlap."""
+    runs = {}
+    for overlap in ("auto", "off"):
+        runs[overlap] = horovodrun(tmp_path / overlap, {
+            **common(data_dir), "strategy.name": "horovod", "strategy.overlap": overlap,
+            "strategy.bucket_mb": OVERLAP_BUCKET_MB, "train.profile_step": STEPS}, "--dump-weights")
+        w0, w1 = weights(tmp_path / overlap, 0), weights(tmp_path / overlap, 1)
+        assert max_diff(w0, w1) == 0.0  # bitwise: every rank applied the same averaged gradient
+        assert max_diff(w0, weights(single, 0)) <= 1e-5
+    assert f"horovod: rank 0 of {RANKS}, ring-allreduce (gloo)" in runs["auto"].stdout
+    assert "horovod: gradients: 4 bucket(s) of <= 0.1 MiB" in runs["auto"].stdout
+    assert "horovod: gradients: one all-reduce" in runs["off"].stdout
+    a, b, c = losses(single), losses(tmp_path / "auto"), losses(tmp_path / "off")  # rank 0 logs
+    assert len(a) == len(b) == len(c) == STEPS  # the loss averaged over both ranks
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
-    assert not os.path.exists(os.path.join(tmp_path, "backup", ".tmp-worker-1"))
+    assert max(abs(x - y) for x, y in zip(b, c)) <= 1e-6, (b, c)
+    assert_overlap(tmp_path / "auto", tmp_path / "off", RANKS)
+    assert not os.path.exists(os.path.join(tmp_path / "auto", "backup", ".tmp-worker-1"))
 
 
 @pytest.mark.slow
@@ -93,12 +104,14 @@ def test_rank_zero_broadcast_makes_differently_initialised_ranks_alike(tmp_path,
 @pytest.mark.slow
 def test_fp16_compression_and_gradient_accumulation(tmp_path, data_dir):
     """fp16: ranks stay identical, losses near fp32. Accumulation over 2 micro-steps allreduces
-    only when it applies and equals one process accumulating the same way."""
+    only when it applies and equals one process accumulating the same way. Both in gradient
+    buckets (0.1 MiB: several)."""
     o = common(data_dir, **{"train.steps": 10, "train.grad_accum_steps": 2})
     driver(tmp_path / "single", {**o, "strategy.name": "single"}, "--dump-weights")
-    horovodrun(tmp_path / "fp32", {**o, "strategy.name": "horovod"}, "--dump-weights")
-    horovodrun(tmp_path / "fp16", {**o, "strategy.name": "horovod", "strategy.compression": "fp16"},
-               "--dump-weights")
+    hvd = {**o, "strategy.name": "horovod", "strategy.bucket_mb": OVERLAP_BUCKET_MB}
+    p = horovodrun(tmp_path / "fp32", hvd, "--dump-weights")
+    assert "horovod: gradients: 4 bucket(s)" in p.stdout
+    horovodrun(tmp_path / "fp16", {**hvd, "strategy.compression": "fp16"}, "--dump-weights")
     ref = weights(tmp_path / "single", 0)
     assert max_diff(weights(tmp_path / "fp32", 0), ref) <= 1e-5
     assert max_diff(weights(tmp_path / "fp16", 0), weights(tmp_path / "fp16", 1)) == 0.0

@@ -13,8 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, ROOT, children, driver, final_weights, load_config, losses, run,
-                           steps_by_worker, tagged)
+from tests.helpers import (DRIVER, OVERLAP_BUCKET_MB, ROOT, assert_overlap, children, driver,
+                           final_weights, load_config, losses, max_diff, run, steps_by_worker,
+                           tagged, weights)
 
 STEPS = 20
 CHAOS_STEPS = 30
@@ -98,16 +99,30 @@ def run_and_sample_sockets(workdir, overrides, *extra, bind="loopback", timeout=
 # -- tests ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir):
+    """2 workers equal one process. Their gradients go in buckets that overlap the backward pass
+    (the default; gpt_nano's 0.5 MiB in 0.1 MiB buckets); without overlap (strategy.overlap=off,
+    one all-reduce after the backward pass) the losses are the same within 1e-6 and the workers'
+    weights bitwise equal. The profiled last step shows the overlap (`assert_overlap`)."""
     driver(tmp_path / "single", {**common(data_dir), "strategy.name": "single"})
-    p, res = launch(tmp_path / "mw", {**common(data_dir), "strategy.name": "multi_worker_mirrored"})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    runs = {}
+    for overlap in ("auto", "off"):
+        o = {**common(data_dir), "strategy.name": "multi_worker_mirrored", "strategy.overlap": overlap,
+             "strategy.bucket_mb": OVERLAP_BUCKET_MB, "train.profile_step": STEPS}
+        p, res = launch(tmp_path / overlap, o, "--dump-weights")
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+        assert set(res) == set(range(WORKERS))
+        assert res[0]["val_loss"] == pytest.approx(res[1]["val_loss"], abs=1e-6)
+        assert max_diff(weights(tmp_path / overlap, 0), weights(tmp_path / overlap, 1)) == 0.0
+        runs[overlap] = p.stdout
     assert (f"[w0] tfdist: multi_worker_mirrored: worker 0 of {WORKERS}, {WORKERS} replica(s) "
-            f"in sync") in p.stdout
-    a, b = losses(tmp_path / "single"), losses(tmp_path / "mw")
-    assert len(a) == len(b) == STEPS
+            f"in sync") in runs["auto"]
+    assert "[w0] tfdist: multi_worker_mirrored: gradients: 4 bucket(s) of <= 0.1 MiB" in runs["auto"]
+    assert "[w0] tfdist: multi_worker_mirrored: gradients: one all-reduce" in runs["off"]
+    a, b, c = (losses(tmp_path / d) for d in ("single", "auto", "off"))
+    assert len(a) == len(b) == len(c) == STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
-    assert set(res) == set(range(WORKERS))
-    assert res[0]["val_loss"] == pytest.approx(res[1]["val_loss"], abs=1e-6)
+    assert max(abs(x - y) for x, y in zip(b, c)) <= 1e-6, (b, c)
+    assert_overlap(tmp_path / "auto", tmp_path / "off", WORKERS)
 
 
 # What `model.fit` under MultiWorkerMirrored fails with when one of tfdist's Keras corrections

@@ -4,6 +4,7 @@ t-way block holds 1/t of its matmul weights per device, 2 processes of K = 2 x t
 identical, a backup of t = 2 restores into t = 1 and into K = 2 x t = 2, 1F1B's gradients equal
 GPipe's, and bad configs are one line."""
 import os
+import re
 import sys
 
 import keras
@@ -68,8 +69,9 @@ def test_every_shard_runs_on_its_device_and_holds_one_t_th_of_the_matmul_weights
 @pytest.mark.parametrize("strategy", [  # MWMS: long, for time (horovod shows the layout)
     "horovod", pytest.param("multi_worker_mirrored", marks=pytest.mark.long)])
 def test_data_x_pipeline_x_tensor_parallel_processes_stay_identical(tmp_path, data_dir, strategy):
-    """3D: 2 processes (data parallel), each K = 2 stages x t = 2 shards under 1F1B."""
-    o = common(data_dir, **{"strategy.name": strategy, "pipeline.stages": 2,
+    """3D: 2 processes (data parallel), each K = 2 stages x t = 2 shards under 1F1B; the
+    gradients all-reduced in buckets (0.1 MiB: several)."""
+    o = common(data_dir, **{"strategy.name": strategy, "strategy.bucket_mb": 0.1, "pipeline.stages": 2,
                             "pipeline.microbatches": 2, "pipeline.schedule": "1f1b",
                             "tensor.parallel": 2, "backup.enabled": False})
     program = [sys.executable, DRIVER, str(tmp_path), __import__("json").dumps(o), "--dump-weights"]
@@ -82,6 +84,7 @@ def test_data_x_pipeline_x_tensor_parallel_processes_stay_identical(tmp_path, da
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert ("pipeline of 2 stages, 2 microbatch(es), tensor parallel over 2 devices per stage, "
             "1F1B schedule") in p.stdout
+    assert re.search(r"gradients: \d+ bucket\(s\) of <= 0.1 MiB", p.stdout), p.stdout[-3000:]
     w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)
     assert len(w0) > 52  # the shards
     assert max_diff(w0, w1) == 0.0

@@ -472,3 +472,29 @@ class ReadOnlyBackup(Scratch):
 
     def on_train_end(self, logs=None):
         _remove(self.scratch)  # not the chief's backup
+
+
+class ProfileStep(keras.callbacks.Callback):
+    """Captures a TensorBoard profile (TF's profiler: every op of every thread, with its start and
+    end) of global step `step` into `logdir` (`<logdir>/plugins/profile/<time>/<host>.xplane.pb`,
+    what TensorBoard's Profile tab reads). `log` is the run's `TrainingLog`, which counts the
+    global steps. `tfdist.profiling` reads it back.
+
+    Example:
+
+        cb = ProfileStep(5, "runs/x/profile/worker-0", log)   # then pass it to fit
+    """
+
+    def __init__(self, step, logdir, log):
+        super().__init__()
+        self.target, self.logdir, self.log, self._on = step, logdir, log, False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.log.step + 1 == self.target:
+            tf.profiler.experimental.start(self.logdir)
+            self._on = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._on:
+            self._on = False
+            tf.profiler.experimental.stop()

@@ -409,6 +409,14 @@ def pending_closures(coordinator):
 
 # -- Slurm ------------------------------------------------------------------------------------
 
+def xspace():
+    """An empty XSpace, the protobuf TF's profiler writes (`*.xplane.pb`). TF has no public
+    reader for it (TensorBoard's profile plugin parses it with this same generated module);
+    `tensorflow.tsl.profiler.protobuf` is where the TF 2.21 wheel ships it."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    return xplane_pb2.XSpace()
+
+
 def slurm_tasks_per_node(text):
     """`SLURM_TASKS_PER_NODE` ('2(x3),1') as a list of counts, parsed by TF's Slurm resolver."""
     from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm

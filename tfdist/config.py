@@ -71,6 +71,9 @@ def default_config():
     c.train.steps_per_execution = 1  # training steps per host round trip (Keras compile); TPU: 32
     c.train.intra_op_threads = 0  # TF's thread pools per process; 0 = TF's default (all cores)
     c.train.inter_op_threads = 0
+    # Capture a TensorBoard profile of this global step (every op's start and end, per thread)
+    # in <workdir>/profile/worker-<i>; 0: none. `tfdist.profiling` reads it.
+    c.train.profile_step = 0
 
     # The strategy's name, and every plugin's own options with their defaults (declared and
     # checked by the plugins: `options` in tfdist/strategies/<name>.py).
@@ -158,6 +161,8 @@ _RULES = {
     "train.log_every_steps": (_positive_int, "an integer > 0"),
     "train.intra_op_threads": (lambda v: 0 <= v <= 1024, "an integer >= 0 (0: TF's default)"),
     "train.inter_op_threads": (lambda v: 0 <= v <= 1024, "an integer >= 0 (0: TF's default)"),
+    "train.profile_step": (lambda v: isinstance(v, int) and v >= 0,
+                           "an integer >= 0 (a global step to profile; 0: none)"),
     "strategy.name": (lambda v: bool(v), "a strategy name"),
     "train.steps_per_execution": (_positive_int, "an integer > 0"),
     "pipeline.stages": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
@@ -210,8 +215,9 @@ def validate(c):
             ok = False
         if not ok:
             raise UsageError(f"config key '{path}' must be {what}, got {value!r}")
-    from tfdist import strategies
+    from tfdist import buckets, strategies
     strategies.check_config(c.strategy)
+    buckets.check_overlap(c.strategy.overlap, c.zero.stage, c.strategy.name)  # ZeRO + overlap=on
     m, t = c.model, c.train
     if m.n_embd % m.n_head:
         raise UsageError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
@@ -242,6 +248,9 @@ def validate(c):
     if t.steps_per_epoch % t.steps_per_execution:
         raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) must divide "
                          f"train.steps_per_epoch ({t.steps_per_epoch})")
+    if t.profile_step > t.steps:
+        raise UsageError(f"train.profile_step ({t.profile_step}) is beyond train.steps "
+                         f"({t.steps}); pick a step of the run, or 0 for none")
     if t.steps % t.steps_per_epoch:
         raise UsageError(f"train.steps ({t.steps}) must be a multiple of train.steps_per_epoch "
                          f"({t.steps_per_epoch})")

@@ -268,6 +268,9 @@ def _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks):
         say(f"tfdist: resuming from {backup_dir} at step {start} of {t.steps}")
 
     callbacks = [log] + ([backup] if c.backup.enabled else []) + list(extra_callbacks)
+    if start < t.profile_step:  # after the log, which counts the step
+        callbacks.append(cb.ProfileStep(t.profile_step, os.path.join(
+            workdir, "profile", f"worker-{strategy.worker_index}"), log))
     if c.backup.enabled and c.backup.preemption_signals.strip():  # last: the others see the step
         def save_now():  # every process calls it, after the same step
             log.flush()

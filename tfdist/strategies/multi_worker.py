@@ -10,7 +10,7 @@ import re
 import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
-from tfdist import compat
+from tfdist import buckets, compat
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Launch, Strategy
 
@@ -29,7 +29,8 @@ class MultiWorkerMirrored(Strategy):
     supports_jit_compile = False
     supports_grad_accumulation = False  # keras-team/keras#20582
     options = {"cross_device_ops": ("auto", lambda v: v in _IMPLEMENTATIONS,
-                                    "one of " + ", ".join(_IMPLEMENTATIONS))}
+                                    "one of " + ", ".join(_IMPLEMENTATIONS)),
+               **buckets.OPTIONS}
     launch = Launch()  # N workers with TF_CONFIG; any failure restarts the group
 
     @classmethod
@@ -41,7 +42,8 @@ class MultiWorkerMirrored(Strategy):
         return (f"sbatch --nodes={-(-processes // per_node)} --ntasks-per-node={per_node} "
                 f"launchers/slurm/tfdist.sbatch " + " ".join(flags))
 
-    def __init__(self, cross_device_ops="auto", cluster=None, **unused_options):
+    def __init__(self, cross_device_ops="auto", cluster=None, bucket_mb=buckets.BUCKET_MB,
+                 overlap="auto", **unused_options):
         self.cluster = cluster or cluster_lib.from_environment(allowed_roles=("chief", "worker"))
         if self.cluster is None:
             raise UsageError("multi_worker_mirrored needs a cluster: set TF_CONFIG, run in a Slurm "
@@ -63,6 +65,8 @@ class MultiWorkerMirrored(Strategy):
             super().__init__(tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=self.cluster.resolver(), communication_options=options))
         self._barrier = None
+        self.bucket_bytes, self.overlap = buckets.to_bytes(bucket_mb), overlap
+        self._bucketed = True
 
     JOIN_TIMEOUT = 180.0  # seconds for every worker to join; TFDIST_JOIN_TIMEOUT overrides
 
@@ -77,6 +81,24 @@ class MultiWorkerMirrored(Strategy):
     @property
     def num_workers(self):
         return self.cluster.num_workers
+
+    def wrap_optimizer(self, optimizer, zero_stage=0):
+        self._bucketed = buckets.check_overlap(self.overlap, zero_stage, self.name)
+        return super().wrap_optimizer(optimizer, zero_stage)
+
+    def all_reduce_gradients(self, grads_and_vars):
+        """The sum over the replicas that Keras's optimizer makes (`ReplicaContext.all_reduce`, the
+        strategy's collective ops), made once per bucket (tfdist/buckets.py). Each call is one
+        collective (TF packs a call's tensors into one); TF orders a worker's collectives as they
+        were made, the last layers' first, and starts each as soon as its gradients exist. With
+        `overlap=off`: one call, after the backward pass, as Keras makes it."""
+        context = tf.distribute.get_replica_context()
+        if context is None:  # cross-replica context: nothing to reduce (Keras's rule)
+            return list(grads_and_vars)
+        return buckets.reduce(
+            grads_and_vars, lambda grads: context.all_reduce(tf.distribute.ReduceOp.SUM, grads),
+            self.bucket_bytes if self._bucketed else None,
+            self.cluster.is_chief and "multi_worker_mirrored")
 
     def barrier(self):
         """Every worker meets: a summing all-reduce of one scalar (the strategy's own keys)."""
