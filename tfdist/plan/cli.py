@@ -62,11 +62,17 @@ def strategy_launch(layout, cluster, flags=(), accumulates=False):
     return placed, command
 
 
-def tfdist_command(plan_, cluster, batch, config_arg, precision, schedule="gpipe"):
-    """The `tfdist train` command for a layout tfdist runs."""
+def tfdist_command(plan_, cluster, batch, config_arg, precision, schedule="gpipe", opts=None):
+    """The `tfdist train` command for a layout tfdist runs (with `opts`' overlap and bucket
+    size where they differ from the strategies' defaults)."""
     lay = plan_.layout
     m = lay.microbatches(batch)
     flags = [config_arg, f"--config.train.batch_size={batch}"]
+    if opts is not None and lay.dp > 1 and not lay.zero:
+        if not opts.overlap:
+            flags.append("--config.strategy.overlap=off")
+        elif opts.bucket_bytes != Options.bucket_bytes:
+            flags.append(f"--config.strategy.bucket_mb={opts.bucket_bytes / 2 ** 20:g}")
     if precision == "mixed":
         flags.append("--config.train.precision=mixed_bfloat16")
     if lay.tp > 1:
@@ -164,6 +170,10 @@ def _define_flags():
     f.DEFINE_enum("schedule", "gpipe", ["gpipe", "1f1b"], "Pipeline schedule (tfdist's is gpipe).")
     f.DEFINE_float("efficiency", None, "Fraction of peak FLOP/s matmuls reach (default: calibrated "
                    "on Megatron-LM's 175B run; on the CPU, on the bench).")
+    f.DEFINE_bool("overlap", True, "Model the data-parallel all-reduce in buckets of --bucket_mb "
+                  "that start during the backward pass, as tfdist's multi_worker_mirrored and "
+                  "horovod run it by default (not with ZeRO); --nooverlap: after the backward pass.")
+    f.DEFINE_float("bucket_mb", 25.0, "Gradient bucket size in MiB (tfdist's strategy.bucket_mb).")
     f.DEFINE_integer("top", 10, "Feasible layouts to list.")
     f.DEFINE_string("out", "runs/plan", "Directory for plan.png and plan.json.")
     f.DEFINE_string("bench_dir", "bench_results", "Where `make bench*` wrote its JSON.")
@@ -280,7 +290,10 @@ def main(argv):
             eff, _ = _fit_to_one_process(device, mini, s, Options(precision="float32"))
         else:
             eff = 0.5
-    opts = Options(precision=precision, schedule=F.schedule, efficiency=eff)
+    if F.bucket_mb <= 0:
+        raise UsageError(f"--bucket_mb={F.bucket_mb:g} must be a gradient bucket size in MiB > 0")
+    opts = Options(precision=precision, schedule=F.schedule, efficiency=eff, overlap=F.overlap,
+                   bucket_bytes=F.bucket_mb * 2 ** 20)
     fixed = {k: F[k].value for k in ("dp", "tp", "pp", "microbatch", "zero") if F[k].value is not None}
     if F.recompute != "search":
         fixed["recompute"] = F.recompute == "on"
@@ -358,7 +371,7 @@ def _report(model, cluster, batch, plans, opts, config_arg, F):
             print(f"best that tfdist runs today: {best.layout}, "
                   f"{best.tokens_per_sec / feasible[0].tokens_per_sec:.0%} of the best's speed")
         print("  " + tfdist_command(best, cluster, batch, config_arg or "--config=<your config>",
-                                     opts.precision, opts.schedule))
+                                     opts.precision, opts.schedule, opts))
     os.makedirs(F.out, exist_ok=True)
     shown = feasible[:F.top] or over[:F.top]
     chart(shown, cluster, os.path.join(F.out, "plan.png"),

@@ -77,7 +77,8 @@ def measured(bench_dir, model):
             rows.append({"figure": label, "missing": BENCH_HINT["allreduce.json"]})
             continue
         f, t1 = _fit_to_one_process(dev, model, s, opts)
-        o = dataclasses.replace(opts, efficiency=f)
+        o = dataclasses.replace(opts, efficiency=f, overlap=s.get("overlap") == "on",
+                                bucket_bytes=s.get("bucket_mb", 25.0) * 2 ** 20)
         t2 = step_time(model, Cluster(dev, 2, intra_bw=bw, inter_bw=bw), Layout(2),
                        2 * s["batch_per_worker"], o)["total"]
         rows.append({"figure": label, "predicted": t1 / t2, "measured": s["scaling_efficiency"],

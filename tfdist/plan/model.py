@@ -135,6 +135,11 @@ class Options:
     # Megatron-LM splits the embedding and the logits over the tensor-parallel ranks; tfdist
     # keeps them whole on each stage's first device (tfdist.models.tensor_parallel)
     vocab_parallel: bool = True
+    # The data-parallel all-reduce in buckets that start during the backward pass (tfdist's
+    # multi_worker_mirrored and horovod do it by default, as PyTorch DDP and Megatron-LM do; not
+    # under ZeRO); False: after the backward pass. bucket_bytes: tfdist's strategy.bucket_mb.
+    overlap: bool = False
+    bucket_bytes: float = 25 * 2 ** 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +211,20 @@ def allreduce_seconds(nbytes, n, bandwidth):
     return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bandwidth
 
 
+def exposed_allreduce(comm, backward, grad_bytes, bucket_bytes):
+    """Seconds of a bucketed gradient all-reduce (`comm` s in all) that a backward pass of
+    `backward` s does not hide (tfdist/buckets.py). The gradients come out at an even rate over
+    the backward pass, the last layers' first, so bucket i of n is ready at backward x (i + 1) / n;
+    the buckets are reduced one after another, each taking comm / n. The last bucket is ready
+    only when the backward pass ends, so at least comm / n stays exposed; one bucket hides
+    nothing."""
+    n = max(1, math.ceil(grad_bytes / bucket_bytes))
+    t = 0.0
+    for i in range(n):
+        t = max(t, backward * (i + 1) / n) + comm / n
+    return t - backward
+
+
 def step_time(model, cluster, layout, batch, opts=Options()):
     """Seconds per optimizer step, by part, and the bottleneck.
 
@@ -216,8 +235,9 @@ def step_time(model, cluster, layout, batch, opts=Options()):
     the activations sent to the next stage and the gradients sent back. A pipeline of M
     microbatches on K stages takes (M + K - 1) microbatch times: the bubble is (K - 1) / (M + K - 1).
     Then the data-parallel gradient all-reduce (ZeRO: reduce-scatter + all-gather, the same volume;
-    ZeRO-3 gathers the weights twice: 1.5x), not overlapped with compute, and the optimizer update
-    (memory-bound, 28 bytes per parameter held)."""
+    ZeRO-3 gathers the weights twice: 1.5x): with `opts.overlap` (and no ZeRO) only the part that
+    the last microbatch's backward pass does not hide (`exposed_allreduce`), else all of it; and
+    the optimizer update (memory-bound, 28 bytes per parameter held)."""
     from tfdist.plan.published import calibrated  # calibrated on published runs with this model
     dev, a = cluster.device, model.arch
     eff = opts.efficiency or calibrated()
@@ -249,6 +269,8 @@ def step_time(model, cluster, layout, batch, opts=Options()):
     dp = allreduce_seconds(grad_bytes, layout.dp, cluster.bandwidth(t * layout.dp))
     if layout.zero >= 3:
         dp *= 1.5
+    if opts.overlap and not layout.zero and dp:
+        dp = exposed_allreduce(dp, compute * (passes - 1) / passes, grad_bytes, opts.bucket_bytes)
     held = n / (layout.dp if layout.zero >= 1 else 1)
     update = held * 28 / dev.hbm_bw if dev.hbm_bw else 0.0
     total = pipeline + dp + update
