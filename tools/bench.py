@@ -38,6 +38,16 @@ memory. Writes bench_results/pipeline.json.
 the 2 ranks, and --compression=fp16 sends their gradients as float16. Writes
 bench_results/scaling-horovod[-fp16].json.
 
+--overlap measures the overlap of the gradient all-reduce with the backward pass
+(tfdist/buckets.py): the 2-process efficiency of multi_worker_mirrored and horovod with
+strategy.overlap=off and with buckets of each --buckets size (MiB), against one process, all
+interleaved round by round (1 intra-op and --inter_op_threads inter-op thread per process, the
+same batch per process); with --link on the test cluster's shaped links. The last round's runs
+profile their last step: each strategy's trace (both processes, overlapped and not, Chrome trace
+format: chrome://tracing or ui.perfetto.dev) goes to bench_results/overlap-trace-<strategy>.json,
+and its overlap report (tfdist.profiling.overlap) to the results,
+bench_results/overlap[-<link>].json, beside the planner's prediction for each row.
+
 --scaling --ps does the same for the parameter server: `tfdist launch --strategy=parameter_server`
 with 1 ps task and 1 or 2 workers (each step one batch of train.batch_size on one worker; every
 process 1 intra-op and --inter_op_threads inter-op threads). Steps/s is measured from the run's
@@ -83,6 +93,9 @@ _LINK = flags.DEFINE_string("link", None, "--scaling: run the multi-process runs
 _STRAGGLER = flags.DEFINE_string("straggler", None, "--scaling --link: the last worker's host "
                                  "gets this rate instead (100mbit: a tenth of 1gbit), a straggler; "
                                  "the baseline runs keep --link.")
+_OVERLAP = flags.DEFINE_bool("overlap", False, "Measure the overlap of the gradient all-reduce "
+                             "with the backward pass instead (see above).")
+_BUCKETS = flags.DEFINE_list("buckets", ["1", "4", "25", "100"], "--overlap: bucket sizes (MiB).")
 _INTER = flags.DEFINE_integer("inter_op_threads", 1, "--scaling: inter-op threads per process. With "
                               "TF's default (0: one per core) a process with 1 intra-op thread "
                               "still runs independent ops in parallel, on ~1.4 of 2 cores.")
@@ -102,9 +115,11 @@ def matmul_peak(n=2048, repeats=10):
     return 2 * n ** 3 / best
 
 
-def _train_run(workdir, workers, steps, inter=None, extra=()):
-    """One `tfdist train` (workers=1, strategy single) or `tfdist launch` run; its per-step log."""
+def _train_run(workdir, workers, steps, inter=None, extra=(), horovod=None):
+    """One `tfdist train` (workers=1, strategy single) or `tfdist launch` run (multi_worker_mirrored,
+    or horovod: --horovod unless `horovod` says); its per-step log."""
     inter = _INTER.value if inter is None else inter
+    horovod = _HOROVOD.value if horovod is None else horovod
     config = config_flags_filename()
     per_worker = _CONFIG.value.train.batch_size
     train_flags = [f"--config={config}", f"--workdir={workdir}", "--overwrite",
@@ -116,7 +131,7 @@ def _train_run(workdir, workers, steps, inter=None, extra=()):
                    *extra]
     if workers == 1:
         cmd = [sys.executable, "-m", "tfdist", "train", *train_flags, "--strategy=single"]
-    elif _HOROVOD.value:
+    elif horovod:
         cmd = [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod",
                f"--workers={workers}", "--max_restarts=0", "--", *train_flags,
                f"--config.strategy.compression={_COMPRESSION.value}"]
@@ -269,6 +284,103 @@ def scaling_main():
                f"{_link_suffix()}.json"))
 
 
+def overlap_main():
+    """--overlap: overlapped against not, and the bucket sizes, for both synchronous strategies."""
+    import tempfile
+    import numpy as np
+    from tfdist import profiling
+    from tfdist.plan.model import allreduce_seconds, exposed_allreduce
+
+    n, steps = _WORKERS.value, _WARMUP.value + _STEPS.value
+    c = _CONFIG.value
+    tokens_1 = c.train.batch_size * c.model.block_size
+    variants = {"1 process": (1, False, [])}
+    for strategy, horovod in (("multi_worker_mirrored", False), ("horovod", True)):
+        variants[f"{strategy} off"] = (n, horovod, ["--config.strategy.overlap=off"])
+        for size in _BUCKETS.value:
+            variants[f"{strategy} {float(size):g} MiB"] = (
+                n, horovod, [f"--config.strategy.bucket_mb={float(size)}"])
+    tmp = tempfile.mkdtemp(prefix="tfdist-overlap-")
+    rates = {name: [] for name in variants}
+    params = None
+    for r in range(_ROUNDS.value):
+        last = r == _ROUNDS.value - 1
+        for name, (workers, horovod, extra) in variants.items():
+            workdir = os.path.join(tmp, name.replace(" ", "_"))
+            profile = [f"--config.train.profile_step={steps}"] if last and workers > 1 else []
+            log = _train_run(workdir, workers, steps, extra=[*extra, *profile], horovod=horovod)
+            found = re.search(r"model ([\d,]+) parameters", _train_run.stdout or "")
+            params = params or (found and int(found.group(1).replace(",", "")))
+            rates[name].append(float(np.median([x["tokens_per_sec"] for x in log[_WARMUP.value:]])))
+            eff = rates[name][-1] / (workers * rates["1 process"][-1])
+            print(f"round {r + 1}: {name:32s} {rates[name][-1]:8.0f} tokens/s, efficiency "
+                  f"{100 * eff:5.1f}%", flush=True)
+    # the planner: T1 against T1 plus the all-reduce it leaves exposed (tfdist.plan.model), at
+    # the link's rate, or on loopback at the bus bandwidth `make bench-allreduce` measured
+    from tfdist.plan.machine import allreduce_bandwidth
+    from tools.netcluster import _bits
+    t1 = tokens_1 / float(np.median(rates["1 process"]))
+    rows = []
+    for name, (workers, horovod, extra) in variants.items():
+        per_round = [x / (workers * y) for x, y in zip(rates[name], rates["1 process"])]
+        row = {"variant": name, "tokens_per_sec": float(np.median(rates[name])),
+               "efficiency": float(np.median(per_round)), "per_round": per_round}
+        if workers > 1:
+            row["strategy"] = "horovod" if horovod else "multi_worker_mirrored"
+            row["overlap"] = "off" if name.endswith("off") else "on"
+            row["bucket_mb"] = None if row["overlap"] == "off" else float(name.split()[-2])
+            bw = (_bits(_LINK.value) / 8 if _LINK.value else
+                  allreduce_bandwidth("bench_results", "horovod/gloo" if horovod else "tf ring (MWMS)"))
+            if bw and params:
+                comm = allreduce_seconds(4 * params, workers, bw)
+                if row["overlap"] == "on":  # the backward pass: 2 of a step's 3 matmul passes
+                    comm = exposed_allreduce(comm, t1 * 2 / 3, 4 * params, row["bucket_mb"] * 2 ** 20)
+                row["planner_predicted_efficiency"] = t1 / (t1 + comm)
+                row["planner_error"] = row["planner_predicted_efficiency"] / row["efficiency"] - 1
+        rows.append(row)
+    traces = {}
+    sizes = [float(x) for x in _BUCKETS.value]
+    on = f"{25.0 if 25.0 in sizes else sizes[0]:g} MiB"  # the default bucket size, if measured
+    for strategy in ("multi_worker_mirrored", "horovod"):
+        per_worker, reports = {}, {}
+        for label in (on, "off"):
+            name = f"{strategy} {label}"
+            if name not in variants:
+                continue
+            workdir = os.path.join(tmp, name.replace(" ", "_"))
+            for w in range(n):
+                events = profiling.read(os.path.join(workdir, "profile", f"worker-{w}"))
+                per_worker[len(per_worker)] = events
+                report = profiling.overlap(events)
+                report.pop("all_reduces")
+                reports[f"{label}, worker {w}"] = report
+        if per_worker:
+            out = f"bench_results/overlap-trace-{strategy}{_link_suffix()}.json"
+            with open(out, "w") as f:
+                json.dump(profiling.chrome_trace(per_worker), f)
+            traces[strategy] = {"file": out, "processes": f"overlapped ({on}) workers first, "
+                                f"then overlap=off", "reports": reports}
+    print(f"\n{os.path.basename(config_flags_filename())}: batch {c.train.batch_size} x "
+          f"{c.model.block_size} per process, {n} processes, 1 intra-op and {_INTER.value} inter-op "
+          f"thread(s) each, {_LINK.value or 'loopback'}; median of {_ROUNDS.value} interleaved rounds")
+    print(f"{'variant':34s} {'tokens/s':>9s} {'efficiency':>11s} {'planner':>8s}")
+    for row in rows:
+        pred = row.get("planner_predicted_efficiency")
+        print(f"{row['variant']:34s} {row['tokens_per_sec']:9.0f} {100 * row['efficiency']:10.1f}% "
+              + (f"{100 * pred:7.1f}%" if pred else ""))
+    for strategy, t in traces.items():
+        for key, rep in t["reports"].items():
+            print(f"trace {strategy} {key}: {rep['issued_during_backward']} all-reduce(s) issued "
+                  f"and {rep['completed_during_backward']} completed before the backward pass "
+                  f"ended; {100 * rep['hidden_fraction']:.0f}% of {rep['communication_us'] / 1e3:.0f} "
+                  f"ms of communication hidden, {rep['exposed_communication_us'] / 1e3:.0f} ms exposed")
+    write_json({"config": os.path.basename(config_flags_filename()), "workers": n,
+                "batch_per_process": c.train.batch_size, "context": c.model.block_size,
+                "intra_op_threads": 1, "inter_op_threads": _INTER.value,
+                "timed_steps_per_run": _STEPS.value, "link": _LINK.value or "loopback",
+                "rows": rows, "traces": traces}, f"bench_results/overlap{_link_suffix()}.json")
+
+
 def pipeline_main():
     """--pipeline: K=2 stages on 2 logical CPU devices, M microbatches, vs the unsplit model."""
     import tempfile
@@ -333,6 +445,8 @@ def main(argv):
     del argv
     if _PIPELINE.value:
         return pipeline_main()
+    if _OVERLAP.value:
+        return overlap_main()
     if _SCALING.value:
         return ps_scaling_main() if _PS_SCALING.value else scaling_main()
     import keras
