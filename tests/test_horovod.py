@@ -56,12 +56,12 @@ def test_check_build():
 def test_two_ranks_identical_and_equal_to_single_process(tmp_path, data_dir, single):
     """2 ranks equal one process, their weights bitwise equal. Gradients go in buckets that
     overlap the backward pass (the default; here 0.1 MiB); without overlap (strategy.overlap=off)
-    the losses are the same within 1e-6; the profiled last step shows the overlap."""
+    the losses are the same within 1e-6."""
     runs = {}
     for overlap in ("auto", "off"):
         runs[overlap] = horovodrun(tmp_path / overlap, {
             **common(data_dir), "strategy.name": "horovod", "strategy.overlap": overlap,
-            "strategy.bucket_mb": OVERLAP_BUCKET_MB, "train.profile_step": STEPS}, "--dump-weights")
+            "strategy.bucket_mb": OVERLAP_BUCKET_MB}, "--dump-weights")
         w0, w1 = weights(tmp_path / overlap, 0), weights(tmp_path / overlap, 1)
         assert max_diff(w0, w1) == 0.0  # bitwise: every rank applied the same averaged gradient
         assert max_diff(w0, weights(single, 0)) <= 1e-5
@@ -72,8 +72,18 @@ def test_two_ranks_identical_and_equal_to_single_process(tmp_path, data_dir, sin
     assert len(a) == len(b) == len(c) == STEPS  # the loss averaged over both ranks
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
     assert max(abs(x - y) for x, y in zip(b, c)) <= 1e-6, (b, c)
-    assert_overlap(tmp_path / "auto", tmp_path / "off", RANKS)
     assert not os.path.exists(os.path.join(tmp_path / "auto", "backup", ".tmp-worker-1"))
+
+
+@pytest.mark.slow
+@pytest.mark.long  # TF's profiler aborted one process of 2 here once (see assert_overlap)
+def test_a_profiled_step_shows_the_all_reduce_overlapping_the_backward_pass(tmp_path, data_dir):
+    for overlap in ("auto", "off"):
+        horovodrun(tmp_path / overlap, {
+            **common(data_dir), "strategy.name": "horovod", "strategy.overlap": overlap,
+            "strategy.bucket_mb": OVERLAP_BUCKET_MB, "train.steps": 5, "train.steps_per_epoch": 5,
+            "train.profile_step": 5})
+    assert_overlap(tmp_path / "auto", tmp_path / "off", RANKS)
 
 
 @pytest.mark.slow

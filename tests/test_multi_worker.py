@@ -102,12 +102,12 @@ def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir):
     """2 workers equal one process. Their gradients go in buckets that overlap the backward pass
     (the default; gpt_nano's 0.5 MiB in 0.1 MiB buckets); without overlap (strategy.overlap=off,
     one all-reduce after the backward pass) the losses are the same within 1e-6 and the workers'
-    weights bitwise equal. The profiled last step shows the overlap (`assert_overlap`)."""
+    weights bitwise equal."""
     driver(tmp_path / "single", {**common(data_dir), "strategy.name": "single"})
     runs = {}
     for overlap in ("auto", "off"):
         o = {**common(data_dir), "strategy.name": "multi_worker_mirrored", "strategy.overlap": overlap,
-             "strategy.bucket_mb": OVERLAP_BUCKET_MB, "train.profile_step": STEPS}
+             "strategy.bucket_mb": OVERLAP_BUCKET_MB}
         p, res = launch(tmp_path / overlap, o, "--dump-weights")
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
         assert set(res) == set(range(WORKERS))
@@ -122,6 +122,17 @@ def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir):
     assert len(a) == len(b) == len(c) == STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
     assert max(abs(x - y) for x, y in zip(b, c)) <= 1e-6, (b, c)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # TF's profiler aborted one process of 2 here once (see assert_overlap)
+def test_a_profiled_step_shows_the_all_reduce_overlapping_the_backward_pass(tmp_path, data_dir):
+    for overlap in ("auto", "off"):
+        o = {**common(data_dir), "strategy.name": "multi_worker_mirrored", "strategy.overlap": overlap,
+             "strategy.bucket_mb": OVERLAP_BUCKET_MB, "train.steps": 5, "train.steps_per_epoch": 5,
+             "train.profile_step": 5}
+        p, _ = launch(tmp_path / overlap, o)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert_overlap(tmp_path / "auto", tmp_path / "off", WORKERS)
 
 
