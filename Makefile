@@ -120,9 +120,9 @@ bench-links: $(HOROVOD) cluster-tools
 # loopback; then overlapped against not on the test cluster's 10 and 1 Gbit/s links (root). Each
 # writes bench_results/overlap[-<link>].json and a trace of one step of each strategy.
 bench-overlap: $(HOROVOD) cluster-tools
-	$(BIN)/python tools/bench.py --overlap --rounds=3
+	$(BIN)/python tools/bench.py --overlap --rounds=2
 	for link in 10gbit 1gbit; do \
-	  $(BIN)/python tools/bench.py --overlap --link=$$link --buckets=25 --rounds=2 || exit 1; \
+	  $(BIN)/python tools/bench.py --overlap --link=$$link --buckets=25 --rounds=1 || exit 1; \
 	done
 
 bench-scaling-horovod: $(HOROVOD)
