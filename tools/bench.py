@@ -187,16 +187,20 @@ def _link_suffix():
             (f"-straggler{_STRAGGLER.value}" if _LINK.value and _STRAGGLER.value else ""))
 
 
+def _params(stdout):
+    """The model's parameter count from a run's log line ("model 10,818,816 parameters"), or None."""
+    found = re.search(r"model ([\d,]+) parameters", stdout or "")
+    return int(found.group(1).replace(",", "")) if found else None
+
+
 def _predicted_efficiency(stdout, tps1, tokens_1, fp16):
     """The planner's model (tfdist.plan.model: no overlap of compute and communication) of the
     2-process efficiency on a link of --link: T1 / (T1 + ring all-reduce of the gradients)."""
-    import re
     from tfdist.plan.model import allreduce_seconds
     from tools.netcluster import _bits
-    found = re.search(r"model ([\d,]+) parameters", stdout or "")
-    if not (_LINK.value and found):
+    params = _params(stdout)
+    if not (_LINK.value and params):
         return None
-    params = int(found.group(1).replace(",", ""))
     t1 = tokens_1 / tps1
     slowest = _STRAGGLER.value or _LINK.value  # a ring goes at its slowest link's pace
     comm = allreduce_seconds(params * (2 if fp16 else 4), _WORKERS.value, _bits(slowest) / 8)
@@ -309,8 +313,7 @@ def overlap_main():
             workdir = os.path.join(tmp, name.replace(" ", "_"))
             profile = [f"--config.train.profile_step={steps}"] if last and workers > 1 else []
             log = _train_run(workdir, workers, steps, extra=[*extra, *profile], horovod=horovod)
-            found = re.search(r"model ([\d,]+) parameters", _train_run.stdout or "")
-            params = params or (found and int(found.group(1).replace(",", "")))
+            params = params or _params(_train_run.stdout)
             rates[name].append(float(np.median([x["tokens_per_sec"] for x in log[_WARMUP.value:]])))
             eff = rates[name][-1] / (workers * rates["1 process"][-1])
             print(f"round {r + 1}: {name:32s} {rates[name][-1]:8.0f} tokens/s, efficiency "
