@@ -78,7 +78,7 @@ def main():
     import tensorflow as tf
     from tfdist import cluster
     from tfdist import config as config_lib
-    from tfdist import compat, zero
+    from tfdist import zero
     from tfdist.train import Hooks, train
 
     spec = cluster.from_environment()
@@ -100,15 +100,14 @@ def main():
         def model_seed(self, seed, strategy):
             return seed + strategy.worker_index if args.seed_by_rank else seed
 
-        def wrap_optimizer(self, optimizer, strategy, zero_stage=0):
-            if args.skip_allreduce:  # tfdist's corrections over Keras's own (no-op) reduction
-                return compat.set_gradient_reduction(optimizer)
-            zero.GATHER = not args.skip_zero_gather
-            return strategy.wrap_optimizer(optimizer, zero_stage)
+        def reduction(self, strategy):
+            if args.skip_allreduce:  # each replica applies its own gradients (the corrections
+                return lambda grads_and_vars: list(grads_and_vars)  # of tfdist.step stay)
+            return strategy.reduce_gradients
 
         def strategy_callbacks(self, callbacks):
             if args.skip_broadcast:
-                return [cb for cb in callbacks if "Broadcast" not in type(cb).__name__]
+                return [cb for cb in callbacks if getattr(cb, "name", "") != "broadcast_from_root"]
             return callbacks
 
         def on_input(self, windows, input_context):
@@ -121,6 +120,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             manager.save(checkpoint_number=step)
 
+    zero.GATHER = not args.skip_zero_gather
     c = importlib.import_module(args.config).get_config()
     for key, value in json.loads(args.overrides).items():
         section, _, name = key.rpartition(".")

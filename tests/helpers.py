@@ -113,10 +113,10 @@ def run_group(cmd, timeout):
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
-def driver(workdir, overrides, *extra, timeout=300, check=True):
+def driver(workdir, overrides, *extra, timeout=300, check=True, env=None):
     """Runs tests/faulty_train.py; returns (CompletedProcess, result dict or None)."""
     p = run([sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra],
-            timeout=timeout, check=check)
+            timeout=timeout, check=check, env=env)
     line = [x for x in p.stdout.splitlines() if x.startswith("DRIVER_RESULT ")]
     return p, (json.loads(line[-1][len("DRIVER_RESULT "):]) if line else None)
 

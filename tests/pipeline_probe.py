@@ -24,7 +24,8 @@ import tfdist.strategies  # noqa: E402
 from tfdist.models.gpt import GPT, loss_fn  # noqa: E402
 from tfdist.models import state  # noqa: E402
 from tfdist.models.pipeline import Pipeline  # noqa: E402
-from tfdist.strategies.base import configure_logical_cpus  # noqa: E402
+from tfdist.layout import Layout, configure_logical_cpus  # noqa: E402
+from tfdist.step import TrainStep  # noqa: E402
 
 SIZES = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
@@ -39,6 +40,14 @@ def models(k, m, recompute=False, t=1, schedule="gpipe"):
                          tensor_parallel=t, schedule=schedule)
         piped.build()
     return plain, piped
+
+
+def attach_step(piped):
+    """tfdist's training step for `piped` (compiled), as `tfdist train` attaches it."""
+    layout = Layout(pp=piped.stages, tp=piped.tensor_parallel, microbatches=piped.microbatches,
+                    schedule=piped.schedule, recompute=piped.recompute)
+    with tfdist.strategies.get("single").scope():
+        TrainStep(piped, tfdist.strategies.get("single"), layout)
 
 
 def max_abs_diff(a, b):
@@ -94,6 +103,8 @@ def losses(k, m, t=1, optimizer="sgd"):
     for name, model in (("plain", plain), ("pipeline", piped)):
         opt = keras.optimizers.SGD(0.5) if optimizer == "sgd" else keras.optimizers.Adam(1e-3)
         model.compile(optimizer=opt, loss=loss_fn())
+        if model is piped:
+            attach_step(piped)
         h = model.fit(ds, epochs=10, steps_per_epoch=1, verbose=0, shuffle=False)
         out[name] = [float(v) for v in h.history["loss"]]
     return {"plain": out["plain"], "pipeline": out["pipeline"],
@@ -104,7 +115,7 @@ def placement(k, m):
     _, piped = models(k, m)
     piped.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss_fn())
     x, y = batch()
-    piped.optimizer.build(piped.trainable_weights)
+    attach_step(piped)  # (it builds the optimizer)
     variables = {v.path: tf.DeviceSpec.from_string(v.value.device).device_index
                  for v in piped.weights}
     slots = {v.path: tf.DeviceSpec.from_string(v.value.device).device_index
@@ -139,6 +150,7 @@ def tensor_placement(k, m, t):
     from tensorflow.python.eager import context
     _, piped = models(k, m, t=t)
     piped.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss_fn())
+    attach_step(piped)
     x, y = batch()
     ctx = context.context()
     ctx.enable_run_metadata()  # before the first call: partition graphs are kept at instantiation

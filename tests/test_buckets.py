@@ -58,16 +58,16 @@ def test_bad_bucket_options_name_the_key(key, value, needle):
         config.validate(c)
 
 
-def test_overlap_on_with_zero_is_refused_and_auto_leaves_zero_alone():
+def test_overlap_on_with_zero_is_refused():
+    """(the layout judges the combination: tfdist.layout)"""
+    from tfdist import strategies
+    from tfdist.layout import Layout
     c = config.default_config()
     c.strategy.name, c.strategy.overlap, c.zero.stage = "multi_worker_mirrored", "on", 2
     with pytest.raises(UsageError, match="strategy.overlap=on cannot be combined with zero.stage=2"):
-        config.validate(c)
-    with pytest.raises(UsageError, match="strategy.overlap=on cannot be combined with zero.stage=1"):
-        buckets.check_overlap("on", 1, "horovod")
-    assert buckets.check_overlap("auto", 1, "horovod") is False
-    assert buckets.check_overlap("auto", 0, "horovod") is True
-    assert buckets.check_overlap("off", 0, "horovod") is False
+        Layout.from_config(c, strategies.get_class(c.strategy.name))
+    c.strategy.overlap = "auto"  # ZeRO then reduce-scatters, and auto does not insist
+    assert Layout.from_config(c, strategies.get_class(c.strategy.name)).zero == 2
 
 
 @pytest.mark.slow

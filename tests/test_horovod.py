@@ -133,15 +133,17 @@ def test_fp16_compression_and_gradient_accumulation(tmp_path, data_dir):
 
 def test_learning_rate_scaling_keeps_the_warmup():
     import keras
-    from tfdist.strategies.horovod import _scale_learning_rate
+    from tfdist.compat import learning_rate_schedule
+    from tfdist.strategies.horovod import scale_learning_rate
 
     schedule = keras.optimizers.schedules.CosineDecay(0.0, decay_steps=100, warmup_target=1e-3,
                                                       warmup_steps=10)
     opt = keras.optimizers.AdamW(learning_rate=schedule)
-    _scale_learning_rate(opt, 4)
-    assert float(opt._learning_rate(5)) == pytest.approx(4 * float(schedule(5)))
-    assert float(opt._learning_rate(10)) == pytest.approx(4e-3)
-    restored = type(opt._learning_rate).from_config(opt._learning_rate.get_config())
+    scale_learning_rate(opt, 4)
+    scaled = learning_rate_schedule(opt)
+    assert float(scaled(5)) == pytest.approx(4 * float(schedule(5)))
+    assert float(scaled(10)) == pytest.approx(4e-3)
+    restored = type(scaled).from_config(scaled.get_config())
     assert float(restored(10)) == pytest.approx(4e-3)
 
 

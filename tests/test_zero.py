@@ -48,7 +48,8 @@ def test_each_replica_holds_one_nth_of_the_optimizer_state():
     for n in (2, 4):
         shares = []
         for r in range(n):
-            opt = zero.shard(make_optimizer(c.train, 100), 1, fake(r, n))
+            opt = make_optimizer(c.train, 100)
+            zero.shard(opt, 1, fake(r, n))
             opt.build(model.trainable_variables)
             shares.append(slot_bytes(opt))
         imbalance = opt.tfdist_zero.sharding.imbalance
@@ -75,28 +76,62 @@ def test_a_tensor_parallel_layers_shards_share_one_owner():
     assert s.owners == [0, 0, 1, 1, 1] and s.loads == [64, 24]
 
 
-@pytest.mark.parametrize("stage,accumulate", [(1, None), (2, None), (1, 3), (2, 3)])
+@pytest.mark.parametrize("stage,accumulate", [(1, 1), (2, 1), (1, 3), (2, 3)])
 def test_one_replica_zero_step_equals_the_plain_optimizer(stage, accumulate):
-    """The ZeRO path (reduce-scatter, clip by the summed norm, update, gather) with one replica:
-    the same weights as Keras's AdamW with global clipping and a decaying learning rate, over 9
-    calls in a tf.function, also with Keras's gradient accumulation (ZeRO-2: its own shard's)."""
+    """tfdist's step (tfdist.step) with one replica, with and without ZeRO (reduce-scatter, clip
+    by the summed norm, update, gather): the weights of Keras's own AdamW with global clipping
+    and a decaying learning rate, given the mean of every `accumulate` gradients, over 9 calls
+    in a tf.function (ZeRO-2 accumulates its own shard only)."""
     import tensorflow as tf
+    import tfdist.strategies
+    from tfdist.layout import Layout
+    from tfdist.step import TrainStep
     rng = np.random.default_rng(0)
     init = [rng.normal(size=s).astype("float32") for s in [(6, 4), (4,), (4, 3)]]
     grads = [[rng.normal(size=x.shape).astype("float32") * 5 for x in init] for _ in range(9)]
+
+    def adamw(**kw):
+        return keras.optimizers.AdamW(keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5),
+                                      weight_decay=0.1, **kw)
+
+    reference = [keras.Variable(x) for x in init]
+    opt = adamw(global_clipnorm=1.0)
+    apply = tf.function(lambda g: opt.apply(g, reference))
+    for k in range(0, 9, accumulate):
+        apply([tf.constant(np.mean([grads[i][j] for i in range(k, k + accumulate)], 0))
+               for j in range(len(init))])
+    strategy = tfdist.strategies.get("single")
     finals = []
-    for sharded in (False, True):
-        v = [keras.Variable(x) for x in init]
-        schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5)
-        opt = keras.optimizers.AdamW(schedule, weight_decay=0.1, global_clipnorm=1.0,
-                                     gradient_accumulation_steps=accumulate)
-        opt = zero.shard(opt, stage, zero.local()) if sharded else opt
-        step = tf.function(lambda g: opt.apply(g, v))
+    for sharded in (0, stage):
+        with strategy.scope():
+            model = keras.Sequential([_Weights(init)])
+            model.build((None, 1))
+            model.compile(optimizer=adamw(), loss="mse")
+            step = TrainStep(model, strategy, Layout(zero=sharded, accumulate=accumulate),
+                             clipnorm=1.0, collectives=zero.local())
+        update = tf.function(lambda g: step.update(list(zip(g, model.trainable_weights))))
         for g in grads:
-            step([tf.constant(x) for x in g])
-        finals.append([x.numpy() for x in v] + [opt.iterations.numpy()])
-    assert finals[0][-1] == (3 if accumulate else 9)
-    assert max(np.abs(a - b).max() for a, b in zip(*finals)) <= 1e-6
+            update([tf.constant(x) for x in g])
+        assert int(model.optimizer.iterations.numpy()) == 9 // accumulate
+        finals.append([v.numpy() for v in model.trainable_weights])
+    for got in finals:
+        assert max(np.abs(a - b.numpy()).max() for a, b in zip(got, reference)) <= 1e-6
+
+
+class _Weights(keras.layers.Layer):
+    """A layer that is only weights (for an optimizer's test)."""
+
+    def __init__(self, init):
+        super().__init__()
+        self.init = init
+
+    def build(self, input_shape):
+        for i, x in enumerate(self.init):
+            self.add_weight(shape=x.shape, name=f"w{i}",
+                            initializer=keras.initializers.Constant(x))
+
+    def call(self, x):
+        return x
 
 
 @pytest.mark.parametrize("flags,needle", first_fast([

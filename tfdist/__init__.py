@@ -18,3 +18,6 @@ Example (2 replicas on 2 logical CPUs; any strategy of `tfdist.strategies.names(
 __version__ = "0.1.0"
 
 from tfdist.errors import UsageError  # noqa: F401
+# The strategy registry (no TensorFlow: the plugins are read without it): the plugins' options
+# join the config schema before any config is made.
+from tfdist import strategies  # noqa: F401,E402

@@ -15,9 +15,7 @@ def main(argv=None):
     if argv[1] not in COMMANDS:
         print(f"tfdist: error: unknown command '{argv[1]}'; {USAGE}", file=sys.stderr)
         sys.exit(2)
-    from tfdist import cli
-    cli.quiet_tensorflow_import(argv)
-    module = importlib.import_module(COMMANDS[argv[1]])
+    module = importlib.import_module(COMMANDS[argv[1]])  # (no TensorFlow yet: `--help` is quick)
     module.run([f"tfdist {argv[1]}"] + argv[2:])
 
 

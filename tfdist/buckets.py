@@ -26,7 +26,8 @@ Example: 4 gradients of 10, 10, 30 and 5 MiB in buckets of 25 MiB, the last vari
 MIB = 1 << 20
 BUCKET_MB = 25.0  # PyTorch DDP's default
 #: Values of `strategy.overlap`: `auto` overlaps wherever tfdist's gradient path allows it (not
-#: under ZeRO, whose reduce-scatter takes every gradient at once), `on` insists, `off` does not.
+#: under ZeRO, whose reduce-scatter takes every gradient at once), `on` insists (refused with
+#: ZeRO: tfdist.layout), `off` does not.
 OVERLAP = ("auto", "on", "off")
 
 #: The strategy options (`config.strategy.<key>`) of a plugin that reduces gradients in buckets.
@@ -41,17 +42,6 @@ OPTIONS = {
 
 def to_bytes(bucket_mb):
     return max(1, round(float(bucket_mb) * MIB))
-
-
-def check_overlap(overlap, zero_stage, strategy):
-    """Whether gradients go in buckets that overlap the backward pass. ZeRO reduce-scatters one
-    flat buffer of every gradient, so it cannot: `auto` then does not, and `on` is refused."""
-    if zero_stage and overlap == "on":
-        from tfdist.errors import UsageError
-        raise UsageError(f"strategy.overlap=on cannot be combined with zero.stage={zero_stage} "
-                         f"under {strategy}: ZeRO reduce-scatters every gradient at once after "
-                         f"the backward pass; set strategy.overlap=auto or off, or zero.stage=0")
-    return overlap != "off" and not zero_stage
 
 
 def plan(sizes, bucket_bytes):

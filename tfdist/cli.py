@@ -115,13 +115,16 @@ def _parse_flags(argv):
 _MAIN_MODULE = [None]
 
 
-def run(main, argv):
-    """Parses flags (after `--help` or a bad flag: exit), then runs `main(argv)` under the error
-    contract."""
+def run(main, argv, tensorflow=True):
+    """Parses flags (after `--help` or a bad flag: exit, without TensorFlow), then runs
+    `main(argv)` under the error contract; with `tensorflow`, TensorFlow is imported first,
+    quietly (`quiet_tensorflow_import`)."""
     _MAIN_MODULE[0] = main.__module__
 
     def guarded(args):
         logging.set_verbosity(logging.WARNING)  # TFDS and checkpointing are chatty at INFO
+        if tensorflow:
+            quiet_tensorflow_import(argv)
         try:
             return main(args)
         except UsageError as e:

@@ -75,12 +75,13 @@ def default_config():
     # in <workdir>/profile/worker-<i>; 0: none. `tfdist.profiling` reads it.
     c.train.profile_step = 0
 
-    # The strategy's name, and every plugin's own options with their defaults (declared and
-    # checked by the plugins: `options` in tfdist/strategies/<name>.py).
-    from tfdist import strategies
+    # The strategy's name, and every plugin's own options with their defaults: the plugins
+    # declare them (`options` in tfdist/strategies/<name>.py) and the registry registers them
+    # here when it is imported (`register_options`; every tfdist command imports it).
     c.strategy = ml_collections.ConfigDict()
     c.strategy.name = "single"
-    c.strategy.update(strategies.default_options())
+    for key, (default, _) in sorted(_OPTIONS["strategy"].items()):
+        c.strategy[key] = default
 
     # Layer-split model parallelism (tfdist/models/pipeline.py): the GPT's blocks in `stages`
     # contiguous stages on as many devices, each batch in `microbatches` (GPipe).
@@ -121,6 +122,23 @@ def default_config():
     c.sample.temperature = 0.8
     c.sample.top_k = 40
     return c
+
+
+#: Options a higher layer registers in a section: section -> {key: (default, {owner: (check,
+#: what is valid)})}. The strategy registry registers each plugin's (`tfdist.strategies`).
+_OPTIONS = {"strategy": {}}
+
+
+def register_options(section, options, owner):
+    """Adds `owner`'s `options` ({key: (default, check(value) -> bool, what is valid)}) to
+    `section` of the config every later `default_config()` makes, checked by `validate()`. A key
+    registered by two owners (plugins sharing an option) must have one default."""
+    known = _OPTIONS[section]
+    for key, (default, check, what) in options.items():
+        if key in known and known[key][0] != default:
+            raise ValueError(f"config option {section}.{key}: {owner} gives it the default "
+                             f"{default!r}, another owner gave {known[key][0]!r}")
+        known.setdefault(key, (default, {}))[1][owner] = (check, what)
 
 
 def _positive_int(v):
@@ -215,9 +233,7 @@ def validate(c):
             ok = False
         if not ok:
             raise UsageError(f"config key '{path}' must be {what}, got {value!r}")
-    from tfdist import buckets, strategies
-    strategies.check_config(c.strategy)
-    buckets.check_overlap(c.strategy.overlap, c.zero.stage, c.strategy.name)  # ZeRO + overlap=on
+    _check_options(c)
     m, t = c.model, c.train
     if m.n_embd % m.n_head:
         raise UsageError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
@@ -225,26 +241,6 @@ def validate(c):
         raise UsageError("train.min_learning_rate must not exceed train.learning_rate")
     if t.warmup_steps >= t.steps:
         raise UsageError(f"train.warmup_steps ({t.warmup_steps}) must be less than train.steps ({t.steps})")
-    p = c.pipeline
-    if p.stages > m.n_layer:
-        raise UsageError(f"pipeline.stages ({p.stages}) cannot exceed the model's blocks "
-                         f"(model.n_layer = {m.n_layer})")
-    if p.layers_per_stage:
-        counts = [int(x) for x in p.layers_per_stage.split(",")]
-        if len(counts) != p.stages or min(counts) < 1 or sum(counts) != m.n_layer:
-            raise UsageError(f"pipeline.layers_per_stage ({p.layers_per_stage}) must give "
-                             f"{p.stages} positive block counts adding up to model.n_layer "
-                             f"({m.n_layer})")
-    tp = c.tensor.parallel
-    if p.devices and len(p.devices.split(",")) != p.stages * tp:
-        raise UsageError(f"pipeline.devices lists {len(p.devices.split(','))} device(s); "
-                         f"pipeline.stages x tensor.parallel is {p.stages} x {tp}")
-    if tp > 1:
-        check_tensor_parallel(m.n_head, m.n_embd, tp)
-    if p.schedule == "1f1b" and p.microbatches < p.stages:
-        raise UsageError(f"pipeline.schedule=1f1b needs at least as many microbatches as stages "
-                         f"(pipeline.microbatches {p.microbatches} < pipeline.stages {p.stages}); "
-                         f"raise the microbatches or use gpipe")
     if t.steps_per_epoch % t.steps_per_execution:
         raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) must divide "
                          f"train.steps_per_epoch ({t.steps_per_epoch})")
@@ -257,13 +253,25 @@ def validate(c):
     return c
 
 
-def check_tensor_parallel(n_head, n_embd, t):
-    """t must divide the heads: each device runs whole heads. (Then it also divides n_embd,
-    which n_head divides, and the MLP width 4 * n_embd.)"""
-    if n_head % t:
-        raise UsageError(f"tensor.parallel={t} must divide model.n_head ({n_head}) and so the "
-                         f"MLP width ({4 * n_embd}): each device runs whole attention heads; "
-                         f"pick t among the divisors of {n_head}")
+def _check_options(c):
+    """The registered options of each section: by the rule of the owner the section names (its
+    `name`: the strategy), the others by the rule of some owner (one that would use them)."""
+    for section, options in _OPTIONS.items():
+        for key, (_, rules) in options.items():
+            if key not in c[section]:
+                continue
+            named = c[section].name
+            owners = [named] if named in rules else list(rules)
+            if not any(_holds(rules[o][0], c[section][key]) for o in owners):
+                raise UsageError(f"config key '{section}.{key}' must be {rules[owners[0]][1]} for "
+                                 f"{section} {owners[0]}, got {c[section][key]!r}")
+
+
+def _holds(check, value):
+    try:
+        return bool(check(value))
+    except TypeError:
+        return False
 
 
 def vocab_size(c):

@@ -17,9 +17,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from tfdist import cli
+from tfdist import cli, strategies  # (the registry: the plugins' options join the config schema)
 from tfdist.lock import WorkdirLock
-from tfdist.preemption import Preemption
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = cli.define_config_flag(
@@ -73,12 +72,12 @@ def prepare_workdir(workdir, backup_dir, overwrite):
 
 
 def prepare(c, workdir, overwrite=False):
-    """What must happen once per run, before any worker starts: the config and the strategy name
-    are checked, the dataset is prepared, and `--overwrite` clears the workdir."""
-    from tfdist import strategies
+    """What must happen once per run, before any worker starts: the config, the strategy name and
+    the layout are checked, the dataset is prepared, and `--overwrite` clears the workdir."""
     from tfdist.data import open_store
+    from tfdist.layout import Layout
 
-    strategies.get_class(c.strategy.name)
+    Layout.from_config(c, strategies.get_class(c.strategy.name))
     model_vocab(c, open_store(c.data))
     with WorkdirLock(workdir):  # a run on it now: refused here, before any worker starts
         prepare_workdir(workdir, c.backup.dir or os.path.join(workdir, "backup"), overwrite)
@@ -92,7 +91,7 @@ class Hooks:
 
         class NoBroadcast(Hooks):
             def strategy_callbacks(self, callbacks):
-                return [cb for cb in callbacks if "Broadcast" not in type(cb).__name__]
+                return [cb for cb in callbacks if cb.name != "broadcast_from_root"]
         train(c, "runs/x", hooks=NoBroadcast())
     """
 
@@ -103,8 +102,9 @@ class Hooks:
         """The seed of the model's initialisation (the data keeps the config's)."""
         return seed
 
-    def wrap_optimizer(self, optimizer, strategy, zero_stage=0):
-        return strategy.wrap_optimizer(optimizer, zero_stage)
+    def reduction(self, strategy):
+        """How the training step reduces gradients over the replicas (`tfdist.step`)."""
+        return strategy.reduce_gradients
 
     def strategy_callbacks(self, callbacks):
         return callbacks
@@ -125,116 +125,92 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     A preemption signal ends it with `tfdist.preemption.Preempted` (a SystemExit, status 75)
     once the backup of the step in progress is written.
     """
+    hooks = hooks or Hooks()
     with contextlib.ExitStack() as held:  # the workdir's lock, the preemption signal handlers
-        return _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks or Hooks())
+        layout, strategy, data, model = _start(c, hooks)
+        backup, log, start = _resume(c, workdir, held, overwrite, strategy, data, model, hooks)
+        say = print if strategy.is_chief else (lambda *a, **k: None)
+        _say_what_runs(c, layout, strategy, data, model, backup.backup_dir, start, say)
+        callbacks = _callbacks(c, workdir, held, strategy, backup, log, start, extra_callbacks)
+        t = c.train
+        if start < t.steps:
+            strategy.fit(model, _windows(c, data, "train", hooks), epochs=t.steps // t.steps_per_epoch,
+                         steps_per_epoch=t.steps_per_epoch, initial_step=start,
+                         callbacks=callbacks, validation_data=_windows(c, data, "val"),
+                         validation_steps=t.eval_steps,
+                         verbose=verbose if strategy.is_chief else 0,  # one progress per cluster
+                         progress_every=t.log_every_steps,
+                         strategy_callbacks=hooks.strategy_callbacks(strategy.callbacks()))
+        else:  # the last epoch's validation is in metrics.json already (logged before the backup)
+            log.set_model(model)
+            log.on_train_end()
+        return _finish(c, workdir, layout, strategy, model, backup, log, start, say)
 
 
-def _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks):
+def _start(c, hooks):
+    """The layout judged, threads and devices set, the strategy built (a server task serves
+    and ends here), the seed and precision set, the data opened, the model built for the layout
+    with its optimizer and tfdist's training step. Returns (layout, strategy, data, model)."""
     import tensorflow as tf
-    from tfdist import strategies
-    from tfdist.errors import UsageError
-    from tfdist.strategies.base import configure_logical_cpus
+    from tfdist import compat
+    from tfdist.layout import Layout
 
     if hooks.disable_patches:
-        from tfdist import compat
         compat.disable(*hooks.disable_patches)
-
-    # Before anything initialises TF's runtime: thread pools, then the strategy (which may split
-    # the CPU into logical devices).
+    plugin = strategies.get_class(c.strategy.name)
+    layout = Layout.from_config(c, plugin)  # the one judge of a layout (tfdist.layout)
+    # Before anything initialises TF's runtime: thread pools, devices, then the strategy.
     tf.config.threading.set_intra_op_parallelism_threads(c.train.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(c.train.inter_op_threads)
-    p, tp = c.pipeline, c.tensor.parallel
-    pipelined = p.stages > 1 or p.microbatches > 1
-    split = pipelined or tp > 1  # the GPT laid out over this process's devices
-    plugin = strategies.get_class(c.strategy.name)
-    if split and not plugin.supports_pipeline:
-        raise UsageError(f"strategy {c.strategy.name} cannot run a pipeline or tensor parallelism "
-                         f"(pipeline.stages / pipeline.microbatches / tensor.parallel); leave them "
-                         f"at 1 or pick another strategy")
-    if c.zero.stage and plugin.zero_collectives is None:
-        raise UsageError(f"strategy {c.strategy.name} cannot shard the optimizer (zero.stage="
-                         f"{c.zero.stage}); use horovod or multi_worker_mirrored, or set "
-                         f"zero.stage=0")
-    if c.train.grad_accum_steps > 1 and not plugin.supports_grad_accumulation:
-        raise UsageError(f"train.grad_accum_steps > 1 does not work with strategy {plugin.name} "
-                         f"on Keras 3.15 (keras-team/keras#20582: the accumulation's update calls "
-                         f"merge_call inside a cond); set it to 1, or use horovod")
-    if tp > 1 and plugin.uses_local_devices:
-        raise UsageError(f"tensor parallelism and the {plugin.name} strategy both want this "
-                         f"process's devices; combine tensor.parallel with one replica per process "
-                         f"(horovod or multi_worker_mirrored)")
-    devices_needed, gpus = p.stages * tp, len(tf.config.list_physical_devices("GPU"))
-    if devices_needed > 1 and not p.devices and gpus < devices_needed:
-        if gpus:
-            raise UsageError(f"pipeline.stages x tensor.parallel = {p.stages} x {tp} needs "
-                             f"{devices_needed} devices and this process sees {gpus} GPU(s); "
-                             f"lower them or give pipeline.devices")
-        if plugin.uses_local_devices:
-            raise UsageError(f"pipeline stages and the {plugin.name} strategy both want this "
-                             f"machine's devices; combine a pipeline with one replica per process "
-                             f"(horovod or multi_worker_mirrored)")
-        configure_logical_cpus(devices_needed)  # one logical CPU device per stage and shard
+    devices = layout.place_devices(plugin)
     strategy = strategies.from_config(c)
     strategy.serve()  # a task that only serves others (parameter server) ends here
+    layout = Layout.from_config(c, plugin, replicas=strategy.num_replicas)
 
     import keras
-    from tfdist import callbacks as cb
-    from tfdist.data import Windows, open_store
-    from tfdist.models.gpt import GPT, loss_fn
-    from tfdist.models.pipeline import Pipeline
-    from tfdist.models.state import plain_gpt
+    from tfdist.data import open_store
+    from tfdist.models.gpt import loss_fn
     from tfdist.optimizers import make_optimizer
+    from tfdist.step import TrainStep
 
     t = c.train
-    say = print if strategy.is_chief else (lambda *a, **k: None)
-    _apply_recommended(c, strategy, say)
-    if t.jit_compile and not strategy.supports_jit_compile:
-        raise UsageError(f"train.jit_compile=True does not work with strategy {strategy.name} on "
-                         f"TF 2.21 (cross-device resource access); set it to False")
-    if t.batch_size % strategy.num_replicas:
-        raise UsageError(f"train.batch_size ({t.batch_size}) must be divisible by the "
-                         f"{strategy.num_replicas} replicas of strategy {strategy.name}")
+    _apply_recommended(c, strategy, print if strategy.is_chief else (lambda *a, **k: None))
     if t.deterministic:
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(hooks.model_seed(c.seed, strategy))
     keras.mixed_precision.set_dtype_policy(t.precision)
-
     data = open_store(c.data, progress=strategy.is_chief)
     model_vocab(c, data)
-    train_windows = Windows(data.split("train"), c.model.block_size, t.batch_size, seed=c.seed,
-                            on_input=hooks.on_input)
-    val_windows = Windows(data.split("val"), c.model.block_size, t.batch_size, seed=c.seed + 1)
-
-    per_replica = t.batch_size // strategy.num_replicas
-    if per_replica % p.microbatches:
-        raise UsageError(f"pipeline.microbatches ({p.microbatches}) must divide the batch of each "
-                         f"replica ({per_replica} = train.batch_size {t.batch_size} / "
-                         f"{strategy.num_replicas} replica(s))")
-
     with strategy.scope():
-        model = GPT.from_model_config(c.model)
-        if split:
-            model = Pipeline(model, stages=p.stages, microbatches=p.microbatches,
-                             tensor_parallel=tp, schedule=p.schedule,
-                             layers_per_stage=[int(x) for x in p.layers_per_stage.split(",")]
-                             if p.layers_per_stage else None,
-                             devices=p.devices.split(",") if p.devices else None,
-                             recompute=p.recompute)
-        model.build()
-        optimizer = hooks.wrap_optimizer(make_optimizer(t, t.steps), strategy, c.zero.stage)
-        model.compile(optimizer=optimizer, loss=loss_fn(), jit_compile=t.jit_compile,
-                      steps_per_execution=t.steps_per_execution)
-        optimizer.build(model.trainable_variables)
-    if c.zero.stage:
-        from tfdist.zero import describe
-        say(f"tfdist: {describe(optimizer)}")
+        model = layout.build_model(c.model, devices)
+        model.compile(optimizer=make_optimizer(t, t.steps), loss=loss_fn(),
+                      jit_compile=t.jit_compile, steps_per_execution=t.steps_per_execution)
+        TrainStep(model, strategy, layout, clipnorm=t.grad_clip, reduce=hooks.reduction(strategy))
+    return layout, strategy, data, model
 
+
+def _windows(c, data, split, hooks=None):
+    from tfdist.data import Windows
+    t = c.train
+    if split == "train":
+        return Windows(data.split("train"), c.model.block_size, t.batch_size, seed=c.seed,
+                       on_input=hooks.on_input)
+    return Windows(data.split("val"), c.model.block_size, t.batch_size, seed=c.seed + 1)
+
+
+def _resume(c, workdir, held, overwrite, strategy, data, model, hooks):
+    """The workdir readied (the chief holds its lock), the backup restored: (backup callback,
+    training log, the step to start at)."""
+    from tfdist import callbacks as cb
+    from tfdist.errors import UsageError
+
+    t = c.train
     backup_dir = c.backup.dir or os.path.join(workdir, "backup")
     if strategy.is_chief:  # one run per workdir: before anything there is read or removed
         held.enter_context(WorkdirLock(workdir))
     if strategy.is_chief or not overwrite:  # after every input has been checked; only the
         prepare_workdir(workdir, backup_dir, overwrite)  # chief deletes
-    backup = cb.BackupAndRestore(  # removed below, once model.keras is written
+    backup = cb.BackupAndRestore(  # removed at the end, once model.keras is written
         backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps, keep=c.backup.keep,
         delete_on_success=False, is_chief=strategy.is_chief,
         save_checkpoint=hooks.save_checkpoint, barrier=strategy.barrier,
@@ -257,21 +233,35 @@ def _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks):
                          val_bytes_per_token=data.split("val").bytes_per_token)
     if strategy.is_chief:
         save_tokenizer(data, workdir)
+    return backup, log, start
+
+
+def _say_what_runs(c, layout, strategy, data, model, backup_dir, start, say):
     say(f"tfdist: {strategy.describe()}")
-    if split:
+    if layout.split:
         say(f"tfdist: {model.describe()}")
+    if layout.zero:
+        from tfdist.zero import describe
+        say(f"tfdist: {describe(model.optimizer)}")
     say(f"tfdist: model {model.num_params():,} parameters; {data.describe()}")
-    if start == t.steps:  # killed after the last backup, before model.keras: only that is left
+    if start == c.train.steps:  # killed after the last backup, before model.keras: only that is left
         say(f"tfdist: the backup in {backup_dir} is at the final step {start}; training is done, "
             f"finishing the run")
     elif start:
-        say(f"tfdist: resuming from {backup_dir} at step {start} of {t.steps}")
+        say(f"tfdist: resuming from {backup_dir} at step {start} of {c.train.steps}")
+
+
+def _callbacks(c, workdir, held, strategy, backup, log, start, extra_callbacks):
+    """tfdist's callbacks, in order: the log, the backup, the caller's, a profiled step, and the
+    preemption handler last (the others see the step first)."""
+    from tfdist import callbacks as cb
+    from tfdist.preemption import Preemption
 
     callbacks = [log] + ([backup] if c.backup.enabled else []) + list(extra_callbacks)
-    if start < t.profile_step:  # after the log, which counts the step
-        callbacks.append(cb.ProfileStep(t.profile_step, os.path.join(
+    if start < c.train.profile_step:  # after the log, which counts the step
+        callbacks.append(cb.ProfileStep(c.train.profile_step, os.path.join(
             workdir, "profile", f"worker-{strategy.worker_index}"), log))
-    if c.backup.enabled and c.backup.preemption_signals.strip():  # last: the others see the step
+    if c.backup.enabled and c.backup.preemption_signals.strip():
         def save_now():  # every process calls it, after the same step
             log.flush()
             backup.save()
@@ -280,20 +270,18 @@ def _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks):
         callbacks.append(held.enter_context(Preemption(
             c.backup.preemption_signals.split(","), save=save_now, agree=strategy.any_process,
             grace_secs=c.backup.grace_secs)))
-    if start < t.steps:
-        strategy.fit(model, train_windows, epochs=t.steps // t.steps_per_epoch,
-                     steps_per_epoch=t.steps_per_epoch, initial_step=start, callbacks=callbacks,
-                     validation_data=val_windows, validation_steps=t.eval_steps,
-                     verbose=verbose if strategy.is_chief else 0,  # one progress bar per cluster
-                     strategy_callbacks=hooks.strategy_callbacks(strategy.callbacks()))
-    else:  # the last epoch's validation is in metrics.json already (logged before the backup)
-        log.set_model(model)
-        log.on_train_end()
+    return callbacks
 
-    if split:
-        for row in model.memory_report(per_replica):
+
+def _finish(c, workdir, layout, strategy, model, backup, log, start, say):
+    """The memory report of a split model, the result, and on the chief `model.keras` (then the
+    backup is removed)."""
+    from tfdist.models.state import plain_gpt
+
+    if layout.split:
+        for row in model.memory_report(layout.batch // layout.dp):
             measured = row["measured_peak_bytes"]
-            where = f"stage {row['stage']}" + (f" shard {row['shard']}" if tp > 1 else "")
+            where = f"stage {row['stage']}" + (f" shard {row['shard']}" if layout.tp > 1 else "")
             say(f"tfdist: {where} on {row['device']}: {row['params']:,} parameters, "
                 f"estimated peak {row['total_bytes'] / 2**20:,.1f} MiB; measured peak "
                 + (f"{measured / 2**20:,.1f} MiB ({row['measured_scope']})" if measured is not None
@@ -307,7 +295,7 @@ def _train(c, workdir, held, overwrite, verbose, extra_callbacks, hooks):
         plain_gpt(model).save(os.path.join(workdir, "model.keras"))
         if c.backup.enabled and c.backup.delete_on_success:
             backup.remove()  # only now: a kill before model.keras was written resumes from it
-        say(f"tfdist: done: {result['steps_run']} steps run (step {log.step} of {t.steps}), "
+        say(f"tfdist: done: {result['steps_run']} steps run (step {log.step} of {c.train.steps}), "
             f"validation loss {result['val_loss']:.4f} nats/token"
             + (f" ({result['val_bits_per_byte']:.4f} bits/byte), "
                if result["val_bits_per_byte"] is not None else " (bits/byte unknown), ") +

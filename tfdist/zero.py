@@ -8,20 +8,20 @@ each update:
    buffer, grouped by owner (each owner's segment padded to the longest), the buffers are summed
    (the strategy's all-reduce op: Horovod averages) and each replica receives only its segment;
 2. each replica clips by the norm of the whole gradient (its segment's squared norm, summed over
-   the replicas: `tfdist.compat.set_gradient_reduction`'s `norm_sum`) and updates only the
-   variables it owns; the optimizer's slots (AdamW's two moments) exist only for those;
+   the replicas: `State.norm_sum`) and updates only the variables it owns; the optimizer's
+   slots (AdamW's two moments) exist only for those;
 3. the updated variables are all-gathered: each replica sends its segment and writes the others'.
 
 Reduce-scatter plus all-gather move what one all-reduce moves, 2(N-1)/N of the gradient bytes.
 The strategy gives the collectives (`Strategy.zero_collectives`): Horovod's, or TF's collective
 ops under multi_worker_mirrored.
 
-Without gradient accumulation, stage 1 and stage 2 run this same step: within one step a graph's
-gradients are transient tensors under both. Stage 2 differs in the gradient memory that outlives a
-step: with accumulation, stage 1 keeps Keras's accumulators (every variable's local gradient,
-reduced at the update), while stage 2 reduce-scatters every microstep and accumulates only this
-replica's segment: 1/N of the bytes, for a reduce-scatter per microstep instead of one exchange
-per update.
+tfdist's training step (`tfdist.step`) runs these three at each update. Without gradient
+accumulation, stage 1 and stage 2 run the same step: within one step a graph's gradients are
+transient tensors under both. Stage 2 differs in the gradient memory that outlives a step: with
+accumulation, stage 1 keeps an accumulator of every variable's local gradient, reduced at the
+update, while stage 2 reduce-scatters every batch and accumulates only this replica's segment:
+1/N of the bytes, for a reduce-scatter per batch instead of one exchange per update.
 
 Partition: whole variables, largest first onto the least-loaded replica. Not flat buffers,
 because the optimizer works per variable (AdamW excludes biases and norms from weight decay by
@@ -35,9 +35,13 @@ Example (one replica, collectives that do nothing: the update is plain AdamW's):
     >>> import keras, numpy as np
     >>> from tfdist import zero
     >>> v = [keras.Variable(np.ones((4, 4), "float32")), keras.Variable(np.ones(4, "float32"))]
-    >>> opt = zero.shard(keras.optimizers.AdamW(0.1), stage=1, collectives=zero.local())
+    >>> opt = keras.optimizers.AdamW(0.1)
+    >>> sharded = zero.shard(opt, stage=1, collectives=zero.local())
     >>> opt.build(v)
-    >>> opt.apply([np.ones((4, 4), "float32"), np.ones(4, "float32")], v)
+    >>> mine = sharded.reduce_scatter([(np.ones((4, 4), "float32"), v[0]),
+    ...                                (np.ones(4, "float32"), v[1])])
+    >>> opt.apply([g for g, _ in mine], [x for _, x in mine])
+    >>> sharded.gather()
     >>> zero.describe(opt)
     'ZeRO-1 over 1 replica(s): this replica owns 2 of 2 variables (20 of 20 parameters); imbalance 1.00'
 """
@@ -50,7 +54,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import compat
 from tfdist.data.store import write_atomic
 from tfdist.errors import UsageError
 
@@ -125,11 +128,43 @@ class Sharding:
 
 
 class State:
-    """A ZeRO optimizer's stage, collectives and (once built) sharding: `optimizer.tfdist_zero`."""
+    """A ZeRO optimizer's stage, collectives and (once built) sharding, at
+    `optimizer.tfdist_zero`; what tfdist's training step (`tfdist.step`) calls at each update:
+    `reduce_scatter` the gradients, `norm_sum` for clipping, then the optimizer's update of this
+    replica's variables, then `gather` them."""
 
-    def __init__(self, stage, collectives):
-        self.stage, self.collectives, self.sharding, self.owned = stage, collectives, None, set()
+    def __init__(self, optimizer, stage, collectives):
+        self.optimizer, self.stage, self.collectives = optimizer, stage, collectives
+        self.sharding, self.owned = None, set()
         self.slots = set()  # ids of this replica's slot variables: the shard of the state
+
+    def norm_sum(self, x):
+        """`x` summed over the replicas (a squared norm: each holds its segment's)."""
+        return self.collectives.sum(x)
+
+    def reduce_scatter(self, grads_and_vars):
+        """[(summed gradient, variable)] of this replica's variables (those with a gradient)."""
+        s, c = self.sharding, self.collectives
+        by_handle = {id(_handle(v)): g for g, v in grads_and_vars}
+        grads = [by_handle.get(id(_handle(v))) for v in s.variables]
+        dense = [tf.zeros(v.shape, tf.float32) if g is None else tf.convert_to_tensor(g)
+                 for g, v in zip(grads, s.variables)]
+        mine = c.reduce_scatter(tf.concat([s.flat(dense, r) for r in range(c.size)], 0))
+        return [(g, s.variables[i]) for i, g in s.unflat(mine, c.rank) if grads[i] is not None]
+
+    def gather(self):
+        """Every replica's updated variables to every replica (`GATHER` False: none)."""
+        s, c = self.sharding, self.collectives
+        if not GATHER or c.size == 1:
+            return
+        every = c.all_gather(s.flat([_handle(v) for v in s.variables], c.rank))
+        for r in range(c.size):
+            if r != c.rank:
+                for i, value in s.unflat(every[r * s.segment:(r + 1) * s.segment], r):
+                    c.assign(s.variables[i], value)
+
+    def owns(self, variable):
+        return id(variable) in self.owned
 
 
 def common_variables(optimizer):
@@ -139,41 +174,29 @@ def common_variables(optimizer):
     return [v for v in optimizer.variables if zero is None or id(v) not in zero.slots]
 
 
-def _handle(v):  # what Keras's TF optimizer hands `_all_reduce_sum_gradients`: the tf.Variable
+def _handle(v):  # the tf.Variable of a Keras variable
     return v.value if isinstance(v, keras.Variable) else v
 
 
-def _calls(optimizer):
-    """The variable counting the optimizer's `apply` calls. Under gradient accumulation Keras's
-    `iterations` is the count of updates, `calls // steps`, a tensor: it is the variable itself
-    while accumulation is off (read at trace time)."""
-    steps, optimizer.gradient_accumulation_steps = optimizer.gradient_accumulation_steps, None
-    try:
-        return optimizer.iterations
-    finally:
-        optimizer.gradient_accumulation_steps = steps
-
-
 def shard(optimizer, stage, collectives):
-    """Makes `optimizer` a ZeRO-`stage` optimizer over `collectives`' replicas; returns it. Its
-    `build(variables)` partitions the variables and creates slots only for this replica's; its
-    `apply` reduce-scatters, updates this replica's variables and all-gathers them."""
+    """Makes `optimizer` a ZeRO-`stage` optimizer over `collectives`' replicas; returns its
+    `State`. Its `build(variables)` partitions the variables and creates slots only for this
+    replica's (in `collectives.slot_scope()`), so that it can update only those; its
+    `add_slot(variable, name)` adds one more slot of the same kind (`None` for a variable this
+    replica does not own), such as the step's gradient accumulators under ZeRO-2."""
     if stage not in (1, 2):
         raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}")
     c = collectives
-    zero = optimizer.tfdist_zero = State(stage, c)  # (a dict would be copied by Keras's tracking)
-    build, add_slot, apply = optimizer.build, optimizer.add_variable_from_reference, optimizer.apply
-    steps = optimizer.gradient_accumulation_steps if stage == 2 else None  # ZeRO-2's shards
+    zero = optimizer.tfdist_zero = State(optimizer, stage, c)  # (a dict would be copied by Keras)
+    build, add_slot = optimizer.build, optimizer.add_variable_from_reference
 
     def add_owned_slot(reference_variable, name=None, initializer="zeros"):
-        if name == "gradient_accumulator" and not steps:  # stage 1: Keras's, every variable's
-            return add_slot(reference_variable, name=name, initializer=initializer)
-        if id(reference_variable) in zero.owned:
-            with c.slot_scope():
-                slot = add_slot(reference_variable, name=name, initializer=initializer)
-            zero.slots.add(id(slot))
-            return slot
-        return None  # Keras's optimizers skip a None slot (as for overwrite_with_gradient)
+        if id(reference_variable) not in zero.owned:
+            return None  # Keras's optimizers skip a None slot (as for overwrite_with_gradient)
+        with c.slot_scope():
+            slot = add_slot(reference_variable, name=name, initializer=initializer)
+        zero.slots.add(id(slot))
+        return slot
 
     def zero_build(variables):
         s = zero.sharding = Sharding(variables, c.size)
@@ -184,53 +207,9 @@ def shard(optimizer, stage, collectives):
         finally:
             del optimizer.add_variable_from_reference  # Keras's own again
 
-    def reduce_scatter(grads_and_vars):
-        """[(summed gradient, variable)] of this replica's variables (those with a gradient)."""
-        s = zero.sharding
-        by_handle = {id(_handle(v)): g for g, v in grads_and_vars}
-        grads = [by_handle.get(id(_handle(v))) for v in s.variables]
-        dense = [tf.zeros(v.shape, tf.float32) if g is None else tf.convert_to_tensor(g)
-                 for g, v in zip(grads, s.variables)]
-        mine = c.reduce_scatter(tf.concat([s.flat(dense, r) for r in range(c.size)], 0))
-        return [(g, _handle(s.variables[i])) for i, g in s.unflat(mine, c.rank)
-                if grads[i] is not None]
-
-    def gather():
-        s = zero.sharding
-        every = c.all_gather(s.flat([_handle(v) for v in s.variables], c.rank))
-        for r in range(c.size):
-            if r != c.rank:
-                for i, value in s.unflat(every[r * s.segment:(r + 1) * s.segment], r):
-                    c.assign(s.variables[i], value)
-
-    def zero_apply(grads, trainable_variables=None):
-        apply(grads, trainable_variables)
-        if not GATHER or c.size == 1:
-            return
-        steps = optimizer.gradient_accumulation_steps
-        if steps:  # the variables changed only if this call was an update
-            tf.cond(tf.equal(_calls(optimizer) % steps, 0), lambda: gather() or tf.constant(0),
-                    lambda: tf.constant(0))
-        else:
-            gather()
-
-    def accumulating_apply(grads, trainable_variables=None):
-        """ZeRO-2 with accumulation: every microstep reduce-scatters, and hands Keras only this
-        replica's summed segment and variables; Keras's accumulation then keeps accumulators for
-        those only (1/N of the gradients) and updates from their mean every `steps` calls."""
-        variables = list(zero.sharding.variables if trainable_variables is None
-                         else trainable_variables)
-        if not optimizer.built:  # (on all the variables, not only the ones given below)
-            with keras.name_scope(optimizer.name, caller=optimizer):
-                optimizer.build(variables)
-        by_handle = {id(_handle(v)): v for v in variables}
-        summed = reduce_scatter(list(zip(grads, variables)))
-        zero_apply([g for g, _ in summed], [by_handle[id(h)] for _, h in summed])
-
-    optimizer.build, optimizer.apply = zero_build, accumulating_apply if steps else zero_apply
-    # ZeRO-2's accumulated gradients are already reduced: the reduction only clips them
-    return compat.set_gradient_reduction(optimizer, (lambda gv: gv) if steps else reduce_scatter,
-                                         norm_sum=c.sum)
+    optimizer.build = zero_build
+    zero.add_slot = add_owned_slot
+    return zero
 
 
 def describe(optimizer):

@@ -318,13 +318,13 @@ def _tokenize_unit(args):
 
 
 class _Progress:
-    """Keras's progress bar over the source's megabytes, with MB/s and tokens/s."""
+    """The progress over the source's megabytes, with MB/s, tokens/s and tokens so far
+    (`tfdist.progress`: Keras's progress bar on a terminal, else a line per 5 % or so)."""
 
     def __init__(self, total_bytes, show):
-        import keras
-        self.bar = (keras.utils.Progbar(max(total_bytes / 1e6, 1e-3), unit_name="MB",
-                                        stateful_metrics=["MB/s", "tok/s", "tokens"])
-                    if show else None)
+        from tfdist.progress import Progress
+        total = max(total_bytes / 1e6, 1e-3)
+        self.bar = Progress(total, unit="MB", every=max(total / 20, 1e-3)) if show else None
         self.t0, self.bytes, self.tokens, self.new_bytes, self.new_tokens = time.perf_counter(), 0, 0, 0, 0
 
     def add(self, stats, done_before=False):
@@ -335,9 +335,8 @@ class _Progress:
             self.new_tokens += stats["tokens"]
         if self.bar:
             dt = max(time.perf_counter() - self.t0, 1e-9)
-            self.bar.update(self.bytes / 1e6, values=[("MB/s", round(self.new_bytes / 1e6 / dt, 2)),
-                                                      ("tok/s", int(self.new_tokens / dt)),
-                                                      ("tokens", int(self.tokens))])
+            self.bar.update(self.bytes / 1e6, {"MB/s": self.new_bytes / 1e6 / dt,
+                                               "tok/s": self.new_tokens / dt, "tokens": self.tokens})
 
     def close(self):
         if self.bar and self.bytes / 1e6 < self.bar.target:  # the bar is at self.bytes

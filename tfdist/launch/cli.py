@@ -106,6 +106,7 @@ def main(argv):
     if rest[0].startswith("-"):  # tfdist train flags
         if any(a.startswith("--strategy") for a in rest):
             raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
+        cli.quiet_tensorflow_import()  # once here: the prepare step's fork has it, and is quick
         code = _prepare([*rest, f"--strategy={strategy}"], env)
         if code:
             sys.exit(2 if code == 2 else 1)
@@ -133,7 +134,7 @@ def main(argv):
 
 
 def run(argv=None):
-    cli.run(main, argv or sys.argv)
+    cli.run(main, argv or sys.argv, tensorflow=False)  # (imported for the prepare step only)
 
 
 if __name__ == "__main__":

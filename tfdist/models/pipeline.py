@@ -26,7 +26,7 @@ Example (2 logical CPU devices, 4 microbatches):
     >>> import tensorflow as tf
     >>> from tfdist.models.gpt import GPT
     >>> from tfdist.models.pipeline import Pipeline
-    >>> from tfdist.strategies.base import configure_logical_cpus
+    >>> from tfdist.layout import configure_logical_cpus
     >>> configure_logical_cpus(2)
     >>> model = Pipeline(GPT(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
     ...                  stages=2, microbatches=4)
@@ -42,8 +42,6 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from tfdist import compat
-from tfdist.errors import UsageError
 from tfdist.models import arithmetic
 from tfdist.models import tensor_parallel as tp
 from tfdist.models.gpt import GPT
@@ -81,32 +79,14 @@ def balanced_split(costs, stages, first_extra=0.0, last_extra=0.0):
     return solve(0, 0)[1]
 
 
-def default_devices(stages, tensor=1):
-    """K x t devices: the GPUs if there are enough, else the (logical) CPUs."""
-    n = stages * tensor
+def default_devices(n):
+    """The first `n` devices of this process: its GPUs if it has enough, else its (logical)
+    CPUs. (`tfdist.layout.Layout.place_devices` judges and places a run's devices.)"""
     for kind in ("GPU", "CPU"):
         found = tf.config.list_logical_devices(kind)
         if len(found) >= n:
             return [d.name for d in found[:n]]
-    cpus = len(tf.config.list_logical_devices("CPU"))
-    gpus = len(tf.config.list_logical_devices("GPU"))
-    raise UsageError(f"pipeline.stages x tensor.parallel = {stages} x {tensor} needs {n} devices, "
-                     f"and this process has {cpus} CPU device(s) and {gpus} GPU(s); lower them, "
-                     f"split the CPU first (tfdist train does) or give pipeline.devices")
-
-
-def _check_devices_exist(devices):
-    """Each named device is one of this process's (TF would otherwise place its ops elsewhere
-    without a word)."""
-    have = {(d.device_type, int(d.name.rsplit(":", 1)[1]))
-            for d in tf.config.list_logical_devices()}
-    for name in devices:
-        spec = tf.DeviceSpec.from_string(name)
-        if spec.job is None and (spec.device_type, spec.device_index or 0) not in have:
-            raise UsageError(f"pipeline.devices names {name}, which this process does not have "
-                             f"(it has {len(have)} device(s): "
-                             f"{', '.join(sorted(f'{t}:{i}' for t, i in have))}); pipeline.stages x "
-                             f"tensor.parallel is more than the devices")
+    raise ValueError(f"{n} devices wanted; split the CPU first (tfdist.layout.configure_logical_cpus)")
 
 
 def _with_device(grad, variable):
@@ -126,7 +106,8 @@ class Pipeline(keras.Model):
     (tfdist.models.tensor_parallel), on a `keras.distribution.DeviceMesh` of shape (stages, t).
 
     `layers_per_stage`: blocks per stage (default: balanced by compute). `devices`: stages x t
-    device names, stage by stage (default: `default_devices`). Checkpoints hold the GPT's
+    device names, stage by stage (default: `default_devices`). Build it through
+    `tfdist.layout.Layout.build_model`, which judges the layout first. Checkpoints hold the GPT's
     variables under the GPT's names whatever the layout (tfdist.models.state), so a backup of one
     layout restores into another.
     """
@@ -141,31 +122,12 @@ class Pipeline(keras.Model):
         if gpt.built:
             raise ValueError("Pipeline needs an unbuilt GPT: its variables must be created on "
                              "their stages' devices")
-        if not 1 <= stages <= gpt.n_layer:
-            raise UsageError(f"pipeline.stages={stages} must be between 1 and the model's "
-                             f"{gpt.n_layer} blocks (model.n_layer)")
-        if microbatches < 1:
-            raise UsageError(f"pipeline.microbatches={microbatches} must be >= 1")
-        if schedule not in ("gpipe", "1f1b"):
-            raise UsageError(f"pipeline.schedule={schedule!r}: gpipe or 1f1b")
-        if schedule == "1f1b" and microbatches < stages:
-            raise UsageError(f"pipeline.schedule=1f1b needs at least as many microbatches as "
-                             f"stages ({microbatches} < {stages}); raise them or use gpipe")
+        # (a layout is judged by tfdist.layout, before the model is built for it)
         self.schedule = schedule
         blocks, embed, head = block_costs(gpt)
         counts = list(layers_per_stage or balanced_split(blocks, stages, embed, head))
-        if len(counts) != stages or min(counts) < 1 or sum(counts) != gpt.n_layer:
-            raise UsageError(f"pipeline.layers_per_stage={','.join(map(str, counts))} must give "
-                             f"{stages} positive block counts adding up to model.n_layer="
-                             f"{gpt.n_layer}")
         t = tensor_parallel
-        if t > 1:
-            tp.check_divisible(gpt.n_head, gpt.n_embd, t)
-        devices = list(devices or default_devices(stages, t))
-        _check_devices_exist(devices)
-        if len(devices) != stages * t:
-            raise UsageError(f"pipeline.devices lists {len(devices)} device(s) for {stages} stages "
-                             f"x {t} tensor-parallel device(s)")
+        devices = list(devices or default_devices(stages * t))
         self.gpt, self.stages, self.microbatches = gpt, stages, microbatches
         self.layers_per_stage, self.devices, self.recompute = counts, devices, recompute
         self.tensor_parallel = t
@@ -229,11 +191,7 @@ class Pipeline(keras.Model):
                     g.head(x)
         g.built = True
 
-    # -- training --------------------------------------------------------------------------------
-    def compile(self, *args, **kwargs):
-        super().compile(*args, **kwargs)
-        compat.update_on_variable_device(self.optimizer)  # update each variable on its device
-
+    # -- training: the gradients of a batch (tfdist.step runs the rest of the step) -------------
     def compute_gradients(self, x, y, scale=lambda loss: loss):
         """(mean loss, gradients of the trainable weights) of batch (x, y) in M microbatches.
         Graph mode only (inside a tf.function, as Keras runs `train_step`)."""
@@ -241,7 +199,7 @@ class Pipeline(keras.Model):
             return self._one_forward_one_backward(x, y, scale)
         m = self.microbatches
         xs, ys = tf.split(x, m), tf.split(y, m)
-        losses = [compat.compute_loss(self, xi, yi, self(xi, training=True))
+        losses = [self.compute_loss(xi, yi, self(xi, training=True), training=True)
                   for xi, yi in zip(xs, ys)]
         loss = tf.add_n(losses) / m
         # tf.gradients, not GradientTape: it places each backward op with its forward op.
@@ -271,7 +229,7 @@ class Pipeline(keras.Model):
                             h = tf.identity(h)
                     inputs.append(h)
                     h = self._stage_fns[s](h, True)
-            loss = compat.compute_loss(self, xj, yj, h)
+            loss = self.compute_loss(xj, yj, h, training=True)
             losses.append(loss)
             grads = tf.gradients(scale(loss / m), variables + inputs[1:])
             grads, input_grads = grads[:len(variables)], grads[len(variables):]
@@ -288,13 +246,6 @@ class Pipeline(keras.Model):
                         g = tf.convert_to_tensor(g)
                         total[i] = g if total[i] is None else total[i] + g
         return tf.add_n(losses) / m, total
-
-    def train_step(self, data):
-        x, y = data[0], data[1]
-        loss, grads = self.compute_gradients(x, y, scale=self.optimizer.scale_loss)
-        compat.track_loss(self, loss, tf.shape(x)[0])
-        self.optimizer.apply(grads, self.trainable_weights)
-        return self.get_metrics_result()
 
     # -- reporting -------------------------------------------------------------------------------
     def num_params(self, non_embedding=False):

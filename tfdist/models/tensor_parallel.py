@@ -30,7 +30,7 @@ Example (2 logical CPU devices):
     >>> import numpy as np, tensorflow as tf
     >>> from tfdist.models.gpt import GPT
     >>> from tfdist.models.pipeline import Pipeline
-    >>> from tfdist.strategies.base import configure_logical_cpus
+    >>> from tfdist.layout import configure_logical_cpus
     >>> configure_logical_cpus(2)
     >>> model = Pipeline(GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32),
     ...                  stages=1, tensor_parallel=2)
@@ -48,7 +48,6 @@ import tensorflow as tf
 from keras import ops
 
 from tfdist import compat
-from tfdist.config import check_tensor_parallel as check_divisible
 
 AXIS = "model"  # the DeviceMesh axis the blocks are split over
 BUILT = weakref.WeakSet()  # every built ShardedDense (tfdist.models.state finds a model's here)
@@ -67,22 +66,19 @@ def megatron_layout(mesh):
     return layout
 
 
-class _Whole(tf.__internal__.tracking.Trackable):
+class _Whole(compat.Tensors):
     """t shard variables shown to tf.train.Checkpoint as the one tensor the unsplit layer holds
-    (key VARIABLE_VALUE, as a variable's), so a checkpoint restores into any t."""
+    (as a variable's value), so a checkpoint restores into any t."""
 
     def __init__(self, shards, join, split):
+        super().__init__()
         self.shards, self.join, self.split = list(shards), join, split
 
     def value(self):
         return self.join([tf.convert_to_tensor(s) for s in self.shards])
 
-    def _serialize_to_tensors(self):
-        return {"VARIABLE_VALUE": self.value()}
-
-    def _restore_from_tensors(self, restored_tensors):
-        parts = self.split(restored_tensors["VARIABLE_VALUE"])
-        return tf.group([s.assign(p) for s, p in zip(self.shards, parts)])
+    def restore(self, whole):
+        return tf.group([s.assign(p) for s, p in zip(self.shards, self.split(whole))])
 
 
 @keras.saving.register_keras_serializable("tfdist")
@@ -201,7 +197,6 @@ def shard_blocks(gpt, block_devices, layout):
     """Replaces the Dense layers of each (unbuilt) block i with ShardedDense layers over
     `block_devices[i]`, as `layout` (`megatron_layout`) says."""
     for block, devices in zip(gpt.blocks, block_devices):
-        check_divisible(gpt.n_head, gpt.n_embd, len(devices))
         for parent, attr, path in ((block.attn, "c_attn", "attn/c_attn"),
                                    (block.attn, "c_proj", "attn/c_proj"),
                                    (block, "c_fc", "c_fc"), (block, "c_proj", "mlp_c_proj")):

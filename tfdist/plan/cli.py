@@ -393,7 +393,7 @@ def run(argv=None):
     global _FLAGS
     from tfdist import cli
     _FLAGS = _define_flags()
-    cli.run(main, argv or sys.argv)
+    cli.run(main, argv or sys.argv, tensorflow=False)  # the planner is pure Python
 
 
 if __name__ == "__main__":

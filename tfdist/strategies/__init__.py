@@ -17,6 +17,7 @@ Example:
 import importlib
 import os
 
+from tfdist import config
 from tfdist.errors import UsageError, install_excepthook
 from tfdist.strategies.base import Strategy  # noqa: F401
 
@@ -49,6 +50,13 @@ def names():
     return sorted(_PLUGINS)
 
 
+def _register_options():
+    """Each plugin's options become keys of `config.strategy` (the config schema knows no plugin;
+    the plugins are read without TensorFlow)."""
+    for name in names():
+        config.register_options("strategy", get_class(name).options, name)
+
+
 def get_class(name):
     """The plugin class `name` (unknown name: UsageError listing the known ones)."""
     if name not in _PLUGINS:
@@ -64,42 +72,11 @@ def get(name, **options):
     return cls(**options)
 
 
-def from_config(config):
-    """Builds the plugin named by `config.strategy.name` with its options from that section."""
-    cls = get_class(config.strategy.name)
-    return get(cls.name, **{k: config.strategy[k] for k in cls.options})
-
-
-def default_options():
-    """Every plugin's options with their defaults: the keys of `config.strategy` besides `name`.
-    (A key two plugins share must have one default.)"""
-    merged = {}
-    for name in names():
-        for key, (default, _, _) in get_class(name).options.items():
-            if merged.setdefault(key, default) != default:
-                raise AssertionError(f"strategy option {key}: plugins disagree on its default")
-    return merged
-
-
-def check_config(section):
-    """Checks `config.strategy`: the named plugin's options by its rules; the other keys (other
-    plugins' options, unused by this run) must be valid for some plugin that declares them."""
-    named = get_class(section.name)
-    named.check_options(section)
-    for key in section:
-        if key == "name" or key in named.options:
-            continue
-        owners = [get_class(n) for n in names() if key in get_class(n).options]
-        errors = []
-        for cls in owners:
-            try:
-                cls.check_options({key: section[key]})
-                break
-            except UsageError as e:
-                errors.append(e)
-        else:
-            if errors:
-                raise errors[0]
+def from_config(c):
+    """Builds the plugin named by `c.strategy.name` with its options from that section (a key
+    the section lacks takes the plugin's default)."""
+    cls = get_class(c.strategy.name)
+    return get(cls.name, **{k: c.strategy[k] for k in cls.options if k in c.strategy})
 
 
 def for_plan(device, processes, per_node, flags):
@@ -111,3 +88,6 @@ def for_plan(device, processes, per_node, flags):
         if command:
             return cls, command
     return None, None
+
+
+_register_options()

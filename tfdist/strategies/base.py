@@ -6,10 +6,10 @@ A plugin wraps one `tf.distribute.Strategy`. What it does at run time:
 * `num_replicas`, `is_chief`, `worker_index`, `num_workers`: batch sizing, logging and who writes
   checkpoints;
 * `distribute(dataset_fn)`: per-replica input through `tf.distribute.InputContext`;
-* `wrap_optimizer(optimizer)` and `callbacks()`: what the strategy adds to training: its
-  gradient all-reduce (`all_reduce_gradients`; None keeps the tf.distribute one) with the Keras 3
-  corrections of `tfdist.compat.set_gradient_reduction`, and callbacks (Horovod: an initial
-  broadcast);
+* `reduce_gradients(grads_and_vars)`: its collective, the gradients summed over the replicas
+  (called by tfdist's training step, `tfdist.step`); `zero_collectives()`: ZeRO's;
+* `prepare_optimizer(optimizer)` and `callbacks()`: what the strategy adds to training (Horovod:
+  learning-rate scaling, an initial broadcast);
 * `fit(model, data, ...)`: Keras `model.fit`, in segments so that training can resume at any step.
   A plugin overrides it only when its strategy cannot use Keras `fit` (parameter server);
 * `serve()`: what a server task does (parameter server: serve until stopped, then end).
@@ -48,13 +48,8 @@ import tempfile
 import threading
 import weakref
 
-import keras
-import tensorflow as tf
-
-from tfdist import compat
-from tfdist import callbacks as callbacks_lib
-from tfdist.callbacks import STEPS_KEY
 from tfdist.errors import PeerLost, UsageError
+from tfdist.lazy import keras, tf  # a plugin is read without TensorFlow (the registry, the planner)
 
 
 def configure_logical_cpus(n):
@@ -69,19 +64,6 @@ def configure_logical_cpus(n):
     except RuntimeError:
         raise UsageError(f"cannot split the CPU into {n} logical devices: TensorFlow is already "
                          f"initialised in this process; create the strategy before any TF op") from None
-
-
-class StepsPerCall(keras.callbacks.Callback):
-    """With `steps_per_execution` N, Keras calls `on_train_batch_end` once per N steps, with the
-    last step's index: this tells tfdist's callbacks (`tfdist.callbacks.steps_in`) how many."""
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.last = -1
-
-    def on_train_batch_end(self, batch, logs=None):
-        if logs is not None:
-            logs[STEPS_KEY] = batch - self.last
-        self.last = batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +143,7 @@ class Strategy:
             _BY_TF_STRATEGY[id(self.tf_strategy)] = self
         if self.process_wide:
             _PROCESS_WIDE.append(self)
+        from tfdist import compat
         compat.route_keras(owner_of)
 
     @classmethod
@@ -228,21 +211,31 @@ class Strategy:
         """Per-replica datasets from `dataset_fn(input_context)`."""
         return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
 
-    #: `all_reduce(grads_and_vars) -> grads_and_vars` that replaces the tf.distribute all-reduce
-    #: Keras calls before every update (Horovod's); None keeps it.
-    all_reduce_gradients = None
+    def reduce_gradients(self, grads_and_vars):
+        """`grads_and_vars` with each gradient summed over the replicas: the strategy's
+        collective, which tfdist's training step (`tfdist.step`) and a user's compiled optimizer
+        (`wrap_optimizer`) both call. This one is what Keras's optimizer does under a
+        tf.distribute strategy: one all-reduce of every gradient in the replica context (none
+        with one replica). Plugins that reduce otherwise (buckets, Horovod) override it."""
+        context = tf.distribute.get_replica_context()
+        if context is None or self.tf_strategy.num_replicas_in_sync == 1:
+            return list(grads_and_vars)
+        from tfdist import buckets
+        return buckets.reduce(grads_and_vars, lambda grads: context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
 
-    def wrap_optimizer(self, optimizer, zero_stage=0):
-        """Adapts a Keras optimizer to the strategy: its all-reduce, then tfdist's corrections.
-        `zero_stage` 1 or 2 shards its state over the replicas instead (tfdist/zero.py)."""
-        if zero_stage:
-            if self.zero_collectives is None:
-                raise UsageError(f"strategy {self.name} cannot shard the optimizer (zero.stage="
-                                 f"{zero_stage}); use horovod or multi_worker_mirrored, or set "
-                                 f"zero.stage=0")
-            from tfdist import zero
-            return zero.shard(optimizer, zero_stage, self.zero_collectives())
-        return compat.set_gradient_reduction(optimizer, self.all_reduce_gradients)
+    def prepare_optimizer(self, optimizer):
+        """What the strategy changes in an optimizer before training (Horovod: its linear
+        learning-rate scaling). Returns it."""
+        return optimizer
+
+    def wrap_optimizer(self, optimizer):
+        """A user's compiled optimizer adapted to the strategy: `prepare_optimizer`, then its
+        gradients reduced by `reduce_gradients` inside Keras's `apply`, with tfdist's Keras 3
+        corrections (`tfdist.compat.set_gradient_reduction`). tfdist's GPT needs none of this:
+        its training step (`tfdist.step`) reduces and corrects the gradients itself."""
+        from tfdist import compat
+        return compat.set_gradient_reduction(self.prepare_optimizer(optimizer),
+                                             self.reduce_gradients)
 
     #: `() -> tfdist.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
     zero_collectives = None
@@ -270,6 +263,7 @@ class Strategy:
         """An optimizer built before the scope was entered belongs to another tf.distribute
         strategy (TF: "Mixing different tf.distribute.Strategy objects"): it is rebuilt from its
         config in this scope, or refused when it already holds state."""
+        from tfdist import compat
         optimizer = arguments.get("optimizer")
         if (not isinstance(optimizer, keras.optimizers.Optimizer)
                 or compat.optimizer_strategy(optimizer) is tf.distribute.get_strategy()):
@@ -284,6 +278,7 @@ class Strategy:
     def after_compile(self, model):
         """The strategy's gradient handling on the compiled optimizer (once: an optimizer passed
         through `wrap_optimizer` keeps its own)."""
+        from tfdist import compat
         if model.optimizer is not None and not compat.has_gradient_reduction(model.optimizer):
             self.wrap_optimizer(model.optimizer)
 
@@ -306,6 +301,7 @@ class Strategy:
         callbacks = list(callbacks or [])
         if self.is_chief:
             return callbacks
+        from tfdist import callbacks as callbacks_lib
         out = []
         for cb in callbacks:
             if isinstance(cb, (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)):
@@ -335,7 +331,8 @@ class Strategy:
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
-            validation_data=None, validation_steps=None, verbose="auto", strategy_callbacks=None):
+            validation_data=None, validation_steps=None, verbose="auto", strategy_callbacks=None,
+            progress_every=1):
         """Trains `model` from global step `initial_step` to `epochs * steps_per_epoch`.
 
         `data` is either what Keras `fit` accepts (a `tf.data.Dataset`; then `initial_step` must
@@ -347,13 +344,19 @@ class Strategy:
 
         A resume in the middle of an epoch runs as two Keras `fit` calls: the rest of the
         interrupted epoch, then the remaining whole epochs. `strategy_callbacks` replaces
-        `self.callbacks()` (a test driver's hook).
+        `self.callbacks()` (a test driver's hook). Unless `verbose=0`, the chief shows the
+        progress (`tfdist.callbacks.Progress`: a line per `progress_every` steps when not on a
+        terminal).
         """
         own = self.callbacks() if strategy_callbacks is None else list(strategy_callbacks)
         callbacks = own + list(callbacks or [])  # the strategy's first (Horovod's
         # broadcast must precede the first step; its log averaging, the loggers)
+        from tfdist import callbacks as callbacks_lib, compat
         if getattr(model, "steps_per_execution", 1) > 1:  # Keras reports once per execution
-            callbacks.insert(0, StepsPerCall())
+            callbacks.insert(0, callbacks_lib.StepsPerCall())
+        if verbose not in (0, False) and self.is_chief:  # one per cluster; last: it shows what
+            # the others add to the logs
+            callbacks.append(callbacks_lib.Progress(every=progress_every))
         if hasattr(data, "dataset_fn"):  # step-addressed data such as tfdist.data.Windows
             windows, total = data, epochs * (steps_per_epoch or 0)
             data = lambda start: windows.dataset_fn(start, total - start)  # noqa: E731
@@ -387,11 +390,11 @@ class Strategy:
                                 initial_epoch=first_epoch,
                                 steps_per_epoch=steps_per_epoch - done_in_epoch,
                                 callbacks=callbacks, validation_data=validation_data,
-                                validation_steps=validation_steps, verbose=verbose, shuffle=False)
+                                validation_steps=validation_steps, verbose=0, shuffle=False)
             first_epoch += 1
         if first_epoch < epochs and not model.stop_training:
             history = keras_fit(model, train_data(first_epoch * (steps_per_epoch or 0)), epochs=epochs,
                                 initial_epoch=first_epoch, steps_per_epoch=steps_per_epoch,
                                 callbacks=callbacks, validation_data=validation_data,
-                                validation_steps=validation_steps, verbose=verbose, shuffle=False)
+                                validation_steps=validation_steps, verbose=0, shuffle=False)
         return history

@@ -50,12 +50,11 @@ import shutil
 import sys
 import weakref
 
-import keras
 import numpy as np
-import tensorflow as tf
 
+from tfdist import buckets
 from tfdist.errors import UsageError
-from tfdist import buckets, compat
+from tfdist.lazy import keras, tf
 from tfdist.strategies.base import Launch, Strategy
 
 _COMPRESSION = ("none", "fp16")
@@ -116,7 +115,7 @@ class Horovod(Strategy):
         self.compression = compression
         self.lr_scaling = lr_scaling
         self.bucket_bytes = buckets.to_bytes(bucket_mb)
-        self.overlap = overlap
+        self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.zero)
         self._per_rank = weakref.WeakSet()
         super().__init__(tf.distribute.get_strategy())  # one device per rank; Horovod reduces
 
@@ -157,13 +156,12 @@ class Horovod(Strategy):
         self._per_rank.add(dataset)  # already this rank's share: `split` leaves it
         return dataset
 
-    def wrap_optimizer(self, optimizer, zero_stage=0):
-        """Averages the gradients over ranks (one grouped allreduce) before the update; with
-        `zero_stage`, reduce-scatters them instead (tfdist/zero.py)."""
+    def prepare_optimizer(self, optimizer):
+        """`lr_scaling="linear"`: the learning rate times the ranks (a schedule is wrapped, so its
+        warmup ramps to the scaled rate)."""
         if self.lr_scaling == "linear" and self.hvd.size() > 1:
-            _scale_learning_rate(optimizer, self.hvd.size())
-        self._bucketed = buckets.check_overlap(self.overlap, zero_stage, self.name)
-        return super().wrap_optimizer(optimizer, zero_stage)
+            scale_learning_rate(optimizer, self.hvd.size())
+        return optimizer
 
     def barrier(self):
         self.hvd.allreduce(tf.constant(0.0), name="tfdist_barrier")
@@ -197,9 +195,7 @@ class Horovod(Strategy):
             lambda x: hvd.allreduce(x, op=hvd.Sum, name="tfdist_zero_norm", ignore_name_scope=True),
             lambda variable, value: variable.assign(value))
 
-    _bucketed = True  # wrap_optimizer sets it (overlap and ZeRO)
-
-    def all_reduce_gradients(self, grads_and_vars):
+    def reduce_gradients(self, grads_and_vars):
         """The gradient all-reduce Keras calls before every update: a grouped Horovod average per
         bucket (tfdist/buckets.py), each started as soon as its gradients exist; or one group
         after the backward pass (`overlap=off`)."""
@@ -210,12 +206,25 @@ class Horovod(Strategy):
                                    log=self.is_chief)
 
     def callbacks(self):
-        return [BroadcastFromRoot(self.hvd), AverageState(self.hvd), AverageLogs(self.hvd)]
+        """Rank 0's model and optimizer state to every rank before the first step; the model's
+        non-trainable state (BatchNormalization's statistics) averaged over the ranks before
+        validation and at the end; the logged metrics averaged over the ranks."""
+        from tfdist.callbacks import Calls
+        hvd = self.hvd
+        average_state = lambda model, *args: _average_state(hvd, model)  # noqa: E731
+        return [Calls("broadcast_from_root",
+                      on_train_begin=lambda model, logs: broadcast_from_root(hvd, model)),
+                Calls("average_state", on_test_begin=average_state, on_epoch_end=average_state,
+                      on_train_end=average_state),
+                Calls("average_logs",
+                      on_train_batch_end=lambda model, batch, logs: average_logs(hvd, logs, "batch"),
+                      on_epoch_end=lambda model, epoch, logs: average_logs(hvd, logs, "epoch"))]
 
     # -- a user's Keras program --------------------------------------------------------------
     def keras_call(self, method, model, upstream, arguments):
         if method == "save":
             return self.save(model, upstream, arguments)
+        from tfdist import compat
         arguments["x"], rows = self.split(arguments["x"], method)
         callbacks = self.for_this_process(arguments.get("callbacks"))
         verbose = arguments["verbose"]
@@ -271,41 +280,16 @@ class Horovod(Strategy):
             return pieces.swapaxes(0, 1).reshape((-1,) + every.shape[1:])
         return tf.nest.map_structure(gather, outputs)
 
-    def fit(self, model, data, *, verbose="auto", callbacks=None, **kwargs):
-        # Keras puts its progress bar first; here it goes after the averaging so that it shows
-        # the metrics of all ranks. Only rank 0 shows one.
-        callbacks = list(callbacks or [])
-        if self.is_chief and verbose != 0:
-            callbacks.insert(0, keras.callbacks.ProgbarLogger())
-        return super().fit(model, data, verbose=verbose if self.is_chief else 0,
-                           callbacks=callbacks, **kwargs)
 
-
-def _scale_learning_rate(optimizer, factor):
+def scale_learning_rate(optimizer, factor):
     """lr x `factor`: a schedule is wrapped (its warmup then ramps to the scaled rate)."""
+    from tfdist import compat
+    from tfdist.optimizers import Scaled
     lr = compat.learning_rate_schedule(optimizer)
     if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
-        compat.set_learning_rate_schedule(optimizer, _Scaled(lr, factor))
+        compat.set_learning_rate_schedule(optimizer, Scaled(lr, factor))
     else:
         optimizer.learning_rate = optimizer.learning_rate * factor
-
-
-class _Scaled(keras.optimizers.schedules.LearningRateSchedule):
-    """A schedule times a constant (Horovod's linear learning-rate scaling)."""
-
-    def __init__(self, schedule, factor):
-        self.schedule, self.factor = schedule, factor
-
-    def __call__(self, step):
-        return self.schedule(step) * self.factor
-
-    def get_config(self):
-        return {"schedule": keras.optimizers.schedules.serialize(self.schedule),
-                "factor": self.factor}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(keras.optimizers.schedules.deserialize(config["schedule"]), config["factor"])
 
 
 def allreduce_gradients(hvd, grads_and_vars, compression=None, op=None, prescale_factor=1.0,
@@ -343,62 +327,25 @@ def broadcast_variables(hvd, variables, root_rank=0):
                             root_rank=root_rank)
 
 
-class BroadcastFromRoot(keras.callbacks.Callback):
-    """The root rank's model and optimizer state to every rank, before the first step of each
-    `fit`. (Keras builds the optimizer's variables before `on_train_begin`.)"""
-
-    def __init__(self, hvd, root_rank=0):
-        super().__init__()
-        self.hvd, self.root_rank = hvd, root_rank
-
-    def on_train_begin(self, logs=None):
-        from tfdist.zero import common_variables  # under ZeRO, each rank's slots are its own
-        variables = list(self.model.variables) + common_variables(self.model.optimizer)
-        broadcast_variables(self.hvd, variables, self.root_rank)
+def broadcast_from_root(hvd, model, root_rank=0):
+    """The root rank's model and optimizer state to every rank (before the first step: Keras
+    builds the optimizer's variables before `on_train_begin`). Under ZeRO each rank's optimizer
+    slots are its own, and stay."""
+    from tfdist.zero import common_variables
+    broadcast_variables(hvd, list(model.variables) + common_variables(model.optimizer), root_rank)
 
 
-class AverageState(keras.callbacks.Callback):
+def _average_state(hvd, model):
     """The model's non-trainable float variables (BatchNormalization's moving statistics)
-    averaged over ranks before validation, at each epoch end and when training ends. Each rank
-    updates them from its own rows (as each replica does under MirroredStrategy, which keeps them
-    per replica); averaged, the ranks hold identical weights, and an average of moving averages
-    that started equal is the moving average of the averaged batch statistics."""
-
-    def __init__(self, hvd):
-        super().__init__()
-        self.hvd = hvd
-
-    def _average(self):
-        state = [v for v in self.model.non_trainable_variables if "float" in str(v.dtype)]
-        if state:
-            means = self.hvd.grouped_allreduce([v.value for v in state], op=self.hvd.Average)
-            for v, mean in zip(state, means):
-                v.assign(mean)
-
-    def on_test_begin(self, logs=None):
-        self._average()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._average()
-
-    def on_train_end(self, logs=None):
-        self._average()
-
-
-class AverageLogs(keras.callbacks.Callback):
-    """The logged metrics (loss, val_loss, ...) averaged over ranks, at every batch and epoch end:
-    each rank's Keras metrics see only its own rows of the batch. (Validation: `fit` hands the
-    `val_` metrics to `on_epoch_end`.)"""
-
-    def __init__(self, hvd):
-        super().__init__()
-        self.hvd = hvd
-
-    def on_train_batch_end(self, batch, logs=None):
-        average_logs(self.hvd, logs, "batch")
-
-    def on_epoch_end(self, epoch, logs=None):
-        average_logs(self.hvd, logs, "epoch")
+    averaged over ranks. Each rank updates them from its own rows (as each replica does under
+    MirroredStrategy, which keeps them per replica); averaged, the ranks hold identical weights,
+    and an average of moving averages that started equal is the moving average of the averaged
+    batch statistics."""
+    state = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
+    if state:
+        means = hvd.grouped_allreduce([v.value for v in state], op=hvd.Average)
+        for v, mean in zip(state, means):
+            v.assign(mean)
 
 
 def average_logs(hvd, logs, name):

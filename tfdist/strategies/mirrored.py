@@ -4,14 +4,13 @@ On a machine without GPUs, `devices=N` splits the CPU into N logical devices, on
 (useful for tests and for checking a multi-replica set-up before it goes to GPUs). With GPUs,
 `devices=N` uses the first N (0: all).
 """
-import tensorflow as tf
-
+from tfdist.lazy import tf
 from tfdist.strategies.base import Strategy, configure_logical_cpus
 
 _CROSS_DEVICE_OPS = {
     "auto": lambda: None,  # TF's choice: NCCL on GPUs, collective ring on CPU devices
-    "reduce_to_one": tf.distribute.ReductionToOneDevice,
-    "hierarchical": tf.distribute.HierarchicalCopyAllReduce,
+    "reduce_to_one": lambda: tf.distribute.ReductionToOneDevice(),
+    "hierarchical": lambda: tf.distribute.HierarchicalCopyAllReduce(),
 }
 
 

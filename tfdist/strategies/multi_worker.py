@@ -7,17 +7,13 @@ corrections here (keras-team/keras#20585), applied from `tfdist.compat`.
 import os
 import re
 
-import tensorflow as tf
-
+from tfdist import buckets
 from tfdist import cluster as cluster_lib
-from tfdist import buckets, compat
 from tfdist.errors import UsageError
+from tfdist.lazy import tf
 from tfdist.strategies.base import Launch, Strategy
 
-_IMPLEMENTATIONS = {
-    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-}
+_IMPLEMENTATIONS = ("auto", "ring")  # tf.distribute.experimental.CommunicationImplementation
 
 
 #: The collective group of ZeRO's ops (tf.distribute numbers its own groups from 1).
@@ -48,9 +44,10 @@ class MultiWorkerMirrored(Strategy):
         if self.cluster is None:
             raise UsageError("multi_worker_mirrored needs a cluster: set TF_CONFIG, run in a Slurm "
                              "job step, or start the workers with `tfdist launch`")
+        from tfdist import compat
         compat.fix_fit_under_multi_worker()
-        options = tf.distribute.experimental.CommunicationOptions(
-            implementation=_IMPLEMENTATIONS[cross_device_ops])
+        options = tf.distribute.experimental.CommunicationOptions(implementation=getattr(
+            tf.distribute.experimental.CommunicationImplementation, cross_device_ops.upper()))
         # Building the strategy blocks until every worker has joined TF's coordination service,
         # which waits an hour for a missing one. A host that is down or cut off ends the wait
         # after JOIN_TIMEOUT s instead: one line, exit 69, and the supervisor tries again.
@@ -66,7 +63,7 @@ class MultiWorkerMirrored(Strategy):
                 cluster_resolver=self.cluster.resolver(), communication_options=options))
         self._barrier = None
         self.bucket_bytes, self.overlap = buckets.to_bytes(bucket_mb), overlap
-        self._bucketed = True
+        self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.zero)
 
     JOIN_TIMEOUT = 180.0  # seconds for every worker to join; TFDIST_JOIN_TIMEOUT overrides
 
@@ -82,11 +79,7 @@ class MultiWorkerMirrored(Strategy):
     def num_workers(self):
         return self.cluster.num_workers
 
-    def wrap_optimizer(self, optimizer, zero_stage=0):
-        self._bucketed = buckets.check_overlap(self.overlap, zero_stage, self.name)
-        return super().wrap_optimizer(optimizer, zero_stage)
-
-    def all_reduce_gradients(self, grads_and_vars):
+    def reduce_gradients(self, grads_and_vars):
         """The sum over the replicas that Keras's optimizer makes (`ReplicaContext.all_reduce`, the
         strategy's collective ops), made once per bucket (tfdist/buckets.py). Each call is one
         collective (TF packs a call's tensors into one); TF orders a worker's collectives as they
@@ -143,6 +136,7 @@ class MultiWorkerMirrored(Strategy):
         it is an all-to-all of the N segments, then a sum: each worker sends (N-1)/N of the
         buffer, as a ring reduce-scatter does. Sums, as Keras's all-reduce here (the loss is
         already scaled by the global batch)."""
+        from tfdist import compat
         from tfdist.zero import Collectives
         if self.num_replicas != self.num_workers:
             raise UsageError(f"ZeRO under {self.name} needs one replica per worker (here "
@@ -170,3 +164,4 @@ class MultiWorkerMirrored(Strategy):
     def describe(self):
         return (f"{self.name}: worker {self.worker_index} of {self.num_workers}, "
                 f"{self.num_replicas} replica(s) in sync")
+

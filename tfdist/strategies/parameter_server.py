@@ -38,14 +38,11 @@ import os
 import sys
 import time
 
-import keras
 import numpy as np
-import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
-from tfdist import compat
-from tfdist.callbacks import EXTRA_LOG_PREFIX, STEPS_KEY, TrainingLog
 from tfdist.errors import UsageError
+from tfdist.lazy import keras, tf
 from tfdist.strategies.base import Launch, Strategy
 
 _ROLES = ("chief", "worker", "ps")
@@ -134,6 +131,7 @@ class ParameterServer(Strategy):
     def keras_call(self, method, model, upstream, arguments):
         """Keras 3 has no ParameterServerStrategy path (keras-team/keras#18624): `fit` is the
         coordinator loop, `evaluate` and `predict` schedule their batches on the workers."""
+        from tfdist import compat
         a = arguments
         if method in ("fit", "evaluate", "predict"):
             compat.build_for(model, a["x"])  # here: a worker cannot create the variables
@@ -168,6 +166,7 @@ class ParameterServer(Strategy):
     def _on_workers(self, mode, model, dataset, steps, callbacks, verbose):
         """Each batch (at most `steps`) goes to a free worker, which returns the model's outputs
         (at most 2 x workers in flight); they are taken here in the dataset's order."""
+        from tfdist import compat
         cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose not in (0, False),
                                            verbose=verbose, model=model, epochs=1, steps=steps)
         forward = tf.function(lambda x: self.tf_strategy.run(
@@ -203,9 +202,10 @@ class ParameterServer(Strategy):
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
             validation_data=None, validation_steps=None, verbose="auto", log_every_steps=None,
-            strategy_callbacks=None):
+            strategy_callbacks=None, progress_every=1):
         """The coordinator loop (see the module doc). `data` is a `Windows`-like object with
         `batch(step)`, or a `tf.data.Dataset` / `dataset_fn()` read through per-worker datasets."""
+        from tfdist import compat
         if not steps_per_epoch:
             raise UsageError("parameter_server training needs steps_per_epoch (there is no end of "
                              "data to detect: each worker reads its own copy); pass steps_per_epoch")
@@ -213,63 +213,33 @@ class ParameterServer(Strategy):
             raise UsageError("parameter_server needs step-addressed data (with batch(step)) or a "
                              "tf.data.Dataset")
         callbacks = list(callbacks or [])
-        extra_logs = any(isinstance(c, TrainingLog) for c in callbacks)
-        every = log_every_steps or max(1, min(steps_per_epoch, 10))
-        backup_every = [c.every_steps for c in callbacks if getattr(c, "every_steps", 0)]
-        preemption = [c for c in callbacks if hasattr(c, "received")]  # tfdist.preemption
+        if verbose not in (0, False):
+            from tfdist.callbacks import Progress
+            callbacks.append(Progress(every=progress_every))  # last: it shows what others add
         history = keras.callbacks.History()
         cbs = keras.callbacks.CallbackList(callbacks + [history], model=model, epochs=epochs,
                                            steps=steps_per_epoch, verbose=0)
-        show = verbose not in (0, False)
-        total = epochs * steps_per_epoch
         model.stop_training = False
         cbs.on_train_begin()
         restored = compat.take_initial_epoch(model)  # by Keras's BackupAndRestore
         if restored:
             initial_step = max(initial_step, restored * steps_per_epoch)
+        total = epochs * steps_per_epoch
         with self.tf_strategy.scope():  # step s done <=> done_mask[s] == 1 (see _count)
             self.done_mask = tf.Variable(tf.cast(tf.range(total) < initial_step, tf.int8),
                                          trainable=False, name="tfdist_ps_done_mask")
-        self._count = tf.function(self._count_fn)
-        train_fn = self._train_closure(model, data)
         self.runs.assign(initial_step)
         model.optimizer.iterations.assign(initial_step)
-        done = scheduled = initial_step
-        self._runs_and_loss = tf.function(lambda: (self.runs.read_value(), self.loss_sum.read_value()))
-        last_runs, last_loss_sum = (float(v) for v in self._runs_and_loss())
-        losses = float("nan")
+        from tfdist.callbacks import TrainingLog  # it records each worker's steps (a list)
+        loop = _Loop(self, model, cbs, self._train_closure(model, data), steps_per_epoch,
+                     log_every_steps or max(1, min(steps_per_epoch, 10)), initial_step,
+                     worker_steps=any(isinstance(c, TrainingLog) for c in callbacks),
+                     count=tf.function(self._count_fn), runs_and_loss=tf.function(
+                         lambda: (self.runs.read_value(), self.loss_sum.read_value())))
         for epoch in range(initial_step // steps_per_epoch, epochs):
             cbs.on_epoch_begin(epoch)
-            bar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss", "steps/s"]) if show else None
-            if bar:
-                print(f"Epoch {epoch + 1}/{epochs}", flush=True)
-            end = (epoch + 1) * steps_per_epoch
-            logs, epoch_runs, epoch_loss_sum = {}, last_runs, last_loss_sum
-            while done < end:
-                cbs.on_train_batch_begin(done % steps_per_epoch)
-                t0 = time.perf_counter()
-                target = min(done + every, end)
-                barrier = target == end or any(target // b > done // b for b in backup_every)
-                scheduled = self._advance(train_fn, scheduled, target, end, barrier)
-                if any(c.received for c in preemption):  # signalled: drain the steps in flight,
-                    self.coordinator.join()  # so that the backup it writes now holds them all
-                now = int(self._count())  # >= target: steps in flight may have finished too
-                runs, loss_sum = (float(v) for v in self._runs_and_loss())
-                if runs > last_runs:  # mean loss of the runs since the last report (steps still
-                    # in flight at that report may all have finished by then: keep the last mean)
-                    losses = (loss_sum - last_loss_sum) / (runs - last_runs)
-                n, done, last_loss_sum, last_runs = now - done, now, loss_sum, runs
-                model.optimizer.iterations.assign(done)  # the exact count (see module doc)
-                logs = {"loss": losses, STEPS_KEY: n}
-                if extra_logs:  # + steps run by each worker so far (not a scalar: only for
-                    # tfdist's log; Keras's TensorBoard would write it as one)
-                    logs[EXTRA_LOG_PREFIX + "worker_steps"] = self.worker_steps.numpy().tolist()
-                cbs.on_train_batch_end((done - 1) % steps_per_epoch, logs)
-                if bar:
-                    bar.update(done - epoch * steps_per_epoch,
-                               values=[("loss", logs["loss"]),
-                                       ("steps/s", n / (time.perf_counter() - t0))])
-            epoch_logs = {"loss": (last_loss_sum - epoch_loss_sum) / max(last_runs - epoch_runs, 1)}
+            model.reset_metrics()  # the compiled metrics: this epoch's, as Keras's fit keeps them
+            epoch_logs = loop.run_epoch(epoch)
             if _step_addressed(validation_data):
                 epoch_logs["val_loss"] = self._validate(model, validation_data, validation_steps)
             elif validation_data is not None:
@@ -279,38 +249,13 @@ class ParameterServer(Strategy):
                 epoch_logs.update({f"val_{k}": v for k, v in self.evaluate(
                     model, val, steps=validation_steps, verbose=0).items()})
             cbs.on_epoch_end(epoch, epoch_logs)  # tfdist's log adds val_bits_per_byte
-            if bar and validation_data is not None:
-                print(" - ".join(f"{k}: {v:.4f}" for k, v in epoch_logs.items()
-                                 if k.startswith("val_")), flush=True)
             if model.stop_training:
                 break
         cbs.on_train_end()
         return history
 
-    def _advance(self, train_fn, scheduled, target, end, barrier):
-        """Keeps up to 2 x workers steps in flight until `target` steps have completed.
-        With `barrier`, also waits for every step in flight (a consistent state to save).
-        Returns the next step to schedule."""
-        window = 2 * self.num_workers
-        while True:
-            # completed so far: a local read of the coordinator's queue (polling a counter on
-            # the ps would cost the ps and the chief about a quarter core each)
-            done = scheduled - compat.pending_closures(self.coordinator)
-            limit = target if barrier else end
-            while scheduled < limit and scheduled - done < window:
-                fn, args = train_fn
-                self.coordinator.schedule(fn, args=args(scheduled))
-                scheduled += 1
-            if barrier and scheduled >= target:
-                self.coordinator.join()
-                break
-            if done >= target and int(self._count()) >= target:
-                break
-            self.coordinator.done()  # raises the error of any failed step (else we'd wait forever)
-            time.sleep(0.005)
-        return scheduled
-
     def _train_closure(self, model, data):
+        from tfdist import compat
         strategy, runs, worker_steps = self.tf_strategy, self.runs, self.worker_steps
         done_mask = self.done_mask
         by_step = _step_addressed(data)
@@ -369,6 +314,82 @@ class ParameterServer(Strategy):
                    for s in range(steps)]
         self.coordinator.join()
         return float(np.mean([r.fetch() for r in results]))
+
+
+class _Loop:
+    """The chief's loop over one epoch's steps: keeps steps in flight (`advance`), and every
+    `every` completed steps reports to the callbacks: the mean loss of the steps run since the
+    last report, how many steps that was, the steps each worker ran, and the compiled metrics.
+    `count()`: the steps done, each once; `runs_and_loss()`: runs and their summed loss."""
+
+    def __init__(self, plugin, model, cbs, train_fn, steps_per_epoch, every, initial_step,
+                 worker_steps, count, runs_and_loss):
+        self.plugin, self.model, self.cbs, self.train_fn = plugin, model, cbs, train_fn
+        self.worker_steps, self.count, self.runs_and_loss = worker_steps, count, runs_and_loss
+        self.steps_per_epoch, self.every = steps_per_epoch, every
+        self.done = self.scheduled = initial_step
+        self.backup_every = [c.every_steps for c in cbs.callbacks if getattr(c, "every_steps", 0)]
+        self.preemption = [c for c in cbs.callbacks if hasattr(c, "received")]  # tfdist.preemption
+        self.last_runs, self.last_loss_sum = (float(v) for v in runs_and_loss())
+        self.loss = float("nan")
+
+    def run_epoch(self, epoch):
+        """Runs the rest of epoch `epoch`; returns its logs (the mean loss of its steps and the
+        compiled metrics)."""
+        from tfdist.callbacks import EXTRA_LOG_PREFIX, STEPS_KEY
+        p, end = self.plugin, (epoch + 1) * self.steps_per_epoch
+        epoch_runs, epoch_loss_sum = self.last_runs, self.last_loss_sum
+        while self.done < end:
+            self.cbs.on_train_batch_begin(self.done % self.steps_per_epoch)
+            target = min(self.done + self.every, end)
+            barrier = target == end or any(target // b > self.done // b for b in self.backup_every)
+            self.scheduled = self.advance(target, end, barrier)
+            if any(c.received for c in self.preemption):  # signalled: drain the steps in flight,
+                p.coordinator.join()  # so that the backup it writes now holds them all
+            now = int(self.count())  # >= target: steps in flight may have finished too
+            runs, loss_sum = (float(v) for v in self.runs_and_loss())
+            if runs > self.last_runs:  # mean loss of the runs since the last report (steps still
+                # in flight at that report may all have finished by then: keep the last mean)
+                self.loss = (loss_sum - self.last_loss_sum) / (runs - self.last_runs)
+            n, self.done, self.last_loss_sum, self.last_runs = now - self.done, now, loss_sum, runs
+            self.model.optimizer.iterations.assign(self.done)  # the exact count (module doc)
+            logs = {**self.metrics(), "loss": self.loss, STEPS_KEY: n}
+            if self.worker_steps:  # steps run by each worker so far (not a scalar: only for
+                # tfdist's log; Keras's TensorBoard would write it as one)
+                logs[EXTRA_LOG_PREFIX + "worker_steps"] = p.worker_steps.numpy().tolist()
+            self.cbs.on_train_batch_end((self.done - 1) % self.steps_per_epoch, logs)
+        mean = (self.last_loss_sum - epoch_loss_sum) / max(self.last_runs - epoch_runs, 1)
+        return {**self.metrics(), "loss": mean}
+
+    def advance(self, target, end, barrier):
+        """Keeps up to 2 x workers steps in flight until `target` steps have completed.
+        With `barrier`, also waits for every step in flight (a consistent state to save).
+        Returns the next step to schedule."""
+        from tfdist import compat
+        coordinator, scheduled = self.plugin.coordinator, self.scheduled
+        window = 2 * self.plugin.num_workers
+        while True:
+            # completed so far: a local read of the coordinator's queue (polling a counter on
+            # the ps would cost the ps and the chief about a quarter core each)
+            done = scheduled - compat.pending_closures(coordinator)
+            limit = target if barrier else end
+            while scheduled < limit and scheduled - done < window:
+                fn, args = self.train_fn
+                coordinator.schedule(fn, args=args(scheduled))
+                scheduled += 1
+            if barrier and scheduled >= target:
+                coordinator.join()
+                break
+            if done >= target and int(self.count()) >= target:
+                break
+            coordinator.done()  # raises the error of any failed step (else we'd wait forever)
+            time.sleep(0.005)
+        return scheduled
+
+    def metrics(self):
+        """The compiled metrics (accuracy, ...) of the steps since their reset, read from the ps
+        (the workers' train steps update them there); the loss is counted exactly instead."""
+        return {k: v for k, v in _logs(self.model).items() if k != "loss" and np.ndim(v) == 0}
 
 
 def _keepalive(seconds):

@@ -6,8 +6,7 @@ creates every variable on its own device, whatever `tf.device` the model asks fo
 put all of a pipeline's stages on one device. The default strategy leaves placement to the model
 (and puts unplaced ops on the first GPU, else the CPU, as `OneDeviceStrategy` would).
 """
-import tensorflow as tf
-
+from tfdist.lazy import tf
 from tfdist.strategies.base import Strategy
 
 

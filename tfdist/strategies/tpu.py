@@ -28,9 +28,8 @@ Usage (not run as a doctest: needs a TPU, or a resolver of your own such as a te
 import socket
 import threading
 
-import tensorflow as tf
-
 from tfdist.errors import UsageError
+from tfdist.lazy import tf
 from tfdist.strategies.base import Strategy
 
 #: Config values a TPU run should use, applied where the config keeps tfdist's defaults.

@@ -52,14 +52,7 @@ from horovod.tensorflow import (Average, Compression, Sum, allgather, allreduce,
 from tfdist import compat
 from tfdist.strategies import horovod as _plugin
 
-_said = set()
-
-
-def note(what):
-    """One line on stderr, once per process, from rank 0: an argument without effect on Keras 3."""
-    if what not in _said and (not is_initialized() or rank() == 0):
-        _said.add(what)
-        print(f"tfdist.horovod.keras: {what}", file=sys.stderr, flush=True)
+from tfdist.horovod.keras.notes import note  # noqa: E402
 
 
 def init(*args, **kwargs):

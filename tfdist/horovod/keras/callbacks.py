@@ -1,9 +1,9 @@
 """`hvd.callbacks` of `tfdist.horovod.keras`: Horovod's Keras callbacks for Keras 3.
 
 * `BroadcastGlobalVariablesCallback(root_rank)`: the root's model and optimizer state to every
-  rank before the first step (`tfdist.strategies.horovod.BroadcastFromRoot`);
+  rank before the first step (`tfdist.strategies.horovod.broadcast_from_root`);
 * `MetricAverageCallback()`: the logged metrics averaged over the ranks at every batch and epoch
-  end (`tfdist.strategies.horovod.AverageLogs`); put it before the callbacks that read metrics;
+  end (`tfdist.strategies.horovod.average_logs`); put it before the callbacks that read metrics;
 * `LearningRateScheduleCallback(initial_lr, multiplier, start_epoch, end_epoch, staircase)`: the
   learning rate is `initial_lr * multiplier(epoch)` in [start_epoch, end_epoch), set at each
   epoch (`staircase=True`) or each batch with a fractional epoch;
@@ -17,22 +17,32 @@ constant of the compiled step.
 import keras
 import horovod.tensorflow as _hvd
 
-from tfdist.horovod import keras as _api
+from tfdist.horovod.keras.notes import note
 from tfdist.strategies import horovod as _plugin
 
 
-class BroadcastGlobalVariablesCallback(_plugin.BroadcastFromRoot):
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def __init__(self, root_rank, device=""):
+        super().__init__()
         if device:
-            _api.note(f"BroadcastGlobalVariablesCallback(device={device!r}) has no effect on Keras 3")
-        super().__init__(_hvd, root_rank)
+            note(f"BroadcastGlobalVariablesCallback(device={device!r}) has no effect on Keras 3")
+        self.root_rank = root_rank
+
+    def on_train_begin(self, logs=None):
+        _plugin.broadcast_from_root(_hvd, self.model, self.root_rank)
 
 
-class MetricAverageCallback(_plugin.AverageLogs):
+class MetricAverageCallback(keras.callbacks.Callback):
     def __init__(self, device=""):
+        super().__init__()
         if device:
-            _api.note(f"MetricAverageCallback(device={device!r}) has no effect on Keras 3")
-        super().__init__(_hvd)
+            note(f"MetricAverageCallback(device={device!r}) has no effect on Keras 3")
+
+    def on_train_batch_end(self, batch, logs=None):
+        _plugin.average_logs(_hvd, logs, "batch")
+
+    def on_epoch_end(self, epoch, logs=None):
+        _plugin.average_logs(_hvd, logs, "epoch")
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
@@ -52,7 +62,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             raise ValueError(f"{type(self).__name__} sets the learning rate, but the optimizer has "
                              f"a LearningRateSchedule; give it a float learning_rate")
         if self.momentum_correction and getattr(optimizer, "momentum", 0):
-            _api.note(f"{type(self).__name__}(momentum_correction=True) has no effect on Keras 3 "
+            note(f"{type(self).__name__}(momentum_correction=True) has no effect on Keras 3 "
                       f"(momentum is a constant of the compiled step)")
         self.steps_per_epoch = self.steps_per_epoch or self.params.get("steps")
         if not self.staircase and not self.steps_per_epoch:

@@ -1,62 +1,17 @@
-"""Callbacks: step-exact BackupAndRestore, and the per-step training log (progress, TensorBoard,
-metrics.json, loss curve).
+"""Step-exact backup of a training run: `BackupAndRestore`.
 
-Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resumes at step 6):
-
-    >>> import tempfile, keras, tensorflow as tf, tfdist.strategies
-    >>> import tfdist.callbacks as cb
-    >>> run = tempfile.mkdtemp()
-    >>> strategy = tfdist.strategies.get("single")
-    >>> with strategy.scope():
-    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    ...     model.compile(optimizer="sgd", loss="mse")
-    ...     model.optimizer.build(model.trainable_variables)
-    >>> data = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat()
-    >>> backup = cb.BackupAndRestore(run + "/backup", every_steps=2, total_steps=10)
-    >>> start = backup.restore(model)      # model and optimizer built; 0 if there is no backup
-    >>> history = strategy.fit(model, data, epochs=3, steps_per_epoch=2, initial_step=start,
-    ...                        callbacks=[backup, cb.TrainingLog(run, tokens_per_step=8,
-    ...                                                          initial_step=start)], verbose=0)
-    >>> start, cb.BackupAndRestore(run + "/backup", total_steps=10).restore(model)
-    (0, 6)
+Used by `tfdist train`; the example is in `tfdist/callbacks/__init__.py`.
 """
-import json
-import math
 import os
 import sys
-import tempfile
-import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from tfdist import compat, zero
-from tfdist.data.store import write_atomic
+from tfdist import zero
+from tfdist.callbacks.log import read_json, steps_in, write_json_atomic
 from tfdist.errors import UsageError
 from tfdist.models import state
-
-
-def write_json_atomic(path, obj):
-    """Writes JSON through a temporary file and a rename, so a kill never leaves half a file."""
-    write_atomic(path, json.dumps(obj, indent=1))
-
-
-def read_json(path):
-    with tf.io.gfile.GFile(path) as f:
-        return json.load(f)
-
-
-STEPS_KEY = "tfdist/steps"
-#: Other per-step logs named `tfdist/<key>` (e.g. a strategy's `tfdist/worker_steps`) are
-#: recorded in metrics.json's step records as `<key>`, and not averaged or shown.
-EXTRA_LOG_PREFIX = "tfdist/"
-
-
-def steps_in(logs):
-    """Optimizer steps that one `on_train_batch_end` stands for: 1 under Keras `fit`; more under
-    the parameter-server loop, which reports once per group of asynchronously run steps."""
-    return int((logs or {}).get(STEPS_KEY, 1))
 
 
 def model_signature(model):
@@ -252,12 +207,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         for path in tf.io.gfile.glob(os.path.join(self.backup_dir, f"ckpt-{step}[._]*")):
             (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
-        _remove(zero.shard_dir(self.backup_dir, step))
+        remove(zero.shard_dir(self.backup_dir, step))
 
     def remove(self):
         """Deletes the backup (the chief; `tfdist train` calls it once the model is saved)."""
         if self.is_chief:
-            _remove(self.backup_dir)
+            remove(self.backup_dir)
 
     def set_model(self, model):
         super().set_model(model)
@@ -301,200 +256,6 @@ def _diff(saved, now):
     return f"backup {saved!r}, now {now!r}"
 
 
-class TrainingLog(keras.callbacks.Callback):
-    """Per-step loss, learning rate and tokens/s: on the progress bar, in TensorBoard and in
-    `metrics.json`; a loss-curve PNG at the end. Files are written by the chief only.
-
-    The validation loss is also reported in bits per byte (`val_bits_per_byte`), which compares
-    across tokenizers: nats/token / ln 2 / (UTF-8 bytes per token of the validation split), given
-    `val_bytes_per_token`.
-
-    Keras reports a running mean of the loss over the epoch; this callback resets the metrics
-    before each step so that every logged value (and the progress bar) is that step's own loss.
-    Keras's TensorBoard callback numbers its steps from 0 at every `fit` call, which is wrong after
-    a resume, so summaries are written here against the global step.
-    """
-
-    def __init__(self, workdir, *, tokens_per_step, initial_step=0, total_steps=None,
-                 is_chief=True, log_every_steps=1, tensorboard=True, plot=True,
-                 val_bytes_per_token=None, flush_every_steps=0):
-        super().__init__()
-        self.workdir, self.tokens_per_step = workdir, tokens_per_step
-        self.step, self.total_steps, self.is_chief = initial_step, total_steps, is_chief
-        self.log_every_steps, self.plot = log_every_steps, plot
-        self.flush_every_steps = flush_every_steps  # metrics.json as of each backup, and epoch end
-        self.val_bytes_per_token = val_bytes_per_token
-        self.metrics_path = os.path.join(workdir, "metrics.json")
-        self.history = {"steps": [], "evals": []}
-        if is_chief and initial_step and tf.io.gfile.exists(self.metrics_path):
-            old = read_json(self.metrics_path)  # keep what was logged up to the restored step
-            self.history["steps"] = [r for r in old.get("steps", []) if r["step"] <= initial_step]
-            self.history["evals"] = [r for r in old.get("evals", []) if r["step"] <= initial_step]
-        self._writer = (tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
-                        if is_chief and tensorboard else None)
-        self._t0 = None
-
-    @property
-    def losses(self):
-        return [r["loss"] for r in self.history["steps"]]
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.model.reset_metrics()
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        dt = time.perf_counter() - self._t0
-        n = steps_in(logs)
-        self.step += n
-        logs = logs if logs is not None else {}
-        lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
-        record = {"step": self.step, "loss": float(logs.get("loss", np.nan)), "lr": lr,
-                  "step_time": dt / n, "tokens_per_sec": n * self.tokens_per_step / dt,
-                  "time": round(time.time(), 3)}
-        for key, value in logs.items():  # a strategy's own per-step facts
-            if key.startswith(EXTRA_LOG_PREFIX) and key != STEPS_KEY:
-                record[key[len(EXTRA_LOG_PREFIX):]] = np.asarray(value).tolist()
-        logs["tok/s"] = round(record["tokens_per_sec"])  # shown by Keras's progress bar
-        self.history["steps"].append(record)
-        every = self.flush_every_steps
-        if every and self.step // every > (self.step - n) // every:
-            self.flush()
-        if self._writer and self.step % self.log_every_steps == 0:
-            with self._writer.as_default(step=self.step):
-                for k in ("loss", "lr", "tokens_per_sec"):
-                    tf.summary.scalar("train/" + k, record[k])
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is not None and "val_loss" in logs and self.val_bytes_per_token:
-            logs["val_bits_per_byte"] = float(logs["val_loss"]) / math.log(2) / self.val_bytes_per_token
-        evals = {k[4:]: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
-        if evals:
-            self.history["evals"].append({"step": self.step, "epoch": epoch + 1, **evals})
-            if self._writer:
-                with self._writer.as_default(step=self.step):
-                    for k, v in evals.items():
-                        tf.summary.scalar("val/" + k, v)
-        self.flush()
-
-    def on_train_end(self, logs=None):
-        self.flush()
-        if self.plot and self.is_chief and (self.total_steps is None or self.step >= self.total_steps):
-            plot_losses(self.history, os.path.join(self.workdir, "loss.png"))
-
-    def steady_tokens_per_sec(self, warmup=3):
-        """Median tokens/s over the steps after the first `warmup` ones."""
-        rates = [r["tokens_per_sec"] for r in self.history["steps"][warmup:]]
-        return float(np.median(rates)) if rates else float("nan")
-
-    def flush(self):
-        if self.is_chief:
-            tf.io.gfile.makedirs(self.workdir)
-            write_json_atomic(self.metrics_path, self.history)
-        if self._writer:
-            self._writer.flush()
-
-
-def plot_losses(history, path):
-    """Train loss per step and validation loss per evaluation, as a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    steps = history["steps"]
-    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, label="train loss")
-    evals = [e for e in history["evals"] if "loss" in e]
-    if evals:
-        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross entropy (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with tf.io.gfile.GFile(path, "wb") as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
-
-
-# -- Keras's file-writing callbacks on a process that is not the chief (Strategy.for_this_process)
-
-def _remove(directory):
+def remove(directory):
     if tf.io.gfile.exists(directory):  # local, but through gfile as every path here
         tf.io.gfile.rmtree(directory)
-
-
-_HOOKS = [name for name in dir(keras.callbacks.Callback) if name.startswith("on_")]
-
-
-class Scratch(keras.callbacks.Callback):
-    """A file-writing callback run with its path (attribute `attr`) in a temporary directory,
-    removed when training ends: on a worker that must take part in a collective save but whose
-    file nobody reads. Every hook it does not define itself goes to the wrapped callback."""
-
-    def __init__(self, callback, attr=None):
-        super().__init__()
-        self.callback = callback
-        self.scratch = tempfile.mkdtemp(prefix="tfdist-scratch-")
-        if attr:
-            setattr(callback, attr, os.path.join(self.scratch, os.path.basename(
-                str(getattr(callback, attr)))))
-        for name in _HOOKS:
-            if getattr(type(self), name) is getattr(keras.callbacks.Callback, name):
-                setattr(self, name, self._hook(name))
-
-    def _hook(self, name):
-        return getattr(self.callback, name)
-
-    def set_model(self, model):
-        super().set_model(model)
-        self.callback.set_model(model)
-
-    def on_train_end(self, logs=None):
-        self.callback.on_train_end(logs)
-        _remove(self.scratch)
-
-
-class ReadOnlyBackup(Scratch):
-    """Keras's BackupAndRestore on a worker that is not the chief: it restores from the chief's
-    backup (the directory must be shared, as Keras requires), then writes only to a temporary
-    directory (`collective`: saving takes every worker) or not at all, and deletes nothing."""
-
-    def __init__(self, callback, collective):
-        self.collective = collective
-        super().__init__(callback)
-
-    def _hook(self, name):
-        return getattr(self.callback, name) if self.collective else (lambda *a, **k: None)
-
-    def on_train_begin(self, logs=None):
-        self.callback.on_train_begin(logs)  # reads the chief's backup
-        compat.redirect_backup(self.callback, self.scratch)
-
-    def on_train_end(self, logs=None):
-        _remove(self.scratch)  # not the chief's backup
-
-
-class ProfileStep(keras.callbacks.Callback):
-    """Captures a TensorBoard profile (TF's profiler: every op of every thread, with its start and
-    end) of global step `step` into `logdir` (`<logdir>/plugins/profile/<time>/<host>.xplane.pb`,
-    what TensorBoard's Profile tab reads). `log` is the run's `TrainingLog`, which counts the
-    global steps. `tfdist.profiling` reads it back.
-
-    Example:
-
-        cb = ProfileStep(5, "runs/x/profile/worker-0", log)   # then pass it to fit
-    """
-
-    def __init__(self, step, logdir, log):
-        super().__init__()
-        self.target, self.logdir, self.log, self._on = step, logdir, log, False
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.log.step + 1 == self.target:
-            tf.profiler.experimental.start(self.logdir)
-            self._on = True
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._on:
-            self._on = False
-            tf.profiler.experimental.stop()

@@ -1,0 +1,105 @@
+"""Keras 3 optimizers (TF backend): how they reduce gradients, where they update, their schedule.
+Each function names its row of the patch table (`tfdist/compat/table.py`)."""
+import tensorflow as tf
+
+from tfdist import gradients
+from tfdist.compat.table import using
+
+
+def set_gradient_reduction(optimizer, all_reduce=None, norm_sum=None):
+    """Sets how a user's compiled `optimizer` reduces gradients across replicas, once, and
+    corrects what a Keras 3 optimizer does with them under a strategy ("gradient_reduction").
+
+    `all_reduce(grads_and_vars) -> grads_and_vars` replaces Keras's own reduction (the strategy's
+    collective); None keeps it. On the reduced gradients, the corrections of `tfdist.gradients`:
+    duplicate embedding rows summed, then clipping by `global_clipnorm`, which Keras would apply
+    to each replica's partial gradient before the all-reduce. `norm_sum(x)`: x summed over
+    replicas, where `all_reduce` gives each its shard only. One reduction, one correction: a
+    second call raises instead of wrapping twice. (tfdist's GPT does all this in its training
+    step instead: `tfdist.step`.)"""
+    if has_gradient_reduction(optimizer):
+        raise ValueError("the optimizer's gradient reduction is already set (wrap it once)")
+    reduce = all_reduce or optimizer._all_reduce_sum_gradients
+    optimizer.tfdist_reduction = True
+    if not using("gradient_reduction"):
+        if all_reduce:
+            optimizer._all_reduce_sum_gradients = all_reduce
+        return optimizer
+    clipnorm = optimizer.global_clipnorm
+    optimizer.global_clipnorm = None
+
+    def reduce_then_fix(grads_and_vars):
+        reduced = reduce([(gradients.dense_if_smaller(g, v), v) for g, v in grads_and_vars])
+        grads = [gradients.sum_duplicate_rows(g) for g, _ in reduced]
+        grads = gradients.clip(grads, clipnorm, norm_sum)
+        return list(zip(grads, [v for _, v in reduced]))
+
+    optimizer._all_reduce_sum_gradients = reduce_then_fix
+    return optimizer
+
+
+def has_gradient_reduction(optimizer):
+    """Whether the optimizer's reduction is tfdist's already (`set_gradient_reduction` or
+    `reduce_nothing_in_apply`)."""
+    return getattr(optimizer, "tfdist_reduction", False)
+
+
+def reduce_nothing_in_apply(optimizer):
+    """Keras's `apply` without its own all-reduce ("no_second_reduction"): tfdist's training
+    step hands it gradients already reduced over the replicas. (A loss-scale optimizer's inner
+    optimizer does the update, so its reduction is the one switched off.)"""
+    optimizer.tfdist_reduction = True
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner.tfdist_reduction = True
+    if using("no_second_reduction"):
+        inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+    return optimizer
+
+
+def update_on_variable_device(optimizer):
+    """Runs each variable's optimizer update on that variable's device
+    ("update_on_variable_device"): Keras 3 (TF backend, default strategy) leaves the update math
+    without a device, so TF would run every pipeline stage's updates on the first device and copy
+    gradients back and forth. (Public API: `update_step`, wrapped on this optimizer.)"""
+    if getattr(optimizer, "tfdist_placed", False) or not using("update_on_variable_device"):
+        return
+    update_step = optimizer.update_step
+
+    def placed(gradient, variable, learning_rate):
+        with tf.device(variable.device):
+            return update_step(gradient, variable, learning_rate)
+
+    optimizer.update_step = placed
+    optimizer.tfdist_placed = True
+
+
+def learning_rate_schedule(optimizer):
+    """The optimizer's learning-rate schedule, or its float rate ("learning_rate_schedule":
+    `optimizer.learning_rate` is only the current value)."""
+    using("learning_rate_schedule")
+    return optimizer._learning_rate
+
+
+def set_learning_rate_schedule(optimizer, schedule):
+    using("learning_rate_schedule")
+    optimizer._learning_rate = schedule
+
+
+def optimizer_strategy(optimizer):
+    """The tf.distribute strategy a Keras 3 optimizer was created (and creates variables) under
+    ("optimizer_strategy")."""
+    using("optimizer_strategy")
+    return optimizer._distribution_strategy
+
+
+def local_variables(strategy):
+    """A scope where variables made under `strategy` (MirroredStrategy's family) are plain ones on
+    this process's first device, not mirrored ones the workers initialise by a collective
+    broadcast ("local_variables": ZeRO's slot shards differ per worker). TF 2.21 skips mirroring
+    only for `colocate_with=numpy_dataset.SingleDevice`, which this sets after Keras's own."""
+    using("local_variables")
+    from tensorflow.python.distribute.numpy_dataset import SingleDevice
+    device = SingleDevice(strategy.extended.worker_devices[0])
+    return tf.variable_creator_scope(lambda next_creator, **kwargs: next_creator(
+        **{**kwargs, "colocate_with": device}))
+
