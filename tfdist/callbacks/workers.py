@@ -80,7 +80,7 @@ class Calls(keras.callbacks.Callback):
         if unknown:
             raise ValueError(f"not Keras callback hooks: {unknown}")
         for hook, function in functions.items():
-            setattr(self, hook, lambda *args, f=function: f(self.model, *args))
+            setattr(self, hook, lambda *args, logs=None, f=function: f(self.model, *args, logs))
 
     def __repr__(self):
         return f"<Calls {self.name}>"
