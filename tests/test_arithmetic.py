@@ -40,7 +40,7 @@ def test_parameter_count_is_the_built_keras_models(kw):
     assert arch.layer_params() == gpt.blocks[0].count_params()
     assert arch.non_embedding_params() == counted - kw["block_size"] * kw["n_embd"]  # less wpe
     assert gpt.num_params() == counted and gpt.num_params(non_embedding=True) == arch.non_embedding_params()
-    assert plan.Model("gpt", **sizes(kw)).params == counted  # the planner counts the same
+    assert plan.Model(name="gpt", **sizes(kw)).params == counted  # the planner counts the same
 
 
 @pytest.mark.parametrize("kw", CONFIGS, ids=["bias", "no-bias", "no-bias-dropout"])
@@ -53,7 +53,7 @@ def test_gpt_flops_per_token_is_the_modules(kw):
     assert gpt.flops_per_token() == arch.flops_per_token() == nanogpt
     assert gpt.flops_per_token(seq_len=8) == arch.flops_per_token(8) == nanogpt - 12 * L * C * (T - 8)
     blocks, embed, head = block_costs(gpt)  # the pipeline balances its stages by the same FLOPs
-    assert blocks == [plan.Model("gpt", **sizes(kw)).arch.layer_flops()] * L
+    assert blocks == [plan.Model(name="gpt", **sizes(kw)).layer_flops()] * L
     assert (embed, head) == (arch.embedding_flops(), arch.head_flops())
 
 
@@ -69,15 +69,15 @@ def test_pipeline_estimate_and_planner_count_the_same_activations(precision, rec
     assert pipe.layers_per_stage == [2, 2]  # as the planner's even split
     rows = pipe.memory_estimate(batch, precision)
 
-    model = plan.Model("gpt", **sizes(kw))
-    layout = plan.Layout(dp=1, pp=stages, microbatch=batch // m, recompute=recompute)
+    model = plan.Model(name="gpt", **sizes(kw))
+    layout = plan.planned(batch, 1, pp=stages, microbatch=batch // m, recompute=recompute)
     tokens = batch // m * kw["block_size"]
     per_layer = plan.activation_bytes_per_layer(model, layout, tokens, precision)
-    assert per_layer == model.arch.activation_bytes_per_layer(tokens, precision)
+    assert per_layer == model.activation_bytes_per_layer(tokens, precision)
     assert [r["activation_bytes_per_block"] for r in rows] == [int(per_layer)] * stages
-    planned = plan.memory(model, layout, batch, plan.Options(precision=precision, schedule="gpipe"))
-    kept = model.arch.activation_bytes_per_layer(tokens, precision, recompute=True)
-    logits = m * model.arch.logits_bytes(tokens)
+    planned = plan.memory(model, layout, plan.Options(precision=precision, schedule="gpipe"))
+    kept = model.activation_bytes_per_layer(tokens, precision, recompute=True)
+    logits = m * model.logits_bytes(tokens)
     if recompute:  # tfdist recomputes a stage whole (its input kept), the planner layer by layer
         assert rows[-1]["activation_bytes"] == int(m * kept + 2 * per_layer + logits)
         assert planned["activations"] == 2 * m * kept + per_layer + logits

@@ -98,17 +98,17 @@ def test_activation_memory_is_korthikanti_equation():
     m = plan.MODELS["gpt3-175b"]
     s, h, a, b = m.seq_len, m.n_embd, m.n_head, 2
     for t in (1, 2, 8):
-        got = plan.activation_bytes_per_layer(m, plan.Layout(1, tp=t), b * s, "mixed")
+        got = plan.activation_bytes_per_layer(m, plan.planned(b, 1, tp=t), b * s, "mixed")
         assert got == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
     flash = dataclasses.replace(m, flash_attention=True)
-    assert plan.activation_bytes_per_layer(flash, plan.Layout(1), s, "mixed") == pytest.approx(34 * s * h)
+    assert plan.activation_bytes_per_layer(flash, plan.planned(1, 1), s, "mixed") == pytest.approx(34 * s * h)
 
 
 def test_recomputation_and_1f1b_shrink_activations():
     m, batch = plan.MODELS["gpt3-175b"], 64
-    full = plan.memory(m, plan.Layout(1, tp=8, pp=8), batch, plan.Options(schedule="1f1b"))
-    rc = plan.memory(m, plan.Layout(1, tp=8, pp=8, recompute=True), batch, plan.Options(schedule="1f1b"))
-    gpipe = plan.memory(m, plan.Layout(1, tp=8, pp=8), batch, plan.Options(schedule="gpipe"))
+    full = plan.memory(m, plan.planned(batch, 1, tp=8, pp=8), plan.Options(schedule="1f1b"))
+    rc = plan.memory(m, plan.planned(batch, 1, tp=8, pp=8, recompute=True), plan.Options(schedule="1f1b"))
+    gpipe = plan.memory(m, plan.planned(batch, 1, tp=8, pp=8), plan.Options(schedule="gpipe"))
     assert rc["activations"] < full["activations"] / 5
     # GPipe keeps all 64 microbatches, 1F1B at most pp = 8 on the first stage
     assert gpipe["activations"] > 7 * full["activations"]
@@ -122,16 +122,17 @@ def test_ring_allreduce_and_the_pipeline_bubble():
     dev = plan.Device("ideal", 1e12, 1e12, None, math.inf, math.inf, 64, "test")
     m = dataclasses.replace(plan.MODELS["gpt3-175b"], n_layer=32, tied_embeddings=False)
     for k, mbs in ((4, 1), (4, 8), (8, 16)):
-        lay = plan.Layout(1, pp=k, microbatch=64 // mbs)
-        t = plan.step_time(m, plan.Cluster(dev, k), lay, 64, plan.Options(efficiency=0.5))
+        lay = plan.planned(64, 1, pp=k, microbatch=64 // mbs)
+        t = plan.step_time(m, plan.Cluster(dev, k), lay, plan.Options(efficiency=0.5))
         assert t["bubble"] / t["total"] == pytest.approx((k - 1) / (mbs + k - 1), rel=0.02)
 
 
 def test_data_parallel_time_and_zero_traffic():
-    m, c, o = plan.MODELS["gpt3-175b"], plan.Cluster(plan.DEVICES["a100-80gb"], 64), plan.Options()
-    base = plan.step_time(m, c, plan.Layout(8, tp=8), 64, o)
-    z1 = plan.step_time(m, c, plan.Layout(8, tp=8, zero=1), 64, o)
-    z3 = plan.step_time(m, c, plan.Layout(8, tp=8, zero=3), 64, o)
+    m, c = plan.MODELS["gpt3-175b"], plan.Cluster(plan.DEVICES["a100-80gb"], 64)
+    o = plan.calibrated_options()
+    base = plan.step_time(m, c, plan.planned(64, 8, tp=8), o)
+    z1 = plan.step_time(m, c, plan.planned(64, 8, tp=8, zero=1), o)
+    z3 = plan.step_time(m, c, plan.planned(64, 8, tp=8, zero=3), o)
     grads = plan.stage_params(m, 1) / 8 * 2
     dp = plan.allreduce_seconds(grads, 8, 25e9)  # the 8 replicas span 8 nodes: InfiniBand
     tp = 96 * 4 * plan.allreduce_seconds(2048 * 12288 * 2, 8, 300e9)  # 4 per layer, within a node
@@ -141,26 +142,27 @@ def test_data_parallel_time_and_zero_traffic():
 
 def test_float32_runs_at_the_float32_rate():
     m, c = plan.MODELS["gpt3-175b"], plan.Cluster(plan.DEVICES["a100-80gb"], 8)
-    lay = plan.Layout(1, tp=8)
-    mixed = plan.step_time(m, c, lay, 8, plan.Options(precision="mixed", efficiency=0.5))
-    fp32 = plan.step_time(m, c, lay, 8, plan.Options(precision="float32", efficiency=0.5))
+    lay = plan.planned(8, 1, tp=8)
+    mixed = plan.step_time(m, c, lay, plan.Options(precision="mixed", efficiency=0.5))
+    fp32 = plan.step_time(m, c, lay, plan.Options(precision="float32", efficiency=0.5))
     assert fp32["compute"] == pytest.approx(2 * mixed["compute"])  # TF32 156 vs bf16 312 TFLOP/s
-    assert plan.memory(m, lay, 8, plan.Options(precision="float32"))["weights"] == \
-        2 * plan.memory(m, lay, 8, plan.Options(precision="mixed"))["weights"]
+    assert plan.memory(m, lay, plan.Options(precision="float32"))["weights"] == \
+        2 * plan.memory(m, lay, plan.Options(precision="mixed"))["weights"]
 
 
 # --- the search and its output -------------------------------------------------------------------
 
 def test_search_ranks_feasible_layouts_and_explains_the_others():
     m = plan.MODELS["gpt3-175b"]
-    plans = plan.search(m, plan.Cluster(plan.DEVICES["a100-80gb"], 64), 64)
+    plans = plan.search(m, plan.Cluster(plan.DEVICES["a100-80gb"], 64), 64,
+                        opts=plan.calibrated_options())
     fits = [p for p in plans if p.fits]
     assert fits and [p.tokens_per_sec for p in fits] == sorted((p.tokens_per_sec for p in fits), reverse=True)
     assert all(p.memory["total"] <= 0.95 * plan.DEVICES["a100-80gb"].memory for p in fits)
     over = [p for p in plans if not p.fits]
     assert over and all(p.overflow.startswith("needs ") for p in over)
     # pure data parallelism cannot hold 175B parameters' states (16 bytes each) on one 80 GB GPU
-    dp_only = next(p for p in over if p.layout == plan.Layout(64, microbatch=1))
+    dp_only = next(p for p in over if p.layout == plan.planned(64, 64, microbatch=1))
     assert "optimizer" in dp_only.overflow
 
 
@@ -168,11 +170,12 @@ def test_the_recommended_command_is_valid_tfdist_flags():
     m = plan._config(os.path.join(ROOT, "configs", "gpt2_xl.py"))
     model = plan.model_from_config(m, "gpt2_xl")
     cluster = plan.Cluster(plan.DEVICES["a100-40gb"], 8)
-    for lay in (plan.Layout(2, pp=4, microbatch=4, recompute=True),
-                plan.Layout(2, pp=4, microbatch=4, zero=1, recompute=True)):
-        p = plan.evaluate(model, cluster, lay, 64)
+    opts = plan.calibrated_options()
+    for lay in (plan.planned(64, 2, pp=4, microbatch=4, recompute=True),
+                plan.planned(64, 2, pp=4, microbatch=4, zero=1, recompute=True)):
+        p = plan.evaluate(model, cluster, lay, opts)
         assert plan.runnable(p, cluster)
-        cmd = plan.tfdist_command(p, cluster, 64, "--config=configs/gpt2_xl.py", "mixed")
+        cmd = plan.tfdist_command(p, cluster, "--config=configs/gpt2_xl.py", "mixed")
         c = plan._config(os.path.join(ROOT, "configs", "gpt2_xl.py"))
         for arg in cmd.split():
             if arg.startswith("--config."):
@@ -185,9 +188,9 @@ def test_the_recommended_command_is_valid_tfdist_flags():
         assert ("--config.zero.stage=1" in cmd) == (lay.zero == 1)
     # one microbatch at a time without a pipeline is Keras's gradient accumulation, which
     # multi_worker_mirrored cannot run (keras-team/keras#20582); ZeRO-3 tfdist does not have
-    for lay in (plan.Layout(8, microbatch=2), plan.Layout(8, microbatch=2, zero=1),
-                plan.Layout(8, zero=3)):
-        p = plan.evaluate(model, cluster, lay, 64)
+    for lay in (plan.planned(64, 8, microbatch=2), plan.planned(64, 8, microbatch=2, zero=1),
+                plan.planned(64, 8, zero=3)):
+        p = plan.evaluate(model, cluster, lay, opts)
         assert p.fits and p.tfdist_fits and not plan.runnable(p, cluster), lay
 
 
@@ -285,3 +288,44 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tfdist: error: ") and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("name,device,devices,batch", [
+    ("gpt2_xl", "a100-40gb", 16, 256), ("gpt2", "h100", 8, 64), ("gpt_mini", "a100-80gb", 4, 32)])
+def test_every_layout_the_planner_calls_runnable_is_what_its_command_runs(name, device, devices,
+                                                                           batch):
+    """Over every layout the planner enumerates: the command it prints for a runnable one is a
+    config that `tfdist train` accepts (its config rules, then `tfdist.layout.Layout`, the one
+    judge) and whose layout is the planned one; the others it calls modelled."""
+    from tfdist import strategies
+    from tfdist.layout import Layout
+    c0 = plan._config(os.path.join(ROOT, "configs", f"{name}.py"))
+    model, cluster = plan.model_from_config(c0, name), plan.Cluster(plan.DEVICES[device], devices)
+    plans = plan.search(model, cluster, batch, opts=plan.calibrated_options())
+    ran = 0
+    for p in plans:
+        if not plan.runnable(p, cluster):
+            continue
+        ran += 1
+        cmd = plan.tfdist_command(p, cluster, f"--config=configs/{name}.py", "mixed").split()
+        c = plan._config(os.path.join(ROOT, "configs", f"{name}.py"))
+        for arg in cmd:
+            if arg.startswith("--config."):
+                key, value = arg[len("--config."):].split("=")
+                section, key = key.split(".")
+                kind = type(c[section][key])
+                c[section][key] = (value == "True") if kind is bool else kind(value)
+        processes = (int(cmd[cmd.index("--workers") + 1]) if "--workers" in cmd else
+                     math.prod(int(a.split("=")[1]) for a in cmd
+                               if a.startswith(("--nodes=", "--ntasks-per-node="))) or 1)
+        given = [a.split("=", 1)[1] for a in cmd if a.startswith("--strategy=")]
+        if given or cmd[0] in ("sbatch",) or cmd[:2] == ["tfdist", "launch"]:
+            c.strategy.name = (given or ["multi_worker_mirrored"])[0]  # (the launchers' default)
+        tfdist_config.validate(c)
+        plugin = strategies.get_class(c.strategy.name)
+        got = Layout.from_config(c, plugin, replicas=processes, local_devices=cluster.node())
+        assert (got.dp, got.tp, got.pp, got.microbatches, got.accumulate, got.zero, got.recompute,
+                got.batch) == (p.layout.dp, p.layout.tp, p.layout.pp, p.layout.microbatches,
+                               p.layout.accumulate, p.layout.zero, p.layout.recompute,
+                               p.layout.batch), (cmd, p.layout)
+    assert 0 < ran < len(plans), (ran, len(plans))

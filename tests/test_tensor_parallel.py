@@ -130,22 +130,24 @@ def test_bad_tensor_parallel_configs_are_one_line(tmp_path, flags, needle):
 
 def test_the_planner_recommends_a_runnable_tensor_parallel_layout():
     from tfdist import plan
-    c = plan._config(os.path.join(os.path.dirname(__file__), "..", "configs", "gpt2_xl.py"))
-    model = plan.model_from_config(c, "gpt2_xl")
+    # GPT-2 large: its 20 heads split over t = 2 (GPT-2 XL's 25 would not: the layout refuses t=2)
+    c = plan._config(os.path.join(os.path.dirname(__file__), "..", "configs", "gpt2_large.py"))
+    model = plan.model_from_config(c, "gpt2_large")
     cluster = plan.Cluster(plan.DEVICES["a100-40gb"], 8)
     # (a batch of 4 sequences: one per replica, no gradient accumulation, which
     # multi_worker_mirrored cannot run: keras-team/keras#20582)
-    p = plan.evaluate(model, cluster, plan.Layout(4, tp=2), 4)
+    opts = plan.calibrated_options()
+    p = plan.evaluate(model, cluster, plan.planned(4, 4, tp=2), opts)
     assert plan.runnable(p, cluster)
-    assert not plan.runnable(plan.evaluate(model, cluster, plan.Layout(4, tp=2), 64), cluster)
-    cmd = plan.tfdist_command(p, cluster, 4, "--config=configs/gpt2_xl.py", "mixed", "1f1b")
+    assert not plan.runnable(plan.evaluate(model, cluster, plan.planned(64, 4, tp=2), opts), cluster)
+    cmd = plan.tfdist_command(p, cluster, "--config=configs/gpt2_large.py", "mixed")
     assert "--config.tensor.parallel=2" in cmd and cmd.startswith("tfdist launch --workers 4 ")
     # tfdist keeps the embedding and head whole: a layout that fits only when they are split
     # over the tensor-parallel ranks (Megatron's vocabulary-parallel head) is not runnable
-    whole = plan.memory(model, plan.Layout(4, tp=2), 64, plan.Options(vocab_parallel=False))
-    split = plan.memory(model, plan.Layout(4, tp=2), 64, plan.Options())
+    whole = plan.memory(model, plan.planned(64, 4, tp=2), plan.Options(vocab_parallel=False))
+    split = plan.memory(model, plan.planned(64, 4, tp=2), plan.Options())
     assert whole["weights"] > split["weights"]
-    z = plan.evaluate(model, cluster, plan.Layout(4, tp=2, zero=1), 4)  # ZeRO composes with t
+    z = plan.evaluate(model, cluster, plan.planned(4, 4, tp=2, zero=1), opts)  # ZeRO composes with t
     assert plan.runnable(z, cluster) and "--config.zero.stage=1" in plan.tfdist_command(
-        z, cluster, 4, "--config=configs/gpt2_xl.py", "mixed")
+        z, cluster, "--config=configs/gpt2_large.py", "mixed")
     np.testing.assert_equal(p.tfdist_fits, True)

@@ -12,11 +12,13 @@ This package re-exports the public names of all four.
     best = plan.search(m, plan.Cluster(plan.DEVICES["a100-80gb"], 1024), batch=1536)[0]
     print(best.layout, best.tflops_per_device)
 """
-from tfdist.plan.model import (GB, STATE_BYTES, Cluster, Device, Layout, Model, Options, Plan,  # noqa: F401
+from tfdist.layout import Layout  # noqa: F401  (the class the planner prices)
+from tfdist.plan.model import (GB, STATE_BYTES, Cluster, Device, Model, Options, Plan,  # noqa: F401
                                activation_bytes_per_layer, allreduce_seconds, evaluate, layouts,
-                               memory, model_from_config, search, stage_params, step_time)
+                               memory, model_from_config, planned, search, stage_params, step_time)
 from tfdist.plan.published import (CPU, DEVICES, MEGATRON_OPTIONS, MODELS, PUBLISHED, MiB,  # noqa: F401
-                                   calibrated, validate, zero_figure1)
+                                   calibrated, calibrated_options, fit_efficiency, validate,
+                                   zero_figure1)
 from tfdist.plan.machine import BENCH_HINT, allreduce_bandwidth, cpu_device, measured, read_bench  # noqa: F401
-from tfdist.plan.cli import (ROOT, _config, chart, format_table, main, run, runnable,  # noqa: F401
-                             strategy_launch, tfdist_command)
+from tfdist.plan.cli import (ROOT, _config, base_config, chart, format_table, main, run,  # noqa: F401
+                             runnable, strategy_command, tfdist_command)

@@ -33,8 +33,9 @@ import sys
 
 from tfdist.errors import UsageError
 from tfdist.plan.machine import _fit_to_one_process, cpu_device, measured, read_bench
-from tfdist.plan.model import GB, Cluster, Layout, Model, Options, memory, model_from_config, search
-from tfdist.plan.published import CPU, DEVICES, MODELS, PUBLISHED, calibrated, validate, zero_figure1
+from tfdist.plan.model import GB, Cluster, Model, Options, memory, model_from_config, planned, search
+from tfdist.plan.published import (CPU, DEVICES, MODELS, PUBLISHED, calibrated, validate,
+                                   zero_figure1)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (configs/)
 
@@ -42,32 +43,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The recommended command, the table and the chart.
 
 
-def strategy_launch(layout, cluster, flags=(), accumulates=False):
-    """How tfdist runs a layout on the cluster's devices: (whether it can, the command). The
-    strategy and its command come from the plugins (`Strategy.plan_command`); a process's
-    pipeline stages and tensor-parallel devices are on its own node's devices."""
+def strategy_command(layout, cluster, flags=()):
+    """(plugin class, command) that runs `layout` with `flags` on the cluster's devices, from the
+    strategy plugins (`Strategy.plan_command`): a process's pipeline stages and tensor-parallel
+    devices are on its own node. (None, "") when no plugin takes it."""
     from tfdist import strategies
-    local = layout.pp * layout.tp  # devices of one process
-    per_node = max(cluster.node() // local, 1)  # processes per node
+    per_node = max(cluster.node() // (layout.pp * layout.tp), 1)  # processes per node
     plugin, command = strategies.for_plan(cluster.device.name, layout.dp, per_node, list(flags))
-    if plugin is None:
-        return False, ""
-    placed = local <= cluster.node() and (local == 1 or plugin.supports_pipeline)
-    if layout.tp > 1 and plugin.uses_local_devices:
-        placed = False  # one replica per process (horovod, multi_worker_mirrored) only
-    if layout.zero and plugin.zero_collectives is None:
-        placed = False
-    if accumulates and not plugin.supports_grad_accumulation:
-        placed = False  # keras-team/keras#20582 (tfdist.strategies.base)
-    return placed, command
+    return plugin, command or ""
 
 
-def tfdist_command(plan_, cluster, batch, config_arg, precision, schedule="gpipe", opts=None):
-    """The `tfdist train` command for a layout tfdist runs (with `opts`' overlap and bucket
-    size where they differ from the strategies' defaults)."""
+def base_config(model, precision="mixed"):
+    """A tfdist config of `model`'s sizes (tfdist's GPT): what a planned layout is judged with."""
+    from tfdist import config as config_lib
+    c = config_lib.default_config()
+    c.model.update(n_layer=model.n_layer, n_head=model.n_head, n_embd=model.n_embd,
+                   block_size=model.seq_len, vocab_size=model.vocab_size, bias=model.bias)
+    c.train.precision = "mixed_bfloat16" if precision == "mixed" else "float32"
+    return c
+
+
+def runnable(plan_, cluster, c=None):
+    """Whether tfdist runs the plan's layout: a strategy plugin takes it, the layout object
+    accepts it (`tfdist.layout.Layout.accepts`: the very checks of `tfdist train`, with a
+    process's devices on one node) with config `c` (default: `base_config` of the plan's model),
+    and it fits with the embedding and head whole, as tfdist keeps them."""
+    plugin, _ = strategy_command(plan_.layout, cluster)
+    if plugin is None or not plan_.tfdist_fits:
+        return False
+    c = c if c is not None else base_config(plan_.model)
+    return plan_.layout.accepts(c, plugin, local_devices=cluster.node())
+
+
+def tfdist_command(plan_, cluster, config_arg, precision, opts=None):
+    """The `tfdist train` command for a layout tfdist runs: its config keys
+    (`Layout.config_overrides`), with `opts`' overlap and bucket size where they differ from the
+    strategies' defaults."""
     lay = plan_.layout
-    m = lay.microbatches(batch)
-    flags = [config_arg, f"--config.train.batch_size={batch}"]
+    flags = [config_arg] + [f"--config.{k}={v}" for k, v in lay.config_overrides().items()]
     if opts is not None and lay.dp > 1 and not lay.zero:
         if not opts.overlap:
             flags.append("--config.strategy.overlap=off")
@@ -75,27 +88,7 @@ def tfdist_command(plan_, cluster, batch, config_arg, precision, schedule="gpipe
             flags.append(f"--config.strategy.bucket_mb={opts.bucket_bytes / 2 ** 20:g}")
     if precision == "mixed":
         flags.append("--config.train.precision=mixed_bfloat16")
-    if lay.tp > 1:
-        flags.append(f"--config.tensor.parallel={lay.tp}")
-    if lay.pp > 1:
-        flags += [f"--config.pipeline.stages={lay.pp}", f"--config.pipeline.microbatches={m}"]
-        if schedule == "1f1b":
-            flags.append("--config.pipeline.schedule=1f1b")
-        if lay.recompute:
-            flags.append("--config.pipeline.recompute=True")
-    elif m > 1:  # one microbatch at a time: Keras's gradient accumulation
-        flags[1] = f"--config.train.batch_size={batch // m}"
-        flags.append(f"--config.train.grad_accum_steps={m}")
-    if lay.zero:
-        flags.append(f"--config.zero.stage={lay.zero}")
-    return strategy_launch(lay, cluster, flags)[1]
-
-
-def runnable(plan_, cluster):
-    lay = plan_.layout
-    if not lay.runs_in_tfdist() or (lay.recompute and lay.pp == 1) or not plan_.tfdist_fits:
-        return False  # no ZeRO-3; recomputation is the pipeline's; embedding and head whole
-    return strategy_launch(lay, cluster, accumulates=plan_.accumulates())[0]
+    return strategy_command(lay, cluster, flags)[1]
 
 
 def format_table(plans, cluster):
@@ -223,7 +216,7 @@ def _model_from_flags(F):
         missing = [k for k in ("n_layer", "n_embd", "n_head") if k not in sizes] if not F.params else []
         if missing:
             raise UsageError(f"sizes given directly need --{' --'.join(missing)} too")
-        model = Model("custom", n_layer=sizes.get("n_layer", 0), n_embd=sizes.get("n_embd", 0),
+        model = Model(name="custom", n_layer=sizes.get("n_layer", 0), n_embd=sizes.get("n_embd", 0),
                       n_head=sizes.get("n_head", 1), vocab_size=sizes.get("vocab_size", 50257),
                       seq_len=sizes.get("seq_len", 2048))
     else:
@@ -282,7 +275,7 @@ def main(argv):
     if not batch:
         raise UsageError("say the global batch: --batch=<sequences per optimizer step>")
     precision = F.precision or ("float32" if F.device == CPU else "mixed")
-    eff = F.efficiency or 0.0
+    eff = F.efficiency
     if F.device == CPU and not eff:
         s = read_bench(F.bench_dir, "scaling.json")
         if s and model.n_layer:
@@ -290,6 +283,7 @@ def main(argv):
             eff, _ = _fit_to_one_process(device, mini, s, Options(precision="float32"))
         else:
             eff = 0.5
+    eff = eff or calibrated()
     if F.bucket_mb <= 0:
         raise UsageError(f"--bucket_mb={F.bucket_mb:g} must be a gradient bucket size in MiB > 0")
     opts = Options(precision=precision, schedule=F.schedule, efficiency=eff, overlap=F.overlap,
@@ -301,8 +295,8 @@ def main(argv):
     plans = search(model, cluster, batch, fixed, opts) if model.n_layer else []
     if not model.n_layer:  # only a parameter count: model states per device, ZeRO stages
         for z in (0, 1, 2, 3):
-            lay = Layout(dp=fixed.get("dp", cluster.count), zero=z)
-            print(f"ZeRO-{z}: {memory(model, lay, batch, opts)['total'] / GB:.2f} GB of model states per device")
+            lay = planned(batch, fixed.get("dp", cluster.count), zero=z)
+            print(f"ZeRO-{z}: {memory(model, lay, opts)['total'] / GB:.2f} GB of model states per device")
         return
     if not plans:
         raise UsageError(f"no layout of {cluster.count} devices splits a batch of {batch} and "
@@ -347,7 +341,7 @@ def _report(model, cluster, batch, plans, opts, config_arg, F):
     print(f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.seq_len} tokens per sequence; "
           f"batch {batch} sequences; {cluster.count} x {cluster.device.name} "
           f"({cluster.device.memory / GB:.1f} GB, {cluster.device.peak(opts.precision) / 1e12:,.1f} TFLOP/s peak ({opts.precision}), "
-          f"{cluster.node()} per node); matmuls at {(opts.efficiency or calibrated()):.1%} of peak; "
+          f"{cluster.node()} per node); matmuls at {opts.efficiency:.1%} of peak; "
           f"{len(plans)} layouts, {len(feasible)} fit")
     if feasible:
         print(format_table(feasible[:F.top], cluster))
@@ -370,8 +364,8 @@ def _report(model, cluster, batch, plans, opts, config_arg, F):
         if best is not feasible[0]:
             print(f"best that tfdist runs today: {best.layout}, "
                   f"{best.tokens_per_sec / feasible[0].tokens_per_sec:.0%} of the best's speed")
-        print("  " + tfdist_command(best, cluster, batch, config_arg or "--config=<your config>",
-                                     opts.precision, opts.schedule, opts))
+        print("  " + tfdist_command(best, cluster, config_arg or "--config=<your config>",
+                                     opts.precision, opts))
     os.makedirs(F.out, exist_ok=True)
     shown = feasible[:F.top] or over[:F.top]
     chart(shown, cluster, os.path.join(F.out, "plan.png"),
@@ -379,7 +373,7 @@ def _report(model, cluster, batch, plans, opts, config_arg, F):
     with open(os.path.join(F.out, "plan.json"), "w") as f:
         json.dump({"model": dataclasses.asdict(model), "devices": cluster.count,
                    "device": dataclasses.asdict(cluster.device), "batch": batch,
-                   "efficiency": opts.efficiency or calibrated(),
+                   "efficiency": opts.efficiency,
                    "plans": [{"layout": dataclasses.asdict(p.layout), "fits": p.fits, "memory": p.memory,
                               "time": p.time, "tokens_per_sec": p.tokens_per_sec, "mfu": p.mfu,
                               "overflow": p.overflow} for p in plans]}, f, indent=1)

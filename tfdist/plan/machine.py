@@ -7,8 +7,8 @@ import math
 import os
 
 from tfdist.errors import UsageError
-from tfdist.plan.model import GB, Cluster, Device, Layout, Options, step_time
-from tfdist.plan.published import CPU, _fit_efficiency
+from tfdist.plan.model import GB, Cluster, Device, Options, planned, step_time
+from tfdist.plan.published import CPU, fit_efficiency
 
 BENCH_HINT = {"bench.json": "make bench", "scaling.json": "make bench-scaling",
               "scaling-horovod.json": "make bench-scaling-horovod", "allreduce.json": "make bench-allreduce",
@@ -54,7 +54,7 @@ def _fit_to_one_process(dev, model, bench, opts):
     """The fraction of peak that reproduces a scaling bench's 1-process step time, and that time."""
     per = bench["batch_per_worker"]
     t1 = per * model.seq_len / bench["tokens_per_sec_1"]
-    return _fit_efficiency(model, Cluster(dev, 1), Layout(1), per, t1, opts), t1
+    return fit_efficiency(model, Cluster(dev, 1), planned(per, 1, microbatch=per), t1, opts), t1
 
 
 def measured(bench_dir, model):
@@ -79,8 +79,9 @@ def measured(bench_dir, model):
         f, t1 = _fit_to_one_process(dev, model, s, opts)
         o = dataclasses.replace(opts, efficiency=f, overlap=s.get("overlap") == "on",
                                 bucket_bytes=s.get("bucket_mb", 25.0) * 2 ** 20)
-        t2 = step_time(model, Cluster(dev, 2, intra_bw=bw, inter_bw=bw), Layout(2),
-                       2 * s["batch_per_worker"], o)["total"]
+        per = s["batch_per_worker"]
+        t2 = step_time(model, Cluster(dev, 2, intra_bw=bw, inter_bw=bw),
+                       planned(2 * per, 2, microbatch=per), o)["total"]
         rows.append({"figure": label, "predicted": t1 / t2, "measured": s["scaling_efficiency"],
                      "note": f"fitted {f:.1%} of the per-core peak; all-reduce at {bw / GB:.2f} GB/s"})
     p = read_bench(bench_dir, "pipeline.json")
@@ -92,7 +93,7 @@ def measured(bench_dir, model):
         one = base.get("unsplit-1")  # the unsplit model on one core: one device's compute
         if one is None:
             return rows + [{"figure": "2-stage pipeline speedup", "missing": BENCH_HINT["pipeline.json"]}]
-        f = _fit_efficiency(model, Cluster(dev, 1), Layout(1), batch, one, opts)
+        f = fit_efficiency(model, Cluster(dev, 1), planned(batch, 1, microbatch=batch), one, opts)
         o = dataclasses.replace(opts, efficiency=f)
         for r in p["rows"]:
             if not r.get("microbatches"):
@@ -100,7 +101,7 @@ def measured(bench_dir, model):
             m, k = r["microbatches"], p["stages"]
             # the stages are in one process: activations pass between them by reference
             inproc = Cluster(dev, k, intra_bw=math.inf, inter_bw=math.inf)
-            t = step_time(model, inproc, Layout(1, pp=k, microbatch=batch // m), batch, o)["total"]
+            t = step_time(model, inproc, planned(batch, 1, pp=k, microbatch=batch // m), o)["total"]
             rows.append({"figure": f"pipeline K={k}, M={m}: speedup vs one core", "predicted": one / t,
                          "measured": r["speedup_vs_1_inter_op_thread"],
                          "note": f"vs unsplit with the same threads: measured {r['speedup']:.2f}"})

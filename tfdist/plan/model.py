@@ -2,13 +2,15 @@
 memory per device, the time per step, and the search over layouts.
 
 The transformer's own arithmetic (parameters, FLOPs, activation bytes, model-state bytes) is
-tfdist.models.arithmetic's, the same that the GPT and the pipeline's memory estimate use.
-The published devices, models and runs, and the calibration on them, are in published.py.
+tfdist.models.arithmetic's, the same that the GPT and the pipeline's memory estimate use. The
+layout is tfdist.layout's, the class `tfdist train` judges and runs. The published devices,
+models and runs, and the calibration on them (the fraction of peak, `Options.efficiency`), are in
+published.py.
 """
 import dataclasses
-import functools
 import math
 
+from tfdist.layout import Layout
 from tfdist.models import arithmetic
 
 GB = 1e9
@@ -43,33 +45,16 @@ class Device:
 
 
 @dataclasses.dataclass(frozen=True)
-class Model:
-    name: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    vocab_size: int
-    seq_len: int
-    n_kv_head: int = 0  # 0: = n_head (multi-head); fewer: grouped-query attention
-    ffn: int = 0  # MLP width; 0: 4 x n_embd
-    gated_mlp: bool = False  # SwiGLU (three matrices) instead of GELU (two)
-    bias: bool = True
-    tied_embeddings: bool = True
-    learned_positions: bool = True
-    dropout: bool = True  # dropout masks are stored for the backward pass
-    flash_attention: bool = False  # the attention matrix is never stored (FlashAttention, xformers)
-    params_override: float = 0  # a published parameter count to use instead of counting
+class Model(arithmetic.Transformer):
+    """A decoder-only transformer's sizes (`arithmetic.Transformer`), named, with an optional
+    published parameter count to use instead of counting (`params_override`)."""
+    name: str = ""
+    params_override: float = 0
     source: str = ""
-
-    @functools.cached_property
-    def arch(self):
-        """The sizes as tfdist.models.arithmetic counts them: parameters, FLOPs, bytes."""
-        return arithmetic.Transformer(**{f.name: getattr(self, f.name)
-                                         for f in dataclasses.fields(arithmetic.Transformer)})
 
     @property
     def params(self):
-        return self.params_override or self.arch.params()
+        return self.params_override or arithmetic.Transformer.params(self)
 
 
 def model_from_config(c, name):
@@ -77,7 +62,8 @@ def model_from_config(c, name):
     from tfdist import config as config_lib
     m = c.model
     return Model(name=name, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head,
-                 vocab_size=config_lib.vocab_size(c) or 256, seq_len=m.block_size, bias=m.bias, dropout=m.dropout > 0)
+                 vocab_size=config_lib.vocab_size(c) or 256, seq_len=m.block_size, bias=m.bias,
+                 dropout=m.dropout > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,35 +87,18 @@ class Cluster:
         return (self.intra_bw or self.device.intra_bw) if inside else (self.inter_bw or self.device.inter_bw)
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """dp x tp x pp devices; each replica's batch in microbatches of `microbatch` sequences.
-    Rank order: tensor-parallel ranks adjacent (in a node), then data-parallel, then stages."""
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    microbatch: int = 1
-    zero: int = 0
-    recompute: bool = False
-
-    def microbatches(self, batch):
-        return batch // (self.dp * self.microbatch)
-
-    def runs_in_tfdist(self):
-        """Whether tfdist has this layout's parts: tensor parallelism inside a process
-        (tfdist.models.tensor_parallel), and ZeRO 1 and 2 (tfdist.zero), not ZeRO-3."""
-        return self.zero <= 2
-
-    def __str__(self):
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.microbatch} zero={self.zero}"
-                f"{' recompute' if self.recompute else ''}")
+def planned(batch, dp, tp=1, pp=1, microbatch=1, zero=0, recompute=False, schedule="gpipe"):
+    """The layout of `dp` x `tp` x `pp` devices for `batch` sequences per optimizer update in
+    pieces of `microbatch` sequences per replica (`tfdist.layout.Layout.planned`). Rank order:
+    tensor-parallel ranks adjacent (in a node), then data-parallel, then stages."""
+    return Layout.planned(batch, dp, tp, pp, microbatch, zero, recompute, schedule)
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     precision: str = "mixed"  # "mixed" (bf16/fp16 compute, fp32 master weights) or "float32"
     schedule: str = "gpipe"  # "gpipe" (tfdist: all microbatches in flight) or "1f1b" (Megatron)
-    efficiency: float = 0.0  # fraction of peak that matmuls reach; 0: calibrated() on 175B
+    efficiency: float = None  # fraction of peak that matmuls reach (published.calibrated())
     usable_memory: float = 0.95  # of the device's memory (runtime context, fragmentation)
     elementwise_passes: float = 3.0  # memory traffic per stored activation byte (see step_time)
     # Megatron-LM splits the embedding and the logits over the tensor-parallel ranks; tfdist
@@ -155,14 +124,14 @@ def stage_params(model, pp, tp=1, vocab_parallel=True):
     embedding on the first stage, the untied head and final norm on the last), per device of its
     `tp` tensor-parallel ones: the blocks split over them, the embedding and head too when
     `vocab_parallel` (else whole on one of them)."""
-    layers = math.ceil(model.n_layer / pp) * model.arch.layer_params() / tp
+    layers = math.ceil(model.n_layer / pp) * model.layer_params() / tp
     if model.params_override:
         return model.params_override / pp / tp
     v = tp if vocab_parallel else 1
-    emb = model.arch.embedding_params() / v
+    emb = model.embedding_params() / v
     if pp == 1:
         return layers + emb
-    head = model.arch.head_params() / v  # the last stage holds the head (a copy, if tied)
+    head = model.head_params() / v  # the last stage holds the head (a copy, if tied)
     return layers + max(emb - (0 if model.tied_embeddings else head), head)
 
 
@@ -172,10 +141,10 @@ def activation_bytes_per_layer(model, layout, tokens, precision):
     (arXiv:2205.05198) eq. 2, s b h (34 + 5 a s / h) at 2 bytes per value, of which 24 + 5as/h
     are split by tensor parallelism; generalised to grouped-query attention, gated MLPs, no
     dropout and FlashAttention (tfdist.models.arithmetic.Transformer.activation_bytes_per_layer)."""
-    return model.arch.activation_bytes_per_layer(tokens, precision, layout.tp)
+    return model.activation_bytes_per_layer(tokens, precision, layout.tp)
 
 
-def memory(model, layout, batch, opts=Options()):
+def memory(model, layout, opts=Options()):
     """Bytes per device, by part, for the largest stage."""
     pb, gb, ob = STATE_BYTES[opts.precision]
     n = stage_params(model, layout.pp, layout.tp, opts.vocab_parallel)
@@ -186,16 +155,16 @@ def memory(model, layout, batch, opts=Options()):
     if model.params_override and not model.n_layer:
         return {**parts, "activations": 0.0, "total": sum(parts.values())}
     tokens = layout.microbatch * model.seq_len
-    m = layout.microbatches(batch)
+    m = layout.passes
     in_flight = (min(m, layout.pp) if opts.schedule == "1f1b" else m) if layout.pp > 1 else 1
     layers = math.ceil(model.n_layer / layout.pp)
     layer = activation_bytes_per_layer(model, layout, tokens, opts.precision)
     if layout.recompute:  # each layer keeps its input; one layer's full set while recomputing
-        kept = model.arch.activation_bytes_per_layer(tokens, opts.precision, recompute=True)
+        kept = model.activation_bytes_per_layer(tokens, opts.precision, recompute=True)
         acts = layers * in_flight * kept + layer
     else:
         acts = layers * in_flight * layer
-    logits = model.arch.logits_bytes(tokens, layout.tp if opts.vocab_parallel else 1) * \
+    logits = model.logits_bytes(tokens, layout.tp if opts.vocab_parallel else 1) * \
         (in_flight if opts.schedule == "gpipe" else 1)
     parts["activations"] = acts + logits
     parts["total"] = sum(parts.values())
@@ -225,7 +194,7 @@ def exposed_allreduce(comm, backward, grad_bytes, bucket_bytes):
     return t - backward
 
 
-def step_time(model, cluster, layout, batch, opts=Options()):
+def step_time(model, cluster, layout, opts=Options()):
     """Seconds per optimizer step, by part, and the bottleneck.
 
     Per microbatch, the slowest stage (the last: its blocks and the head) takes the time of its
@@ -237,10 +206,13 @@ def step_time(model, cluster, layout, batch, opts=Options()):
     Then the data-parallel gradient all-reduce (ZeRO: reduce-scatter + all-gather, the same volume;
     ZeRO-3 gathers the weights twice: 1.5x): with `opts.overlap` (and no ZeRO) only the part that
     the last microbatch's backward pass does not hide (`exposed_allreduce`), else all of it; and
-    the optimizer update (memory-bound, 28 bytes per parameter held)."""
-    from tfdist.plan.published import calibrated  # calibrated on published runs with this model
-    dev, a = cluster.device, model.arch
-    eff = opts.efficiency or calibrated()
+    the optimizer update (memory-bound, 28 bytes per parameter held). `opts.efficiency` must be
+    given (`tfdist.plan.calibrated()`: Megatron-LM's 175B run)."""
+    if not opts.efficiency:
+        raise ValueError("Options.efficiency (the fraction of peak matmuls reach) is needed; "
+                         "tfdist.plan.calibrated() gives the one fitted on Megatron-LM's 175B run")
+    dev, a = cluster.device, model
+    eff = opts.efficiency
     t, pp, b = layout.tp, layout.pp, layout.microbatch
     tokens = b * model.seq_len
     passes = 4 if layout.recompute else 3
@@ -260,7 +232,7 @@ def step_time(model, cluster, layout, batch, opts=Options()):
     if pp > 1:  # activations forward, their gradients back; across nodes unless the pipeline fits in one
         p2p = 2 * hidden / max(t, 1) / cluster.bandwidth(2 * t * layout.dp)
     per_microbatch = compute + elementwise + tp_comm + p2p
-    m = layout.microbatches(batch)
+    m = layout.passes
     pipeline = (m + pp - 1) * per_microbatch
     bubble = (pp - 1) * per_microbatch
 
@@ -291,31 +263,27 @@ class Plan:
     tflops_per_device: float  # hardware FLOP/s as Megatron-LM reports them (recomputation included)
     overflow: str = ""
     tfdist_fits: bool = True  # also with the embedding and head whole, as tfdist keeps them
-    batch: int = 0  # sequences per step
-
-    def accumulates(self):
-        """Whether tfdist runs it with gradient accumulation (microbatches without a pipeline)."""
-        return self.layout.pp == 1 and self.layout.microbatches(self.batch) > 1
+    model: Model = None
 
 
-def evaluate(model, cluster, layout, batch, opts=Options()):
-    mem = memory(model, layout, batch, opts)
-    tm = step_time(model, cluster, layout, batch, opts)
-    tokens = batch * model.seq_len
-    hw = (model.arch.model_flops_per_token()
-          + (model.n_layer * model.arch.layer_flops() if layout.recompute else 0)) * tokens
+def evaluate(model, cluster, layout, opts=Options()):
+    mem = memory(model, layout, opts)
+    tm = step_time(model, cluster, layout, opts)
+    tokens = layout.batch * layout.accumulate * model.seq_len  # per optimizer update
+    hw = (model.model_flops_per_token()
+          + (model.n_layer * model.layer_flops() if layout.recompute else 0)) * tokens
     capacity = cluster.device.memory * opts.usable_memory
     fits = mem["total"] <= capacity
     overflow = "" if fits else (
         f"needs {mem['total'] / GB:.1f} GB > {capacity / GB:.1f} GB usable; largest: "
         + ", ".join(f"{k} {v / GB:.1f}" for k, v in sorted(
             ((k, v) for k, v in mem.items() if k != "total"), key=lambda kv: -kv[1])[:2]))
-    whole = memory(model, layout, batch, dataclasses.replace(opts, vocab_parallel=False))
+    whole = memory(model, layout, dataclasses.replace(opts, vocab_parallel=False))
     return Plan(layout, mem, tm, fits, tokens / tm["total"],
-                model.arch.model_flops_per_token() * tokens
+                model.model_flops_per_token() * tokens
                 / (tm["total"] * cluster.count * cluster.device.peak(opts.precision)),
                 hw / (tm["total"] * cluster.count) / 1e12, overflow,
-                tfdist_fits=whole["total"] <= capacity, batch=batch)
+                tfdist_fits=whole["total"] <= capacity, model=model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +297,7 @@ def _powers_of_two(limit):
         k *= 2
 
 
-def layouts(model, cluster, batch, fixed=None):
+def layouts(model, cluster, batch, fixed=None, schedule="gpipe"):
     """Every layout of `cluster.count` devices that splits `batch` and the model evenly.
     `fixed` pins dimensions: {"tp": 8, "pp": 16, ...}."""
     fixed = fixed or {}
@@ -353,12 +321,13 @@ def layouts(model, cluster, batch, fixed=None):
                         continue  # ZeRO-2/3 shard what pipelining keeps per microbatch: not combined
                     for rc in (False, True):
                         if fixed.get("recompute", rc) == rc:
-                            yield Layout(dp, tp, pp, mb, zero, rc)
+                            yield planned(batch, dp, tp, pp, mb, zero, rc, schedule)
 
 
 def search(model, cluster, batch, fixed=None, opts=Options()):
     """All candidate layouts evaluated; the feasible ones first, fastest first."""
-    plans = [evaluate(model, cluster, lay, batch, opts) for lay in layouts(model, cluster, batch, fixed)]
+    plans = [evaluate(model, cluster, lay, opts)
+             for lay in layouts(model, cluster, batch, fixed, opts.schedule)]
     # equal speeds (compute is linear in the microbatch): fewer, larger microbatches, then less memory
     return sorted(plans, key=lambda p: (not p.fits, -float(f"{p.tokens_per_sec:.4g}"),
                                         -p.layout.microbatch, p.memory["total"]))

@@ -4,7 +4,8 @@ checked against the others (`tfdist plan --validate`).
 """
 import dataclasses
 
-from tfdist.plan.model import GB, Cluster, Device, Layout, Model, Options, evaluate, memory, search, step_time
+from tfdist.plan.model import (GB, Cluster, Device, Model, Options, evaluate, memory, planned,
+                               search, step_time)
 
 # ---------------------------------------------------------------------------------------------
 # Devices (the fields: tfdist.plan.model.Device).
@@ -60,10 +61,12 @@ MODELS = {
 
 PUBLISHED = {
     "calibration": dict(model="gpt3-175b", device="a100-80gb", devices=1024, batch=1536,
-                        layout=Layout(dp=8, tp=8, pp=16, microbatch=1, recompute=True),
+                        layout=planned(1536, dp=8, tp=8, pp=16, microbatch=1, recompute=True,
+                                       schedule="1f1b"),
                         tflops=138.0, source=_MEGATRON + " (GPT-3 175B: 138 TFLOP/s per GPU, 44 % of peak)"),
     "megatron-1t": dict(model="megatron-1t", device="a100-80gb", devices=3072, batch=3072,
-                        layout=Layout(dp=6, tp=8, pp=64, microbatch=1, recompute=True),
+                        layout=planned(3072, dp=6, tp=8, pp=64, microbatch=1, recompute=True,
+                                       schedule="1f1b"),
                         tflops=163.0, source=_MEGATRON + " (1T: 163 TFLOP/s per GPU, 52 % of peak)"),
     "llama2-70b": dict(model="llama2-70b", device="a100-80gb", devices=2048, batch=1024,
                        tokens=2e12, gpu_hours=1_720_320,
@@ -74,12 +77,12 @@ PUBLISHED = {
 MEGATRON_OPTIONS = Options(schedule="1f1b")
 
 
-def _fit_efficiency(model, cluster, layout, batch, seconds, opts):
+def fit_efficiency(model, cluster, layout, seconds, opts):
     """The fraction of peak at which the model's step takes `seconds` (time falls as it grows)."""
     lo, hi = 1e-3, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        t = step_time(model, cluster, layout, batch, dataclasses.replace(opts, efficiency=mid))["total"]
+        t = step_time(model, cluster, layout, dataclasses.replace(opts, efficiency=mid))["total"]
         lo, hi = (mid, hi) if t > seconds else (lo, mid)
     return (lo + hi) / 2
 
@@ -89,12 +92,17 @@ def calibrated(_cache={}):
     if "f" not in _cache:
         run = PUBLISHED["calibration"]
         model, cluster = MODELS[run["model"]], Cluster(DEVICES[run["device"]], run["devices"])
-        p = evaluate(model, cluster, run["layout"], run["batch"],
+        p = evaluate(model, cluster, run["layout"],
                      dataclasses.replace(MEGATRON_OPTIONS, efficiency=0.5))
         flops = p.tflops_per_device * 1e12 * p.time["total"]  # per device per step, any efficiency
-        _cache["f"] = _fit_efficiency(model, cluster, run["layout"], run["batch"],
-                                      flops / (run["tflops"] * 1e12), MEGATRON_OPTIONS)
+        _cache["f"] = fit_efficiency(model, cluster, run["layout"],
+                                     flops / (run["tflops"] * 1e12), MEGATRON_OPTIONS)
     return _cache["f"]
+
+
+def calibrated_options(opts=Options()):
+    """`opts` with the calibrated fraction of peak, unless it gives one."""
+    return opts if opts.efficiency else dataclasses.replace(opts, efficiency=calibrated())
 
 
 def validate():
@@ -103,14 +111,14 @@ def validate():
     for key in ("calibration", "megatron-1t"):
         run = PUBLISHED[key]
         model, cluster = MODELS[run["model"]], Cluster(DEVICES[run["device"]], run["devices"])
-        p = evaluate(model, cluster, run["layout"], run["batch"], MEGATRON_OPTIONS)
+        p = evaluate(model, cluster, run["layout"], calibrated_options(MEGATRON_OPTIONS))
         rows.append({"run": f"{run['model']} on {run['devices']} A100, {run['layout']}",
                      "metric": "TFLOP/s per GPU", "published": run["tflops"],
                      "predicted": p.tflops_per_device, "role": "calibration" if key == "calibration" else "prediction",
                      "source": run["source"]})
     run = PUBLISHED["llama2-70b"]
     model, cluster = MODELS[run["model"]], Cluster(DEVICES[run["device"]], run["devices"])
-    best = search(model, cluster, run["batch"], opts=MEGATRON_OPTIONS)[0]
+    best = search(model, cluster, run["batch"], opts=calibrated_options(MEGATRON_OPTIONS))[0]
     hours = run["tokens"] / best.tokens_per_sec * cluster.count / 3600
     rows.append({"run": f"llama2-70b, 2T tokens on {run['devices']} A100-80GB, best layout {best.layout}",
                  "metric": "GPU-hours", "published": run["gpu_hours"], "predicted": hours,
@@ -123,5 +131,6 @@ def validate():
 def zero_figure1(params=7.5e9, dp=64):
     """ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054) Figure 1: GB per device for 7.5B
     parameters on 64 devices, baseline and ZeRO-1/2/3."""
-    model = Model("zero-7.5b", n_layer=0, n_embd=0, n_head=1, vocab_size=0, seq_len=0, params_override=params)
-    return {z: memory(model, Layout(dp=dp, zero=z), dp)["total"] / GB for z in (0, 1, 2, 3)}
+    model = Model(name="zero-7.5b", n_layer=0, n_embd=0, n_head=1, vocab_size=0, seq_len=0,
+                  params_override=params)
+    return {z: memory(model, planned(dp, dp, zero=z))["total"] / GB for z in (0, 1, 2, 3)}
