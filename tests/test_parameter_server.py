@@ -37,9 +37,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class Launch:
-    """`tfdist launch` in the background, on a pseudo-terminal: the launcher then passes on the
-    chief's progress bar as it is redrawn, and `step` is the last step count it showed. The
-    other output is collected line by line."""
+    """`tfdist launch` in the background, on a pseudo-terminal (the launcher's output as a user
+    sees it), and `step` is the last step count of the chief's progress (a line per report: its
+    output goes to the launcher, not a terminal). The other output is collected line by line."""
 
     def __init__(self, strategy, train_flags, per_epoch, ps=1, max_restarts=MAX_RESTARTS):
         master, terminal = pty.openpty()
@@ -53,10 +53,10 @@ class Launch:
         finally:
             os.close(terminal)
         self.lines, self.step = [], 0
-        # the chief's "[c0] Epoch <k>/<epochs>", then its bar "[c0] <done in the epoch>/<per_epoch>"
+        # the chief's "[c0] Epoch <k>/<epochs>", then "[c0] step <done in the epoch>/<per_epoch>"
         self._per_epoch, self._epoch = per_epoch, 0
         self._epoch_line = re.compile(r"^\[c0\] Epoch (\d+)/")
-        self._bar = re.compile(rf"^\[c0\]\s+(\d+)/{per_epoch}\b")
+        self._bar = re.compile(rf"^\[c0\]\s+(?:step\s+)?(\d+)/{per_epoch}\b")
         self._reader = threading.Thread(target=self._read, args=(master,), daemon=True)
         self._reader.start()
 

@@ -77,11 +77,12 @@ def test_user_functional_model_fits_under_strategy(name, replicas):
 
 SPARSE_MODEL = r"""
 import sys, numpy as np, tensorflow as tf, keras, tfdist.strategies, tfdist.compat as compat
+from tfdist import gradients
 name, mode = sys.argv[1], sys.argv[2]
 rows, devices, steps = map(int, sys.argv[3:6])
 strategy = tfdist.strategies.get(name, devices=devices)
 if mode == "no_dedupe":
-    compat._sum_duplicates = lambda g: g
+    gradients.sum_duplicate_rows = lambda g: g
 if mode == "upstream":  # compile in the scope would add the corrections
     compat.disable("gradient_reduction")
 
@@ -113,7 +114,7 @@ model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Losses()])
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,rows,equal", [
     ("fixed", 1000, True),       # 16 slices per replica < 1000 rows: duplicates summed, clip after
-    ("fixed", 16, True),         # as many slices as rows: sent dense (_smaller_form)
+    ("fixed", 16, True),         # as many slices as rows: sent dense (dense_if_smaller)
     ("upstream", 1000, False),   # plain Keras 3 optimizer under mirrored (corrections disabled)
     ("no_dedupe", 1000, False),  # clipping corrected, duplicate slices not summed
 ])

@@ -64,13 +64,14 @@ class ReadOnlyBackup(Scratch):
 
 class Calls(keras.callbacks.Callback):
     """A callback made of functions: `Calls(name, on_train_begin=f, ...)` calls
-    `f(model, *args)` at that hook with Keras's arguments (`logs`; `epoch, logs`; `batch, logs`).
+    `f(model, *args, **kwargs)` at that hook with Keras's arguments, as Keras passes them
+    (`logs=None`; `epoch, logs=None`; `batch, logs=None`).
     A strategy plugin says what it does at Keras's hook points with it, in its own file, without
     a Keras class of its own (a plugin is read without importing Keras).
 
     Example:
 
-        Calls("average_logs", on_epoch_end=lambda model, epoch, logs: print(epoch, logs))
+        Calls("average_logs", on_epoch_end=lambda model, epoch, logs=None: print(epoch, logs))
     """
 
     def __init__(self, name, **functions):
@@ -80,7 +81,7 @@ class Calls(keras.callbacks.Callback):
         if unknown:
             raise ValueError(f"not Keras callback hooks: {unknown}")
         for hook, function in functions.items():
-            setattr(self, hook, lambda *args, logs=None, f=function: f(self.model, *args, logs))
+            setattr(self, hook, lambda *args, f=function, **kw: f(self.model, *args, **kw))
 
     def __repr__(self):
         return f"<Calls {self.name}>"

@@ -211,14 +211,15 @@ class Horovod(Strategy):
         validation and at the end; the logged metrics averaged over the ranks."""
         from tfdist.callbacks import Calls
         hvd = self.hvd
-        average_state = lambda model, *args: _average_state(hvd, model)  # noqa: E731
+        average_state = lambda model, *args, **kw: _average_state(hvd, model)  # noqa: E731
         return [Calls("broadcast_from_root",
-                      on_train_begin=lambda model, logs: broadcast_from_root(hvd, model)),
+                      on_train_begin=lambda model, logs=None: broadcast_from_root(hvd, model)),
                 Calls("average_state", on_test_begin=average_state, on_epoch_end=average_state,
                       on_train_end=average_state),
                 Calls("average_logs",
-                      on_train_batch_end=lambda model, batch, logs: average_logs(hvd, logs, "batch"),
-                      on_epoch_end=lambda model, epoch, logs: average_logs(hvd, logs, "epoch"))]
+                      on_train_batch_end=lambda model, batch, logs=None: average_logs(
+                          hvd, logs, "batch"),
+                      on_epoch_end=lambda model, epoch, logs=None: average_logs(hvd, logs, "epoch"))]
 
     # -- a user's Keras program --------------------------------------------------------------
     def keras_call(self, method, model, upstream, arguments):
