@@ -223,3 +223,21 @@ def test_a_users_functional_model_fits_under_two_ranks(tmp_path):
     assert found[0]["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
     assert max(abs(a - b) for a, b in zip(found[0]["loss"], ref["loss"])) <= 1e-5
     assert found[0]["loss"][-1] < found[0]["loss"][0]  # it learns
+
+
+@pytest.mark.slow
+def test_a_ranks_bad_input_is_the_launchers_exit_2(tmp_path, data_dir):
+    """A batch that 2 ranks cannot split is found by each rank (the replicas are known once
+    Horovod runs), which exits 2; horovodrun makes that its own 1, and `tfdist launch` reports the
+    ranks' 2 (their statuses, TFDIST_EXIT_DIR) without restarting. The companion: horovodrun
+    alone exits 1."""
+    flags = ["--config=configs/gpt_nano.py", f"--config.data.data_dir={data_dir}",
+             "--config.train.batch_size=3", f"--workdir={tmp_path / 'run'}"]
+    p = run_group([sys.executable, "-m", "tfdist", "launch", "--strategy=horovod",
+                   f"--workers={RANKS}", "--max_restarts=2", "--backoff=0.5", "--", *flags], 300)
+    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "must be divisible by the 2 replicas of strategy horovod" in p.stdout
+    assert "exited with status 2 (bad usage); not restarting" in p.stdout
+    alone = run_group(horovodrun_argv(RANKS, [sys.executable, "-m", "tfdist", "train", *flags,
+                                              "--strategy=horovod"]), 300)
+    assert alone.returncode == 1, alone.stdout[-2000:]

@@ -11,6 +11,7 @@ import tempfile
 
 from absl import app, flags, logging
 
+from tfdist import cluster
 from tfdist.errors import EXIT_PEER_LOST, PeerLost, UsageError
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show TensorFlow's start-up messages (also: "
@@ -71,6 +72,7 @@ def command_help(module_name, prog):
 
 def fail(message, hard=False):
     print(f"tfdist: error: {message}", file=sys.stderr, flush=True)
+    cluster.report_exit(2)
     if hard:  # a thread may still be blocked inside TensorFlow (e.g. connecting to a TPU)
         os._exit(2)
     sys.exit(2)
@@ -132,6 +134,10 @@ def run(main, argv, tensorflow=True):
         except PeerLost as e:  # TF's threads may still wait on the lost peer: end at once
             sys.stdout.flush()
             print(f"tfdist: error: {e}", file=sys.stderr, flush=True)
+            cluster.report_exit(EXIT_PEER_LOST)
             os._exit(EXIT_PEER_LOST)
+        except SystemExit as e:  # (a preempted run's 75)
+            cluster.report_exit(e.code)
+            raise
 
     app.run(guarded, argv=argv, flags_parser=_parse_flags)

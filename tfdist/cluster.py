@@ -261,3 +261,44 @@ def watchdog(timeout, message):
     finally:
         dog.stdin.close()
         dog.wait(timeout=30)
+
+
+#: Where a process of a launched job records its exit status: horovodrun and mpirun report any
+#: rank's failure as their own status 1, so `tfdist launch` reads the ranks' own (2: bad input,
+#: 75: preempted) from here. Set by the launcher for the processes it starts.
+EXIT_DIR = "TFDIST_EXIT_DIR"
+
+
+def report_exit(code, env=None):
+    """Records this process's exit status `code` in $TFDIST_EXIT_DIR, as `<rank>.exit` (a
+    Horovod or MPI rank, a TF_CONFIG task, else the pid), when the variable is set."""
+    env = os.environ if env is None else env
+    directory = env.get(EXIT_DIR)
+    if not directory or not isinstance(code, int):
+        return
+    rank = next((env[k] for k in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if k in env),
+                None)
+    if rank is None and env.get("TF_CONFIG"):
+        try:
+            task = json.loads(env["TF_CONFIG"])["task"]
+            rank = f"{task['type']}-{task['index']}"
+        except (ValueError, KeyError, TypeError):
+            rank = None
+    try:
+        with open(os.path.join(directory, f"{rank or os.getpid()}.exit"), "w") as f:
+            f.write(str(code))
+    except OSError:
+        pass  # a status nobody can read back is not worth failing the exit for
+
+
+def reported_exits(directory):
+    """{name: status} of the processes that recorded theirs in `directory` (`report_exit`)."""
+    out = {}
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        if name.endswith(".exit"):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    out[name[:-len(".exit")]] = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+    return out

@@ -32,8 +32,9 @@ class UsageError(Exception):
     """
 
 
-def install_excepthook():
-    """An uncaught UsageError in any program that imported tfdist: one line, exit status 2."""
+def install_excepthook(report=lambda code: None):
+    """An uncaught UsageError in any program that imported tfdist: one line, exit status 2
+    (`report(2)` first: a launched process records it, `tfdist.cluster.report_exit`)."""
     if getattr(sys.excepthook, "tfdist", False):
         return
     previous = sys.excepthook
@@ -43,6 +44,7 @@ def install_excepthook():
             return previous(kind, value, traceback)
         sys.stdout.flush()
         print(f"tfdist: error: {value}", file=sys.stderr, flush=True)
+        report(2)
         os._exit(2)  # an excepthook cannot choose the exit status otherwise (it would be 1)
 
     hook.tfdist = True

@@ -97,7 +97,7 @@ class TrainStep:
 
     def update(self, grads_and_vars):
         """Accumulates, reduces, corrects and applies one batch's gradients (the module doc)."""
-        optimizer, zero, k = self.optimizer, self.zero, self.layout.accumulate
+        zero, k = self.zero, self.layout.accumulate
         # 1. Accumulation: every k-th batch goes on, with the mean of the k batches' gradients.
         if k > 1:
             if zero and zero.stage == 2:  # each replica accumulates its own variables' only

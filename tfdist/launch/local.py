@@ -32,7 +32,8 @@ without counting a restart.
 Exit status: 0 when the run completed. 2 for bad usage: this launcher's flags, the prepare step's,
 or a worker that exited 2 (restarting cannot fix that). 1 when the restart budget ran out.
 75 when preempted, as above. 128+N when the launcher was stopped by signal N otherwise (the
-workers are stopped too).
+workers are stopped too). Under horovodrun, which exits 1 whatever a rank's status was, the
+ranks' own statuses count: each records its own in TFDIST_EXIT_DIR (`tfdist.cluster.report_exit`).
 
 Other hosts (`--hosts=a,b,...`): task k runs on host k mod N, at `<host>:<port>` (from
 `--port` on each host); a host that is not this machine is reached with `ssh` (see `Host`),
@@ -51,18 +52,19 @@ workers' wildcard binds into 127.0.0.1 binds. `--bind=all` leaves TF's behaviour
 import hashlib
 import json
 import os
-import re
-import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-from tfdist import cli
+from tfdist import cluster as cluster_lib
 from tfdist.errors import EXIT_PREEMPTED, UsageError
+from tfdist.launch.hosts import DEFAULT_PORT, Host, passed_on, send
+from tfdist.launch.output import Output
 
 MAX_BACKOFF = 60.0
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -143,151 +145,6 @@ def describe_exit(code):
     return f"exited with status {code}"
 
 
-class _Output:
-    """Writes the workers' output line by line with a prefix.
-
-    Keras's progress bar redraws one line with carriage returns. On a terminal the latest state is
-    shown in place. Elsewhere (a pipe, a log file) only the line's final state is written.
-    """
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stdout
-        self.tty = self.stream.isatty()
-        self.lock = threading.Lock()
-        self._open = False  # a progress line is being redrawn on the terminal
-
-    def line(self, text, log=None):
-        if _is_noise(text):
-            return
-        if not self.tty:
-            text = _ANSI.sub("", text)
-        with self.lock:
-            if self._open:
-                self.stream.write("\n")
-                self._open = False
-            self.stream.write(text + "\n")
-            self.stream.flush()
-            if log:
-                log.write(_ANSI.sub("", text) + "\n")
-                log.flush()
-
-    def progress(self, text):
-        if not self.tty or _is_noise(text):
-            return
-        with self.lock:
-            self.stream.write("\r" + text)
-            self.stream.flush()
-            self._open = True
-
-    def pump(self, fd, prefix, log=None, header=None):
-        """Copies a worker's output (file descriptor `fd`) until it closes. `header`, if given,
-        receives the first line instead."""
-        buf = b""
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for raw in lines:
-                if header:
-                    header, _ = None, header(raw.decode(errors="replace").strip())
-                    continue
-                self.line(_ranks(prefix + _last_state(raw)), log)
-            if b"\r" in buf:
-                self.progress(_ranks(prefix + _last_state(buf)))
-        if buf:
-            self.line(_ranks(prefix + _last_state(buf)), log)
-        os.close(fd)
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-# TF's start-up notices (see tfdist.cli.NOISE), from any program the workers run: N workers would
-# print them 2N times. They carry no information about the run.
-_NOISE = cli.NOISE
-
-
-def _ranks(text):
-    """horovodrun's `[1]<stdout>:` prefix becomes `[r1] `, like the other launchers' `[w1] `."""
-    return _HOROVOD_PREFIX.sub(r"[r\1] ", text)
-
-
-_HOROVOD_PREFIX = re.compile(r"^\[hvd\] \[(\d+)\]<std(?:out|err)>:")
-
-
-def _last_state(raw):
-    segments = [s for s in raw.decode(errors="replace").replace("\b", "").split("\r") if s.strip()]
-    return segments[-1].rstrip() if segments else ""
-
-
-def _is_noise(text):
-    return any(n in text for n in _NOISE)
-
-
-DEFAULT_PORT = 12345  # --hosts: the first port of the tasks on each host
-
-
-def _passed_on(name, base):
-    """Whether the variable `name` goes with a task started on another host: what the launcher
-    set (absent from its own environment `base`), and tfdist's, TF's, Keras's and Python's."""
-    return name not in base or name.startswith(("TFDIST_", "TF_", "KERAS_", "PYTHON", "XLA_"))
-
-
-class Host:
-    """A host of `tfdist launch --hosts`: a name or address. Tasks on this machine are started
-    directly; on another host with `ssh HOST 'cd <cwd> && exec env VARS... ARGV'` (key-based,
-    no prompt: BatchMode), which needs the same paths there (a shared filesystem, as
-    horovodrun and mpirun assume). The remote shell first prints its pid, so that stopping the
-    task signals the task itself (`ssh HOST kill -SIG PID`), as a local stop would; closing an
-    ssh session alone would leave it running."""
-
-    SSH_TIMEOUT = 10  # seconds for ssh to connect, and for a remote kill to return
-
-    def __init__(self, name):
-        self.name = name
-        try:
-            self.address = socket.gethostbyname(name)
-        except OSError:
-            raise UsageError(f"--hosts: cannot resolve host '{name}'; give names this machine "
-                             f"resolves, or addresses") from None
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            probe.bind((self.address, 0))  # only an address of this machine can be bound
-            self.local = True
-        except OSError:
-            self.local = False
-        finally:
-            probe.close()
-
-    def ssh(self, argv, env):
-        script = (f"echo $$ && cd {shlex.quote(os.getcwd())} && exec env "
-                  + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items())) + " "
-                  + shlex.join(argv))
-        return self._ssh(script)
-
-    def _ssh(self, command):
-        return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.SSH_TIMEOUT}",
-                self.name, command]
-
-    def kill(self, pid, sig):
-        try:
-            subprocess.run(self._ssh(f"kill -{signal.Signals(sig).name[3:]} {int(pid)}"),
-                           stdin=subprocess.DEVNULL, capture_output=True, timeout=self.SSH_TIMEOUT)
-        except (subprocess.TimeoutExpired, OSError, ValueError):
-            pass
-
-
-def _signal(p, sig):
-    """`sig` to the task of Popen `p`: the process itself, or its remote pid through ssh."""
-    remote = getattr(p, "tfdist_remote", None)
-    if remote and remote[1]:
-        remote[0].kill(remote[1][0], sig)
-    elif remote and sig == signal.SIGKILL:  # pid not yet known: end the ssh client
-        p.kill()
-    elif not remote:
-        p.send_signal(sig)
-
-
 class Supervisor:
     """Starts `argv` as the tasks `roles` ([(role, index), ...], the first the chief) with
     TF_CONFIG on fresh 127.0.0.1 ports, and restarts on failure (the strategy plugin's `Launch`
@@ -321,11 +178,12 @@ class Supervisor:
         self.max_restarts, self.backoff = max_restarts, backoff
         self.env = dict(os.environ if env is None else env)
         self.log_dir = log_dir
-        self.out = output or _Output()
+        self.out = output or Output()
         self.stop_signal = None
         self._wake = threading.Event()
         self.restarts = 0
         self.preemptions = 0  # group restarts after a worker's exit 75: not counted in restarts
+        self.exit_dir = None  # where the processes record their own exit status (run)
 
     def say(self, message):
         self.out.line(f"tfdist launch: {message}")
@@ -349,7 +207,7 @@ class Supervisor:
     def _spawn(self, cluster, role, index):
         name = f"{'c' if role == 'chief' else 'w' if role == 'worker' else 'ps'}{index}"
         env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT":
-               str(self.restarts + self.preemptions)}
+               str(self.restarts + self.preemptions), cluster_lib.EXIT_DIR: self.exit_dir}
         if self.tf_config:
             env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
         else:  # one process that starts the others itself (horovodrun)
@@ -359,7 +217,7 @@ class Supervisor:
         if host:  # its gRPC server on the host's address only (the bind shim, if preloaded)
             env["TFDIST_BIND_ADDRESS"] = host.address
         if host and not host.local:
-            argv = host.ssh(argv, {k: v for k, v in env.items() if _passed_on(k, self.env)})
+            argv = host.ssh(argv, {k: v for k, v in env.items() if passed_on(k, self.env)})
         read_fd, write_fd = os.pipe()
         try:
             p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=write_fd,
@@ -378,6 +236,8 @@ class Supervisor:
         return p, (t, log)
 
     def _start(self):
+        for name in os.listdir(self.exit_dir):  # the last group's statuses
+            os.remove(os.path.join(self.exit_dir, name))
         cluster = self._cluster()
         procs, pumps = {}, []
         for role, index in self.roles:
@@ -398,13 +258,13 @@ class Supervisor:
         task on another host: its pid there, through ssh)."""
         for p in procs:
             if p.poll() is None:
-                _signal(p, sig)
+                send(p, sig)
         deadline = time.monotonic() + grace
         for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
+                send(p, signal.SIGKILL)
                 try:
                     p.wait(timeout=Host.SSH_TIMEOUT)
                 except subprocess.TimeoutExpired:  # the host is cut off: end our ssh client
@@ -433,7 +293,7 @@ class Supervisor:
                         if c not in (None, 0) and k != chief:
                             self.say(f"{k[0]} {k[1]} {describe_exit(c)} after the chief had finished")
                     return None
-            failed = [(k, c) for k, c in codes.items() if c not in (None, 0)]
+            failed = [(k, self._own_status(c)) for k, c in codes.items() if c not in (None, 0)]
             if failed and chief_done is None:
                 (role, index), code = failed[0]
                 if role not in self.restart_alone or code == 2:
@@ -447,6 +307,15 @@ class Supervisor:
                 pumps.append(pump)
             self._wake.wait(0.1)
 
+    def _own_status(self, code):
+        """A failed process's status as its ranks gave it: horovodrun (and mpirun) exit 1 when
+        any rank fails, so a rank's 2 (bad input) or 75 (preempted), recorded in `exit_dir`
+        (`tfdist.cluster.report_exit`), stands for the whole group's."""
+        if self.tf_config:
+            return code  # each task is its own process here
+        exits = set(cluster_lib.reported_exits(self.exit_dir).values())
+        return next((c for c in (2, EXIT_PREEMPTED) if c in exits), code)
+
     def _on_signal(self, signum, frame):
         self.stop_signal = signum
         self._wake.set()
@@ -456,7 +325,8 @@ class Supervisor:
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM,
                                                                    signal.SIGUSR1)}
         try:
-            return self._run()
+            with tempfile.TemporaryDirectory(prefix="tfdist-exits-") as self.exit_dir:
+                return self._run()
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -474,7 +344,7 @@ class Supervisor:
                 t.join(timeout=5)
                 if log:
                     log.close()
-            if preempted and procs[self.roles[0]].returncode == EXIT_PREEMPTED:
+            if preempted and self._own_status(procs[self.roles[0]].returncode) == EXIT_PREEMPTED:
                 self.say(f"preempted ({signal.Signals(self.stop_signal).name}): the workers backed "
                          f"up their step; exit {EXIT_PREEMPTED} (run the same command to resume)")
                 return EXIT_PREEMPTED

@@ -17,11 +17,12 @@ Example:
 import importlib
 import os
 
-from tfdist import config
+from tfdist import cluster, config
 from tfdist.errors import UsageError, install_excepthook
 from tfdist.strategies.base import Strategy  # noqa: F401
 
-install_excepthook()  # a user's program: an uncaught UsageError is one line and exit status 2
+install_excepthook(cluster.report_exit)  # a user's program: an uncaught UsageError is one line
+# and exit status 2
 
 _PLUGINS = {
     "single": "tfdist.strategies.single:SingleDevice",
