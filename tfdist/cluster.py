@@ -263,6 +263,20 @@ def watchdog(timeout, message):
         dog.wait(timeout=30)
 
 
+def grpc_keepalive(seconds):
+    """gRPC keepalive on this process's channels (TF's `TF_GRPC_DEFAULT_OPTIONS`, read when TF makes
+    its first channel; a value the user set is kept): a ping every `seconds` while a step is in
+    flight, `seconds` to answer. A worker cut off is then noticed, and its step runs again on
+    another; without it the run stalls until TCP gives up. A single step longer than about
+    3 x `seconds` may fail with "Too many pings" and run again (docs/deployment.md, "network
+    faults", has the measurements)."""
+    if seconds and "TF_GRPC_DEFAULT_OPTIONS" not in os.environ:
+        ms = int(seconds * 1000)
+        os.environ["TF_GRPC_DEFAULT_OPTIONS"] = (
+            f"grpc.keepalive_time_ms={ms},grpc.keepalive_timeout_ms={ms},"
+            "grpc.http2.max_pings_without_data=0")
+
+
 #: Where a process of a launched job records its exit status: horovodrun and mpirun report any
 #: rank's failure as their own status 1, so `tfdist launch` reads the ranks' own (2: bad input,
 #: 75: preempted) from here. Set by the launcher for the processes it starts.

@@ -99,3 +99,31 @@ class Windows:
                     .prefetch(tf.data.AUTOTUNE).with_options(opts))
 
         return fn
+
+
+# -- a user's data (the parameter server's per-worker datasets) --------------------------------
+
+def every_nth(dataset, n, index):
+    """A per-worker dataset_fn of `dataset`: worker `index()` of `n` reads batches index,
+    index + n, ... The dataset is rebuilt on each worker from its serialized graph (as TF sends a
+    dataset), so that the workers do not train on the same batches."""
+    graph = tf.raw_ops.DatasetToGraphV2(input_dataset=tf.data.experimental.to_variant(dataset),
+                                        external_state_policy=0, strip_device_assignment=True)
+    spec = dataset.element_spec  # external_state_policy 0: warn about state it cannot send
+
+    def dataset_fn():
+        copy = tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
+        return copy.shard(n, index())
+    return dataset_fn
+
+
+def from_arrays(x, y, sample_weight, batch_size, what):
+    """`x` if it is a dataset, else a dataset of the (x, y, sample_weight) batches Keras would
+    make of arrays (`what`: the call, named in the error for anything else)."""
+    if isinstance(x, tf.data.Dataset):
+        return x
+    if x is None or callable(x):
+        raise UsageError(f"{what} takes a tf.data.Dataset or arrays here")
+    rows = tuple(v for v in (x, y, sample_weight) if v is not None)
+    return tf.data.Dataset.from_tensor_slices(rows if len(rows) > 1 else rows[0]).batch(
+        batch_size or 32)

@@ -261,8 +261,8 @@ def _stats(work, split, k):
 def _quiet_children():
     """Processes started inside write their stderr to a temporary file (this process's own
     stderr is restored on exit); `_pass_on` then shows what is not TF's start-up noise."""
-    from tfdist import cli
-    if cli.verbose():
+    from tfdist import console
+    if console.verbose():
         yield None
         return
     sys.stderr.flush()
@@ -276,11 +276,11 @@ def _quiet_children():
 
 
 def _pass_on(captured):
-    from tfdist import cli
+    from tfdist import console
     if captured is None:
         return
     captured.seek(0)
-    cli.pass_on_stderr(captured.read())
+    console.pass_on_stderr(captured.read())
     captured.close()
 
 

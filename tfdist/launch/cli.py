@@ -117,7 +117,7 @@ def main(argv):
             raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after -- "
                              f"start with -, e.g. --config=...)")
         argv = rest
-    server_argv = ([sys.executable, "-m", spec.server_module]
+    server_argv = ([sys.executable, "-m", spec.server_module, strategy]
                    if spec.server_module and not rest[0].startswith("-") else None)
 
     counts = {"chief": 1, "worker": n, "ps": _PS.value}

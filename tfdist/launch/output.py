@@ -15,7 +15,7 @@ import re
 import sys
 import threading
 
-from tfdist import cli
+from tfdist import console
 
 
 class Output:
@@ -79,7 +79,7 @@ class Output:
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # TF's start-up notices (see tfdist.cli.NOISE), from any program the workers run: N workers would
 # print them 2N times. They carry no information about the run.
-_NOISE = cli.NOISE
+_NOISE = console.NOISE
 
 
 def _ranks(text):

@@ -20,12 +20,12 @@ go through `keras_call` (one mechanism for every strategy, `tfdist.compat.route_
 plugin adds its gradient handling to the compiled optimizer (also an optimizer given as a string),
 its callbacks, its split of plain datasets, and lets only the chief write files.
 
-What it declares, so that `tfdist train`, `tfdist launch` and `tfdist plan` ask it instead of
-comparing names: `options` (its config keys with default, rule and help, checked once by
-`check_options`), `recommended` config values, `uses_local_devices`, `supports_pipeline`,
-`supports_jit_compile`, `supports_grad_accumulation`, `collective_checkpoints`, `launch` (a
-`Launch`: roles, restart policy, server tasks, wrapper command) and `plan_command` (the
-planner's command line).
+What it declares, so that the layout (`tfdist.layout`, which judges what a strategy can combine),
+`tfdist launch` and `tfdist plan` ask it instead of comparing names: `options` (its config keys
+with default, rule and help: they join the config schema), `recommended` config values,
+`uses_local_devices`, `supports_pipeline`, `supports_jit_compile`, `supports_grad_accumulation`,
+`zero_collectives`, `collective_checkpoints`, `launch` (a `Launch`: roles, restart policy,
+server tasks, wrapper command) and `plan_command` (the planner's command line).
 
 Example (any registered strategy; see `tfdist.strategies.names()`):
 
@@ -76,8 +76,8 @@ class Launch:
     stopped, stopped as soon as the chief is done. `wrapper(n, argv, hosts)`: the argv of one process
     that starts the n ranks itself (horovodrun; no TF_CONFIG then), on `hosts` (None: this
     one), or None. `server_module`: a
-    module that serves (`python -m <it>`), run on the `servers` when the launched command is a
-    user's own program, so that the program runs on the chief only.
+    module that serves (`python -m <it> <strategy>`: `tfdist.launch.serve`), run on the `servers`
+    when the launched command is a user's own program, so that it runs on the chief only.
     """
     roles: tuple = ("worker",)
     restart_alone: tuple = ()

@@ -2,29 +2,17 @@
 
 Keras 3 `fit` does not support ParameterServerStrategy (keras-team/keras#18624). This plugin runs
 `fit` as a `tf.distribute.coordinator.ClusterCoordinator` loop on the chief (the coordinator):
-
-* every step is a closure scheduled on whichever worker is free (asynchronous), at most
-  `2 x workers` in flight; the loop waits for particular steps only at a barrier (below);
-* tfdist's data (`tfdist.data.Windows`) is addressed by step: closure `s` computes batch `s` on
-  its worker, so each batch is trained on once, also when a closure is rescheduled after a worker
-  failure. A plain `tf.data.Dataset` is read through per-worker datasets, worker w taking
-  batches w, w + N, ...;
-* the step count is exact: each step marks itself done in a mask on the ps (an idempotent
-  scatter), and per-worker runs are counted with atomic `assign_add`s. Keras 3's
-  `optimizer.iterations.assign_add` is a read-modify-write that loses increments under
-  concurrency, so `iterations` is set from the exact count at every report;
-* callbacks run on the coordinator every 10 completed steps (`log_every_steps`; one
-  `on_train_batch_end` stands for the steps since the last, `logs["tfdist/steps"]`). Before a
-  backup and at each epoch end the loop waits for every step in flight (`join`), so a backup
-  holds exactly the steps counted. After a preemption signal (`tfdist.preemption`) it drains the
-  steps in flight before it reports, so the backup written then holds them all;
-* validation, `evaluate` and `predict` send each batch to a free worker; loss and metrics are
-  computed here, in order.
-
-Worker and ps tasks only serve: building the plugin there runs a `tf.distribute.Server` until the
-chief is gone, then ends the process, so a program needs no serve lines (`tfdist launch` starts
-them as `python -m tfdist.strategies.parameter_server`). The chief waits at most
-`CONNECT_TIMEOUT` seconds for every task to listen, then stops with one line.
+every step is a closure scheduled on whichever worker is free, at most `2 x workers` in flight.
+tfdist's data is addressed by step, so each batch is trained on once, also when a closure runs
+again after a worker failure (a plain `tf.data.Dataset`: worker w reads batches w, w + N, ...).
+The step count is exact: each step marks itself done in a mask on the ps, and `iterations` is set
+from that count at every report (Keras 3's `assign_add` loses increments under concurrency).
+Callbacks run every 10 completed steps (`logs["tfdist/steps"]` says how many); before a backup,
+at each epoch end and after a preemption signal the loop waits for every step in flight, so a
+backup holds exactly the steps counted. `evaluate` and `predict` send each batch to a free worker
+and compute the loss and metrics here, in order. Worker and ps tasks only serve: building the
+plugin there serves until the chief is gone, then ends the process. In depth:
+docs/strategies.md, "parameter_server".
 
 Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps tasks):
 
@@ -41,6 +29,7 @@ import time
 import numpy as np
 
 from tfdist import cluster as cluster_lib
+from tfdist.data.pipeline import every_nth, from_arrays
 from tfdist.errors import UsageError
 from tfdist.lazy import keras, tf
 from tfdist.strategies.base import Launch, Strategy
@@ -54,7 +43,7 @@ class ParameterServer(Strategy):
     # A chief (the coordinator), workers and ps tasks. A dead worker is restarted alone and
     # rejoins (asynchronous training goes on without it); the servers run until stopped.
     launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"),
-                    server_module="tfdist.strategies.parameter_server")
+                    server_module="tfdist.launch.serve")
     options = {
         "keepalive_secs": (5.0, lambda v: v == 0 or 1 <= v <= 3600,
                            "0 (off) or a number of seconds in [1, 3600]: gRPC keepalive pings "
@@ -62,7 +51,7 @@ class ParameterServer(Strategy):
     }
 
     def __init__(self, cluster=None, keepalive_secs=5.0, **unused_options):
-        _keepalive(keepalive_secs)
+        cluster_lib.grpc_keepalive(keepalive_secs)
         self.cluster = cluster or cluster_lib.from_environment(allowed_roles=_ROLES)
         if self.cluster is None:
             raise UsageError("parameter_server needs a cluster with chief, worker and ps tasks: set "
@@ -145,12 +134,12 @@ class ParameterServer(Strategy):
                             callbacks=a["callbacks"], validation_data=a["validation_data"],
                             validation_steps=a["validation_steps"], verbose=a["verbose"])
         if method == "evaluate":
-            logs = self.evaluate(model, _as_dataset(a["x"], a["y"], a["sample_weight"],
-                                                    a["batch_size"], "evaluate"),
+            logs = self.evaluate(model, from_arrays(a["x"], a["y"], a["sample_weight"],
+                                                    a["batch_size"], "evaluate under parameter_server"),
                                  steps=a["steps"], callbacks=a["callbacks"], verbose=a["verbose"])
             return logs if a["return_dict"] else compat.flatten_metrics(model, logs)
         if method == "predict":
-            return self.predict(model, _as_dataset(a["x"], None, None, a["batch_size"], "predict"),
+            return self.predict(model, from_arrays(a["x"], None, None, a["batch_size"], "predict under parameter_server"),
                                 steps=a["steps"], callbacks=a["callbacks"], verbose=a["verbose"])
         return super().keras_call(method, model, upstream, arguments)
 
@@ -245,7 +234,7 @@ class ParameterServer(Strategy):
             elif validation_data is not None:
                 val = validation_data
                 if isinstance(val, tuple):
-                    val = _as_dataset(*(list(val) + [None])[:3], None, "validation_data")
+                    val = from_arrays(*(list(val) + [None])[:3], None, "validation_data")
                 epoch_logs.update({f"val_{k}": v for k, v in self.evaluate(
                     model, val, steps=validation_steps, verbose=0).items()})
             cbs.on_epoch_end(epoch, epoch_logs)  # tfdist's log adds val_bits_per_byte
@@ -261,7 +250,8 @@ class ParameterServer(Strategy):
         by_step = _step_addressed(data)
         if not by_step:  # a dataset_fn, or a tf.data.Dataset: each worker reads its share
             if isinstance(data, tf.data.Dataset):
-                data = _by_worker(data, self.num_workers)
+                data = every_nth(data, self.num_workers,
+                                 tf.distribute.coordinator.experimental_get_current_worker_index)
             iterator = iter(self.coordinator.create_per_worker_dataset(data))
 
         loss_sum = self.loss_sum
@@ -392,26 +382,6 @@ class _Loop:
         return {k: v for k, v in _logs(self.model).items() if k != "loss" and np.ndim(v) == 0}
 
 
-def _keepalive(seconds):
-    """gRPC keepalive on this process's channels, from TF's `TF_GRPC_DEFAULT_OPTIONS` (read when TF
-    makes its first channel; a value the user set is kept). Without it, a step in flight on a
-    worker whose host is cut off waits for TCP: measured across tools/netcluster.py's hosts, the
-    whole run stalled at the next barrier until ~25 s after the partition healed. With pings every
-    `seconds` and `seconds` to answer, the chief's call fails (Unavailable), TF's coordinator runs
-    the step again on a reachable worker and takes the lost one back when it answers: training goes
-    on (docs/deployment.md, "network faults"). A worker's gRPC server answers pings that come more
-    often than every 5 min, with no reply in between, with "Too many pings" at the third; so a
-    single step longer than about 3 x `seconds` may fail with "Too many pings": TF's coordinator
-    takes that for a worker failure and runs the step again, and gRPC doubles that channel's
-    interval (measured: gpt_mini at 4-6 s a step with keepalive_secs=1: one step failed and ran
-    again, and the run finished). So long steps cost a step or two; raise it for steps that long."""
-    if seconds and "TF_GRPC_DEFAULT_OPTIONS" not in os.environ:
-        ms = int(seconds * 1000)
-        os.environ["TF_GRPC_DEFAULT_OPTIONS"] = (
-            f"grpc.keepalive_time_ms={ms},grpc.keepalive_timeout_ms={ms},"
-            "grpc.http2.max_pings_without_data=0")
-
-
 def _step_addressed(data):
     """tfdist.data.Windows and the like: batch(step) gives the batch of any global step."""
     return (not isinstance(data, tf.data.Dataset) and hasattr(data, "batch")
@@ -421,33 +391,3 @@ def _step_addressed(data):
 def _logs(model):  # the model's metrics now, as Keras logs them
     return {k: float(v) if np.ndim(v) == 0 else np.asarray(v)
             for k, v in model.get_metrics_result().items()}
-
-
-def _by_worker(dataset, workers):
-    """A per-worker dataset_fn: worker w reads batches w, w + workers, ... of `dataset` (rebuilt
-    on each worker from its serialized graph, as TF sends a dataset), so that the workers do not
-    train on the same batches."""
-    graph = tf.raw_ops.DatasetToGraphV2(input_dataset=tf.data.experimental.to_variant(dataset),
-                                        external_state_policy=0, strip_device_assignment=True)
-    spec = dataset.element_spec  # external_state_policy 0: warn about state it cannot send
-
-    def dataset_fn():
-        copy = tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
-        return copy.shard(workers, tf.distribute.coordinator.experimental_get_current_worker_index())
-    return dataset_fn
-
-
-def _as_dataset(x, y, sample_weight, batch_size, what):
-    """A dataset of the (x, y, sample_weight) batches Keras would make of arrays."""
-    if isinstance(x, tf.data.Dataset):
-        return x
-    if x is None or callable(x):
-        raise UsageError(f"under parameter_server, {what} takes a tf.data.Dataset or arrays")
-    rows = tuple(v for v in (x, y, sample_weight) if v is not None)
-    return tf.data.Dataset.from_tensor_slices(rows if len(rows) > 1 else rows[0]).batch(
-        batch_size or 32)
-
-
-if __name__ == "__main__":  # a server task started by `tfdist launch` for a user's own program
-    from tfdist import cli
-    cli.run(lambda argv: ParameterServer(), sys.argv)  # serves, then ends the process
