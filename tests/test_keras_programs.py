@@ -58,11 +58,28 @@ def single(tmp_path_factory):
 
 
 def check_every_process(results, processes):
-    """Callbacks acted everywhere, and every process ran every model."""
+    """Callbacks acted everywhere, every process ran every model, and its History holds each
+    compiled metric."""
     assert len(results) == processes * len(MODELS), sorted(results)
     for r in results.values():
         assert r["epochs_run"] == 2, r  # EarlyStopping ended every process after epoch 2
         assert r["learning_rate"] == pytest.approx(0.005), r  # ReduceLROnPlateau: 0.01 -> 0.005
+        check_history_holds_the_compiled_metrics(r)
+
+
+def check_history_holds_the_compiled_metrics(r):
+    """fit's History holds every metric evaluate reports (the compiled loss(es) and metrics), for
+    training and for validation."""
+    wanted = set(r["evaluate"]) | {f"val_{k}" for k in r["evaluate"]}
+    assert wanted <= set(r["history_keys"]), (r["model"], sorted(wanted - set(r["history_keys"])))
+
+
+def test_the_history_check_finds_a_missing_metric():
+    """The companion: a History with only the loss (the parameter server's `fit`, before) fails."""
+    with pytest.raises(AssertionError, match="accuracy"):
+        check_history_holds_the_compiled_metrics({
+            "model": "cnn", "evaluate": {"loss": 1.0, "accuracy": 0.5},
+            "history_keys": ["loss", "val_accuracy", "val_loss"]})
 
 
 def check_only_the_chief_wrote(base):
@@ -121,6 +138,7 @@ def test_single(single, tmp_path):
         assert single[model]["rows_last_epoch"] == ROWS
         assert single[model]["reload_max_diff"] == 0.0
         assert single[model]["epochs_run"] == 2
+        check_history_holds_the_compiled_metrics(single[model])
 
 
 CASES = {"mirrored": 1, "multi_worker_mirrored": 2, "horovod": 2, "parameter_server": 1}

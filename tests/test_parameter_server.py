@@ -254,7 +254,8 @@ USER_MODEL = r"""
 import json, sys, keras, numpy as np, tensorflow as tf, tfdist.strategies
 epochs = int(sys.argv[1])
 strategy = tfdist.strategies.get("parameter_server")
-strategy.serve()  # a worker or ps task serves the chief, then ends here; the chief goes on
+if strategy.is_server:  # the earlier serve pattern (the docs once showed it): still works
+    strategy.serve()  # a worker or ps task serves the chief, then ends here; the chief goes on
 with strategy.scope():
     inp = keras.Input((8,))
     model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(16, activation="relu")(inp)))

@@ -158,6 +158,7 @@ def main(argv):
                   "worker": strategy.worker_index, "rows_last_epoch": getattr(callbacks[-1], "rows", None),
                   "loss": history.history["loss"], "val_loss": history.history["val_loss"],
                   "epochs_run": len(history.history["loss"]), "evaluate": evaluation,
+                  "history_keys": sorted(history.history),
                   "learning_rate": float(np.asarray(model.optimizer.learning_rate)),
                   "predict_sum": float(sum(np.abs(p).sum() for p in tf.nest.flatten(predicted))),
                   "weights_sha256": hashlib.sha256(b"".join(

@@ -81,7 +81,8 @@ class Progress(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen = batch + 1
-        self.bar.update(self.seen, _shown_logs(logs), finalize=False)
+        if self.seen < (self.params.get("steps") or float("inf")):  # the last: at the epoch end
+            self.bar.update(self.seen, _shown_logs(logs), finalize=False)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.bar is not None:

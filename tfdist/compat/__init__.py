@@ -22,7 +22,7 @@ Example:
     >>> compat.PATCHES["symbolic_build_under_mwms"].issue
     'keras-team/keras#20585'
 """
-from tfdist.compat.table import PATCHES, TESTED, disable, fingerprint, using  # noqa: F401
+from tfdist.compat.table import PATCHES, PINNED, TESTED, disable, fingerprint, using  # noqa: F401
 from tfdist.compat.optimizers import (has_gradient_reduction, learning_rate_schedule,  # noqa: F401
                                       local_variables, optimizer_strategy,
                                       reduce_nothing_in_apply, set_gradient_reduction,

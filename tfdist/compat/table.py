@@ -32,6 +32,7 @@ from tfdist.errors import UsageError
 
 #: The versions every row was written and tested for.
 TESTED = {"keras": "3.15.1", "tensorflow": "2.21.0"}
+PINNED = TESTED  # (its earlier name)
 
 _K = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer"
 _OPT = "keras.src.backend.tensorflow.optimizer:TFOptimizer"

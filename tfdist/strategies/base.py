@@ -41,15 +41,10 @@ Example (any registered strategy; see `tfdist.strategies.names()`):
 """
 import contextlib
 import dataclasses
-import os
-import shutil
-import sys
-import tempfile
-import threading
-import weakref
 
 from tfdist.errors import PeerLost, UsageError
-from tfdist.lazy import keras, tf  # a plugin is read without TensorFlow (the registry, the planner)
+from tfdist.lazy import tf  # a plugin is read without TensorFlow (the registry, the planner)
+from tfdist.strategies.keras_program import KerasProgram
 
 
 def configure_logical_cpus(n):
@@ -86,27 +81,7 @@ class Launch:
     server_module: str = None
 
 
-_ACTIVE = threading.local()  # .stack: the plugins whose scope() is entered, innermost last
-_OWNERS = weakref.WeakKeyDictionary()  # model -> the plugin it was compiled under
-_BY_TF_STRATEGY = weakref.WeakValueDictionary()  # id(tf.distribute strategy) -> plugin
-_PROCESS_WIDE = []  # a plugin that owns every model of its process (Horovod)
-
-
-def owner_of(model, compiling=False):
-    """The plugin that owns `model`. At `compile`: the plugin whose scope is active, else the one
-    whose tf.distribute strategy the model was built under, else a process-wide plugin; the
-    model then stays its plugin's."""
-    if not compiling:
-        return _OWNERS.get(model)
-    stack = getattr(_ACTIVE, "stack", [])
-    plugin = (stack[-1] if stack else _BY_TF_STRATEGY.get(id(model.distribute_strategy))
-              or (_PROCESS_WIDE[-1] if _PROCESS_WIDE else None))
-    if plugin is not None:
-        _OWNERS[model] = plugin
-    return plugin
-
-
-class Strategy:
+class Strategy(KerasProgram):
     """Base plugin: one replica on the default device. Subclasses set `self.tf_strategy`.
 
     Everything tfdist's training, launcher and planner need to know of a strategy is declared
@@ -139,12 +114,7 @@ class Strategy:
 
     def __init__(self, tf_strategy=None, **unused_options):
         self.tf_strategy = tf_strategy or tf.distribute.get_strategy()
-        if self.tf_strategy is not tf.distribute.get_strategy():  # not TF's default strategy
-            _BY_TF_STRATEGY[id(self.tf_strategy)] = self
-        if self.process_wide:
-            _PROCESS_WIDE.append(self)
-        from tfdist import compat
-        compat.route_keras(owner_of)
+        self.adopt_keras_models()  # a user's model compiled in its scope is this plugin's
 
     @classmethod
     def check_options(cls, options):
@@ -183,6 +153,11 @@ class Strategy:
     def num_workers(self):
         return 1
 
+    @property
+    def is_server(self):
+        """This process only serves others (a parameter server's worker and ps tasks)."""
+        return False
+
     def serve(self):
         """Runs this process's task when it only serves others (a parameter server's worker and
         ps tasks) and then ends the process; returns at once on a process that trains."""
@@ -199,13 +174,8 @@ class Strategy:
     @contextlib.contextmanager
     def scope(self):
         """The tf.distribute strategy's scope; a model compiled in it belongs to this plugin."""
-        stack = _ACTIVE.__dict__.setdefault("stack", [])
-        with self.tf_strategy.scope() as tf_strategy:
-            stack.append(self)
-            try:
-                yield tf_strategy
-            finally:
-                stack.remove(self)
+        with self.tf_strategy.scope() as tf_strategy, self.entered():
+            yield tf_strategy
 
     def distribute(self, dataset_fn):
         """Per-replica datasets from `dataset_fn(input_context)`."""
@@ -257,77 +227,6 @@ class Strategy:
 
     def callbacks(self):
         return []
-
-    # -- a user's Keras program (compat.route_keras) ------------------------------------------
-    def before_compile(self, model, arguments):
-        """An optimizer built before the scope was entered belongs to another tf.distribute
-        strategy (TF: "Mixing different tf.distribute.Strategy objects"): it is rebuilt from its
-        config in this scope, or refused when it already holds state."""
-        from tfdist import compat
-        optimizer = arguments.get("optimizer")
-        if (not isinstance(optimizer, keras.optimizers.Optimizer)
-                or compat.optimizer_strategy(optimizer) is tf.distribute.get_strategy()):
-            return
-        if optimizer.built or int(optimizer.iterations.numpy()):
-            raise UsageError(f"the optimizer {optimizer.name} was built outside "
-                             f"strategy.scope() and has state already; create it inside the scope")
-        arguments["optimizer"] = type(optimizer).from_config(optimizer.get_config())
-        print(f"tfdist: optimizer {optimizer.name} was created outside strategy.scope(); rebuilt "
-              f"from its config inside it", file=sys.stderr, flush=True)
-
-    def after_compile(self, model):
-        """The strategy's gradient handling on the compiled optimizer (once: an optimizer passed
-        through `wrap_optimizer` keeps its own)."""
-        from tfdist import compat
-        if model.optimizer is not None and not compat.has_gradient_reduction(model.optimizer):
-            self.wrap_optimizer(model.optimizer)
-
-    def keras_call(self, method, model, upstream, arguments):
-        """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own
-        (`upstream`) with the strategy's callbacks first, and file-writing callbacks and `save`
-        kept to the chief (`for_this_process`)."""
-        if method == "save":
-            return self.save(model, upstream, arguments)
-        own = self.callbacks() if method == "fit" else []
-        arguments["callbacks"] = own + self.for_this_process(arguments.get("callbacks"))
-        return upstream(model, **arguments)
-
-    def for_this_process(self, callbacks):
-        """`callbacks` as this process should run them: unchanged on the chief. Elsewhere the
-        callbacks that write files (ModelCheckpoint, BackupAndRestore, CSVLogger, TensorBoard)
-        write nothing: where saving is a collective operation (`collective_checkpoints`) a
-        checkpoint goes to a temporary directory removed when training ends, as TF's
-        multi-worker guide does; a BackupAndRestore still restores from the chief's backup."""
-        callbacks = list(callbacks or [])
-        if self.is_chief:
-            return callbacks
-        from tfdist import callbacks as callbacks_lib
-        out = []
-        for cb in callbacks:
-            if isinstance(cb, (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)):
-                continue
-            if isinstance(cb, keras.callbacks.ModelCheckpoint):
-                if self.collective_checkpoints:
-                    out += [callbacks_lib.Scratch(cb, "filepath")]
-                continue
-            if isinstance(cb, keras.callbacks.BackupAndRestore):
-                out += [callbacks_lib.ReadOnlyBackup(cb, self.collective_checkpoints)]
-                continue
-            out.append(cb)
-        return out
-
-    def save(self, model, upstream, arguments):
-        """`model.save`: the chief writes; the others write to a temporary directory they remove
-        (where reading the variables may be collective) or not at all."""
-        if self.is_chief:
-            return upstream(model, **arguments)
-        if self.collective_checkpoints:
-            scratch = tempfile.mkdtemp(prefix="tfdist-save-")
-            try:
-                upstream(model, **{**arguments, "filepath": os.path.join(
-                    scratch, os.path.basename(str(arguments["filepath"])))})
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,

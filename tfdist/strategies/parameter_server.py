@@ -95,6 +95,10 @@ class ParameterServer(Strategy):
     def num_replicas(self):
         return 1  # each closure trains on one whole batch
 
+    @property
+    def is_server(self):
+        return self.cluster.task_type != "chief"
+
     def describe(self):
         c = self.cluster.cluster
         return (f"{self.name}: coordinator of {len(c['worker'])} worker(s) and {len(c['ps'])} ps "

@@ -1,0 +1,134 @@
+"""A user's own Keras program under a strategy plugin: `model.compile(...)` inside the plugin's
+`scope()` hands the model to the plugin, and from then on Keras's `compile`, `fit`, `evaluate`,
+`predict` and `save` go through `keras_call` (one mechanism for every strategy:
+`tfdist.compat.route_keras`). The plugin adds its gradient handling to the compiled optimizer
+(also an optimizer given as a string), its callbacks, its split of plain datasets, and lets only
+the chief write files. `Strategy` (tfdist.strategies.base) is a `KerasProgram`; a plugin overrides
+what its strategy does differently (Horovod: the split; the parameter server: its coordinator).
+
+Example: see `tfdist.strategies.base` (a model compiled in a plugin's scope, then `fit`).
+"""
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import weakref
+
+from tfdist.errors import UsageError
+from tfdist.lazy import keras, tf
+
+_ACTIVE = threading.local()  # .stack: the plugins whose scope() is entered, innermost last
+_OWNERS = weakref.WeakKeyDictionary()  # model -> the plugin it was compiled under
+_BY_TF_STRATEGY = weakref.WeakValueDictionary()  # id(tf.distribute strategy) -> plugin
+_PROCESS_WIDE = []  # a plugin that owns every model of its process (Horovod)
+
+
+def owner_of(model, compiling=False):
+    """The plugin that owns `model`. At `compile`: the plugin whose scope is active, else the one
+    whose tf.distribute strategy the model was built under, else a process-wide plugin; the
+    model then stays its plugin's."""
+    if not compiling:
+        return _OWNERS.get(model)
+    stack = getattr(_ACTIVE, "stack", [])
+    plugin = (stack[-1] if stack else _BY_TF_STRATEGY.get(id(model.distribute_strategy))
+              or (_PROCESS_WIDE[-1] if _PROCESS_WIDE else None))
+    if plugin is not None:
+        _OWNERS[model] = plugin
+    return plugin
+
+
+class KerasProgram:
+    """How a plugin runs a user's compiled model (the methods `tfdist.compat.route_keras` calls)."""
+
+    def adopt_keras_models(self):
+        """From now on a model compiled in this plugin's scope (or built under its tf.distribute
+        strategy; a process-wide plugin: any) is this plugin's, and Keras's methods route here."""
+        if self.tf_strategy is not tf.distribute.get_strategy():  # not TF's default strategy
+            _BY_TF_STRATEGY[id(self.tf_strategy)] = self
+        if self.process_wide:
+            _PROCESS_WIDE.append(self)
+        from tfdist import compat
+        compat.route_keras(owner_of)
+
+    @contextlib.contextmanager
+    def entered(self):
+        """This plugin's scope is the innermost entered (for `owner_of`)."""
+        stack = _ACTIVE.__dict__.setdefault("stack", [])
+        stack.append(self)
+        try:
+            yield
+        finally:
+            stack.remove(self)
+
+    # -- a user's Keras program (compat.route_keras) ------------------------------------------
+    def before_compile(self, model, arguments):
+        """An optimizer built before the scope was entered belongs to another tf.distribute
+        strategy (TF: "Mixing different tf.distribute.Strategy objects"): it is rebuilt from its
+        config in this scope, or refused when it already holds state."""
+        from tfdist import compat
+        optimizer = arguments.get("optimizer")
+        if (not isinstance(optimizer, keras.optimizers.Optimizer)
+                or compat.optimizer_strategy(optimizer) is tf.distribute.get_strategy()):
+            return
+        if optimizer.built or int(optimizer.iterations.numpy()):
+            raise UsageError(f"the optimizer {optimizer.name} was built outside "
+                             f"strategy.scope() and has state already; create it inside the scope")
+        arguments["optimizer"] = type(optimizer).from_config(optimizer.get_config())
+        print(f"tfdist: optimizer {optimizer.name} was created outside strategy.scope(); rebuilt "
+              f"from its config inside it", file=sys.stderr, flush=True)
+
+    def after_compile(self, model):
+        """The strategy's gradient handling on the compiled optimizer (once: an optimizer passed
+        through `wrap_optimizer` keeps its own)."""
+        from tfdist import compat
+        if model.optimizer is not None and not compat.has_gradient_reduction(model.optimizer):
+            self.wrap_optimizer(model.optimizer)
+
+    def keras_call(self, method, model, upstream, arguments):
+        """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own
+        (`upstream`) with the strategy's callbacks first, and file-writing callbacks and `save`
+        kept to the chief (`for_this_process`)."""
+        if method == "save":
+            return self.save(model, upstream, arguments)
+        own = self.callbacks() if method == "fit" else []
+        arguments["callbacks"] = own + self.for_this_process(arguments.get("callbacks"))
+        return upstream(model, **arguments)
+
+    def for_this_process(self, callbacks):
+        """`callbacks` as this process should run them: unchanged on the chief. Elsewhere the
+        callbacks that write files (ModelCheckpoint, BackupAndRestore, CSVLogger, TensorBoard)
+        write nothing: where saving is a collective operation (`collective_checkpoints`) a
+        checkpoint goes to a temporary directory removed when training ends, as TF's
+        multi-worker guide does; a BackupAndRestore still restores from the chief's backup."""
+        callbacks = list(callbacks or [])
+        if self.is_chief:
+            return callbacks
+        from tfdist import callbacks as callbacks_lib
+        out = []
+        for cb in callbacks:
+            if isinstance(cb, (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)):
+                continue
+            if isinstance(cb, keras.callbacks.ModelCheckpoint):
+                if self.collective_checkpoints:
+                    out += [callbacks_lib.Scratch(cb, "filepath")]
+                continue
+            if isinstance(cb, keras.callbacks.BackupAndRestore):
+                out += [callbacks_lib.ReadOnlyBackup(cb, self.collective_checkpoints)]
+                continue
+            out.append(cb)
+        return out
+
+    def save(self, model, upstream, arguments):
+        """`model.save`: the chief writes; the others write to a temporary directory they remove
+        (where reading the variables may be collective) or not at all."""
+        if self.is_chief:
+            return upstream(model, **arguments)
+        if self.collective_checkpoints:
+            scratch = tempfile.mkdtemp(prefix="tfdist-save-")
+            try:
+                upstream(model, **{**arguments, "filepath": os.path.join(
+                    scratch, os.path.basename(str(arguments["filepath"])))})
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
