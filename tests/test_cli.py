@@ -1,10 +1,13 @@
 """The CLI end to end, and its contract for bad input: one line, exit status 2, nothing touched."""
 import os
+import re
+import sys
 
 import pytest
 
 from tfdist.lock import LOCK_NAME
-from tests.helpers import ROOT, assert_usage_error, driver, load_config, metrics, tfdist, tree_digest
+from tests.helpers import (ROOT, assert_usage_error, driver, load_config, metrics, run, tfdist,
+                           tree_digest)
 
 STEPS, PER_EPOCH = 20, 10  # of the finished run below
 
@@ -31,6 +34,50 @@ def test_train_writes_model_metrics_tensorboard_and_plot(finished_run):
     assert os.path.exists(os.path.join(wd, "model.keras"))
     assert not os.path.exists(os.path.join(wd, "backup"))  # removed after success
     assert "validation loss" in p.stdout
+
+
+#: A float printed as it is stored: a count with decimals (12119372.0000), an exponent (0.0000e+00).
+UNFORMATTED = re.compile(r"\d{5,}\.\d|\d\.\d+e[+-]\d\d")
+
+
+def unreadable(text):
+    """What makes a run's output, written to a file, hard to read: carriage returns (a progress
+    bar redrawn in place) and unformatted floats."""
+    return (["carriage returns"] if "\r" in text else []) + UNFORMATTED.findall(text)
+
+
+@pytest.mark.slow
+def test_output_to_a_file_is_a_line_per_step_with_readable_numbers(finished_run, tmp_path):
+    """`tfdist train` and `tfdist prepare` with their output going to a file (here a pipe): one
+    line per log interval, numbers with thousands separators."""
+    _, p = finished_run
+    assert unreadable(p.stdout) == [], unreadable(p.stdout)[:5]
+    lines = [x for x in p.stdout.splitlines() if x.startswith("step ")]
+    assert len(lines) == STEPS and re.fullmatch(r"step 1/10 - loss: \d\.\d{4} - tok/s: [\d,]+",
+                                                 lines[0]), lines[:2]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n"
+                              for i in range(40_000)))
+    prep = tfdist("prepare", f"--config.data.source={corpus}",
+                  f"--config.data.data_dir={tmp_path / 'data'}", "--workers=1")
+    assert unreadable(prep.stdout) == [], unreadable(prep.stdout)[:5]
+    assert re.search(r"tokens: \d{1,3}(,\d{3})+", prep.stdout), prep.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_keras_own_progress_bar_is_unreadable_in_a_file():
+    """The companion: Keras's progress bar, written to a pipe, redraws with carriage returns and
+    prints a count as 12119372.0000 (what tfdist's output looked like)."""
+    program = ("import keras, numpy as np\n"
+               "class Tokens(keras.callbacks.Callback):\n"
+               "    def on_train_batch_end(self, batch, logs=None):\n"
+               "        logs['tokens'] = 12119372.0\n"
+               "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+               "m.compile(optimizer='sgd', loss='mse')\n"
+               "m.fit(np.ones((64, 2)), np.ones((64, 1)), epochs=1, verbose=1, callbacks=[Tokens()])\n")
+    p = run([sys.executable, "-c", program], timeout=300)
+    problems = unreadable(p.stdout)
+    assert "carriage returns" in problems and "12119372.0" in problems, problems
 
 
 @pytest.mark.slow

@@ -55,3 +55,37 @@ def test_verbose_shows_tensorflows_start_up_messages():
     assert p.returncode == 2
     assert any(n in p.stderr for n in NOISE), p.stderr
     assert p.stderr.splitlines()[-1] == "tfdist: error: Unknown command line flag 'no_such_flag'"
+
+
+HELP_SECONDS = 1.5  # of CPU time, which a busy machine does not stretch as it does wall time
+
+
+@pytest.mark.parametrize("command", [*sorted(COMMANDS), None])
+def test_help_answers_without_tensorflow(command):
+    """Every `--help` (and `tfdist --help`) answers in a fresh process without importing
+    TensorFlow, within HELP_SECONDS of CPU. The companion: importing TensorFlow alone takes
+    longer than that here."""
+    argv = ["tfdist", command, "--help"] if command else ["tfdist", "--help"]
+    code = ("import sys; from tfdist.__main__ import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print('TENSORFLOW', 'tensorflow' in sys.modules, file=sys.stderr)")
+    p, cpu = _timed([sys.executable, "-c", code])
+    assert p.returncode == 0 and "usage: tfdist" in p.stdout, p.stderr[-2000:]
+    assert "TENSORFLOW False" in p.stderr, p.stderr[-2000:]
+    assert cpu <= HELP_SECONDS, cpu
+
+
+def test_importing_tensorflow_takes_longer_than_a_help():
+    _, cpu = _timed([sys.executable, "-c", "import tensorflow, keras"])
+    assert cpu > HELP_SECONDS, cpu
+
+
+def _timed(argv):
+    """(CompletedProcess, CPU seconds of the new process and its children)."""
+    import resource
+    import subprocess
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return p, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

@@ -29,7 +29,6 @@ import time
 import numpy as np
 
 from tfdist import cluster as cluster_lib
-from tfdist.data.pipeline import every_nth, from_arrays
 from tfdist.errors import UsageError
 from tfdist.lazy import keras, tf
 from tfdist.strategies.base import Launch, Strategy
@@ -125,6 +124,7 @@ class ParameterServer(Strategy):
         """Keras 3 has no ParameterServerStrategy path (keras-team/keras#18624): `fit` is the
         coordinator loop, `evaluate` and `predict` schedule their batches on the workers."""
         from tfdist import compat
+        from tfdist.data.pipeline import from_arrays
         a = arguments
         if method in ("fit", "evaluate", "predict"):
             compat.build_for(model, a["x"])  # here: a worker cannot create the variables
@@ -238,6 +238,7 @@ class ParameterServer(Strategy):
             elif validation_data is not None:
                 val = validation_data
                 if isinstance(val, tuple):
+                    from tfdist.data.pipeline import from_arrays
                     val = from_arrays(*(list(val) + [None])[:3], None, "validation_data")
                 epoch_logs.update({f"val_{k}": v for k, v in self.evaluate(
                     model, val, steps=validation_steps, verbose=0).items()})
@@ -254,6 +255,7 @@ class ParameterServer(Strategy):
         by_step = _step_addressed(data)
         if not by_step:  # a dataset_fn, or a tf.data.Dataset: each worker reads its share
             if isinstance(data, tf.data.Dataset):
+                from tfdist.data.pipeline import every_nth
                 data = every_nth(data, self.num_workers,
                                  tf.distribute.coordinator.experimental_get_current_worker_index)
             iterator = iter(self.coordinator.create_per_worker_dataset(data))
