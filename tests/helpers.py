@@ -1,12 +1,16 @@
 """Helpers shared by the test modules. Fixtures and pytest hooks live in conftest.py; the test
 modules import what they share from here, never from each other.
 
-* processes: `run` (a command with a hard timeout), `tfdist` (the CLI), `run_group` (a process
-  group killed on timeout), `driver` (tests/faulty_train.py), `tagged` (JSON result lines of a
-  launcher's prefixed output), `wait_until` (poll with a deadline: a hang guard, not a timing);
+The harness the tests share with the tools (tools/harness.py) comes through here: command lines
+(`tfdist_argv`, `launch_argv`, `driver_argv` of the fault driver tools/faulty_train.py), `tagged`
+(JSON result lines of a launcher's prefixed output), `wait_until` (poll with a deadline: a hang
+guard, not a timing), and what a run left: `metrics`, `losses`, `executed_steps`,
+`steps_by_worker`, `weights`, `final_weights`, `max_diff`. The tests' own:
+
+* processes: `run` (a command with a hard timeout, in a fork of the fork server when it can),
+  `tfdist` (the CLI), `run_group` (a process group killed on timeout), `driver` (the driver);
 * errors: `tf_noise`, `one_error_line`, `assert_usage_error` (exit 2, one line, no traceback);
-* what a run left: `metrics`, `losses`, `executed_steps`, `steps_by_worker`, `weights`,
-  `final_weights`, `max_diff`, `tree_digest`;
+* `tree_digest` (nothing on disk changed);
 * inputs: `load_config` (a file of configs/), `write_nanogpt`, `free_port`, `free_port_run`;
 * tiers: `first_fast` (a CLI case family: its first case in `make test-fast`, the rest in the
   whole suite);
@@ -16,20 +20,18 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from tfdist.launch.local import children, task_of  # noqa: F401  (for the tests)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(ROOT, "tests", "faulty_train.py")
+from tools import harness
+from tools.harness import (DRIVER, ROOT, driver_argv, executed_steps, final_weights,  # noqa: F401
+                           launch_argv, losses, max_diff, metrics, steps_by_worker, tagged,
+                           tfdist_argv, wait_until, weights)
 
 
 # -- tiers ---------------------------------------------------------------------------------------
@@ -89,8 +91,7 @@ def run(cmd, timeout=300, env=None, check=True, fresh=False):
 
 def tfdist(*args, timeout=300, check=True, env=None, fresh=False):
     """`python -m tfdist ARGS` from the repository root (in a fork of the fork server: `run`)."""
-    return run([sys.executable, "-m", "tfdist", *args], timeout=timeout, check=check, env=env,
-               fresh=fresh)
+    return run(tfdist_argv(*args), timeout=timeout, check=check, env=env, fresh=fresh)
 
 
 def run_group(cmd, timeout):
@@ -102,43 +103,18 @@ def run_group(cmd, timeout):
         except subprocess.TimeoutExpired as e:
             raise AssertionError(f"{cmd[:6]} timed out after {timeout} s\n"
                                  f"{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-2000:]}") from None
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
     try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise AssertionError(f"{cmd[:6]} timed out after {timeout} s\n{out[-3000:]}\n{err[-2000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+        return harness.run_group(cmd, timeout)
+    except TimeoutError as e:
+        raise AssertionError(str(e)) from None
 
 
 def driver(workdir, overrides, *extra, timeout=300, check=True, env=None):
-    """Runs tests/faulty_train.py; returns (CompletedProcess, result dict or None)."""
-    p = run([sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra],
-            timeout=timeout, check=check, env=env)
+    """Runs the fault driver (tools/faulty_train.py); returns (CompletedProcess, result dict or
+    None)."""
+    p = run(driver_argv(workdir, overrides, *extra), timeout=timeout, check=check, env=env)
     line = [x for x in p.stdout.splitlines() if x.startswith("DRIVER_RESULT ")]
     return p, (json.loads(line[-1][len("DRIVER_RESULT "):]) if line else None)
-
-
-def tagged(stdout, tag, prefix=r"\[w(\d+)\] "):
-    """{process index: JSON} of the `<prefix><tag> {...}` lines of a launcher's output
-    (`[w1] DRIVER_RESULT {...}`; horovodrun's is `[1]<stdout>:`)."""
-    found = re.findall(rf"^{prefix}{re.escape(tag)} (.*)$", stdout, re.M)
-    return {int(i): json.loads(r) for i, r in found}
-
-
-def wait_until(condition, timeout, what, proc=None, describe=lambda: ""):
-    """Polls `condition()` until it is true. Fails (saying `what`, and `describe()`) if `proc`
-    ends first, or after `timeout` seconds: a guard against a hang, not a measurement."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the process ended (status {proc.returncode}) before {what}\n"
-                                 f"{describe()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} after {timeout} s\n{describe()}")
-        time.sleep(0.05)
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -164,54 +140,6 @@ def assert_usage_error(p, needle):
 
 
 # -- what a run left -----------------------------------------------------------------------------
-def metrics(workdir):
-    """The run's metrics.json: {"steps": [per logged step], "evals": [per evaluation]}."""
-    with open(os.path.join(workdir, "metrics.json")) as f:
-        return json.load(f)
-
-
-def losses(workdir):
-    """The logged training loss of every step."""
-    return [r["loss"] for r in metrics(workdir)["steps"]]
-
-
-def executed_steps(workdir):
-    """faulty_train's executed_steps.txt: one [worker, pid, loss] per step run, across restarts."""
-    path = os.path.join(workdir, "executed_steps.txt")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [line.split() for line in f]
-
-
-def steps_by_worker(workdir):
-    """{worker index: steps it ran}, from executed_steps.txt."""
-    counts = {}
-    for worker, _, _ in executed_steps(workdir):
-        counts[int(worker)] = counts.get(int(worker), 0) + 1
-    return counts
-
-
-def weights(workdir, worker):
-    """The weights faulty_train's --dump-weights wrote for `worker` (weights-w<i>.npz)."""
-    with np.load(os.path.join(workdir, f"weights-w{worker}.npz")) as f:
-        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def final_weights(workdir):
-    """The weights of the run's saved model.keras."""
-    import keras
-    import tfdist.models.gpt  # noqa: F401  (registers the classes)
-    m = keras.saving.load_model(os.path.join(workdir, "model.keras"), compile=False)
-    return [np.asarray(w) for w in m.weights]
-
-
-def max_diff(a, b):
-    """Largest absolute difference between two equally long lists of arrays."""
-    assert len(a) == len(b)
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
-
-
 # -- gradient overlap (tfdist/buckets.py, tfdist/profiling.py) -------------------------------------
 OVERLAP_BUCKET_MB = 0.1  # gpt_nano's 0.46 MiB of gradients in 4 buckets
 

@@ -84,7 +84,7 @@ def prepare(c, workdir, overwrite=False):
 
 
 class Hooks:
-    """The points where a test driver may change a run on purpose (`tests/faulty_train.py`
+    """The points where a test driver may change a run on purpose (`tools/faulty_train.py`
     injects faults and leaves out corrections through them). The defaults change nothing.
 
     Example:

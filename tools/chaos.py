@@ -9,7 +9,7 @@
 
 multi_worker_mirrored and horovod (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
-and a worker in turn (worker 0, the chief, first). That worker SIGKILLs itself right after the step (tests/faulty_train.py), the launcher
+and a worker in turn (worker 0, the chief, first). That worker SIGKILLs itself right after the step (tools/faulty_train.py), the launcher
 stops the group and restarts it, and training resumes from the backup. A backup is written after
 every step, with op determinism and dropout on. A trial passes when the launcher exits 0 after
 exactly one restart, every worker executed exactly the planned steps (none lost, none repeated),
@@ -46,17 +46,17 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(ROOT, "tests", "faulty_train.py")
 sys.path.insert(0, ROOT)
+from tools.harness import (driver_argv, final_weights, launch_argv, metrics,  # noqa: E402
+                           steps_by_worker)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def launch(workdir, overrides, workers, *extra):
     if overrides["strategy.name"] == "single":  # one process, run again by hand after exit 75
         return single(workdir, overrides, *extra)
-    cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={workers}", "--max_restarts=2",
-           f"--strategy={overrides['strategy.name']}",
-           "--backoff=0.5", "--", sys.executable, DRIVER, workdir, json.dumps(overrides), *extra]
+    cmd = launch_argv(driver_argv(workdir, overrides, *extra), strategy=overrides["strategy.name"],
+                      workers=workers)
     t = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     return p, time.monotonic() - t
@@ -67,30 +67,13 @@ def single(workdir, overrides, *extra):
     Returns a CompletedProcess whose stdout counts its starts as the launcher's would."""
     t, out, err = time.monotonic(), "", ""
     for attempt in range(2):
-        p = subprocess.run([sys.executable, DRIVER, workdir, json.dumps(overrides),
-                            *(extra if attempt == 0 else ())], capture_output=True, text=True,
-                           timeout=900, cwd=ROOT)
+        p = subprocess.run(driver_argv(workdir, overrides, *(extra if attempt == 0 else ())),
+                           capture_output=True, text=True, timeout=900, cwd=ROOT)
         out += "tfdist launch: started 1 process\n" + p.stdout
         err += p.stderr
         if p.returncode != 75:
             break
     return subprocess.CompletedProcess(p.args, p.returncode, out, err), time.monotonic() - t
-
-
-def steps_by_worker(workdir):
-    counts = {}
-    for line in open(os.path.join(workdir, "executed_steps.txt")):
-        w = int(line.split()[0])
-        counts[w] = counts.get(w, 0) + 1
-    return counts
-
-
-def final_weights(workdir):
-    import keras
-    import numpy as np
-    import tfdist.models.gpt  # noqa: F401  (registers the model classes)
-    m = keras.saving.load_model(os.path.join(workdir, "model.keras"), compile=False)
-    return [np.asarray(w) for w in m.weights]
 
 
 def main():
@@ -240,7 +223,7 @@ def ps_trials(args):
         seconds = time.monotonic() - t
         counted = summed = stall = None
         if code == 0:
-            log = json.load(open(os.path.join(d, "metrics.json")))["steps"]
+            log = metrics(d)["steps"]
             counted, summed = log[-1]["step"], sum(log[-1]["worker_steps"])
             times = [r["time"] for r in log]
             stall = round(max(b - a for a, b in zip(times, times[1:])), 1)
@@ -298,7 +281,7 @@ def ps_preempt_trials(args):
         resumed = at is not None and f"resuming from {d}/backup at step {at} of {steps}" in again.stdout
         counted = None
         if again.returncode == 0:
-            counted = json.load(open(os.path.join(d, "metrics.json")))["steps"][-1]["step"]
+            counted = metrics(d)["steps"][-1]["step"]
         ok = code == 75 and at is not None and resumed and again.returncode == 0 and counted == steps
         rows.append({"trial": trial, "signal_after_s": delay, "first_exit": code,
                      "backed_up_step": at, "resumed_there": resumed, "second_exit": again.returncode,

@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from tools.harness import final_weights, launch_argv, max_diff, metrics  # noqa: E402
 from tools.netcluster import NetCluster  # noqa: E402
 
 PARTITION_BOUND = 120  # seconds after the partition's end by which training must move on
@@ -48,17 +49,16 @@ def train_flags(work, data_dir, steps=STEPS):
 
 def logged_steps(work):
     try:
-        with open(os.path.join(work, "metrics.json")) as f:
-            return [r["step"] for r in json.load(f)["steps"]]
+        return [r["step"] for r in metrics(work)["steps"]]
     except (OSError, ValueError, KeyError):
         return []
 
 
 def uninterrupted(work, data_dir, strategy, steps=STEPS):
     """The reference: the same run on this machine's loopback (`tfdist launch`), never cut."""
-    p = subprocess.run([sys.executable, "-m", "tfdist", "launch", f"--strategy={strategy}",
-                        "--workers=2", "--max_restarts=0", "--", *train_flags(work, data_dir, steps)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(launch_argv(train_flags(work, data_dir, steps), strategy=strategy,
+                                   max_restarts=0), cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
     if p.returncode:
         raise RuntimeError(f"the uninterrupted run failed:\n{p.stdout[-3000:]}{p.stderr[-2000:]}")
 
@@ -66,8 +66,7 @@ def uninterrupted(work, data_dir, strategy, steps=STEPS):
 def progress(work):
     """(the newest logged step, steps run by each worker so far or None), from metrics.json."""
     try:
-        with open(os.path.join(work, "metrics.json")) as f:
-            r = json.load(f)["steps"][-1]
+        r = metrics(work)["steps"][-1]
         return r["step"], r.get("worker_steps")
     except (OSError, ValueError, KeyError, IndexError):
         return 0, None
@@ -167,14 +166,6 @@ def ps_verdict(r, worker, seconds, steps=PS_STEPS):
                        r["longest_stall_s"] <= PARTITION_BOUND)}
 
 
-def final_weights(work):
-    import keras
-    import numpy as np
-    import tfdist.models.gpt  # noqa: F401  (registers the classes)
-    m = keras.saving.load_model(os.path.join(work, "model.keras"), compile=False)
-    return [np.asarray(w) for w in m.weights]
-
-
 def prepare_data(directory):
     from tfdist import config
     from tfdist.data import open_store
@@ -196,7 +187,6 @@ def main():
     out = args.out or os.path.join(ROOT, "bench_results", f"chaos-partition-{args.strategy}.json")
     if args.strategy == "parameter_server":
         return ps_trials(args, out)
-    import numpy as np
     rng = random.Random(args.seed)
     rows, tmp = [], tempfile.mkdtemp(prefix="tfdist-partition-")
     data_dir = prepare_data(os.path.join(tmp, "data"))
@@ -214,7 +204,7 @@ def main():
             wall = time.monotonic() - t
             steps = logged_steps(work)
             same = (r["exit"] == 0 and os.path.exists(os.path.join(work, "model.keras")) and
-                    max(float(np.max(np.abs(a - b))) for a, b in zip(final_weights(work), reference)) == 0.0)
+                    max_diff(final_weights(work), reference) == 0.0)
             restarts = r["output"].count("tfdist launch: started") - 1
             lost = "lost its" in r["output"]
             ok = (r["exit"] == 0 and steps == list(range(1, STEPS + 1)) and same and

@@ -2,8 +2,8 @@
 tools/chaos.py. Every change it makes to a run goes through `tfdist.train.Hooks` (and extra
 callbacks); it patches nothing.
 
-    python tests/faulty_train.py WORKDIR '{"train.steps": 20, ...}' [--kill-at-step K] ...
-    tfdist launch --workers 2 -- python tests/faulty_train.py WORKDIR '{...}' --kill-at-step 7 --kill-worker 1
+    python tools/faulty_train.py WORKDIR '{"train.steps": 20, ...}' [--kill-at-step K] ...
+    tfdist launch --workers 2 -- python tools/faulty_train.py WORKDIR '{...}' --kill-at-step 7 --kill-worker 1
 
 Config overrides are a JSON dict of dotted keys applied to configs/<--config>.py (gpt_nano).
 Prints one `DRIVER_RESULT {...}` JSON line at the end. Every executed step appends a line
