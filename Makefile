@@ -58,15 +58,15 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m 'not slow and not horovod'
 
 bench: $(STAMP)
-	$(BIN)/python tools/bench.py
+	$(BIN)/python tools/bench_step.py
 
 # 2 workers x 1 thread vs 1 process x 1 thread, gpt_mini, same batch per worker.
 bench-scaling: $(STAMP)
-	$(BIN)/python tools/bench.py --scaling
+	$(BIN)/python tools/bench_scaling.py
 
 # parameter server: 2 workers + 1 ps vs 1 worker + 1 ps, 1 thread each, gpt_mini.
 bench-scaling-ps: $(STAMP)
-	$(BIN)/python tools/bench.py --scaling --ps
+	$(BIN)/python tools/bench_scaling.py --ps
 
 # The data path: peak RSS against corpus size (a generated 2.6 G-token store, ~5 GB in /tmp) under
 # single / MWMS / parameter server; input cost in the step; byte vs BPE-8192 on gpt_mini.
@@ -107,31 +107,31 @@ LINKS := 1gbit 10gbit
 bench-links: $(HOROVOD) cluster-tools
 	for link in $(LINKS); do \
 	  $(BIN)/python tools/bench_allreduce.py --link=$$link --rounds=1 --iters=5 && \
-	  $(BIN)/python tools/bench.py --scaling --link=$$link --rounds=1 && \
-	  $(BIN)/python tools/bench.py --scaling --horovod --link=$$link --rounds=1 && \
-	  $(BIN)/python tools/bench.py --scaling --horovod --compression=fp16 --link=$$link --rounds=1 && \
-	  $(BIN)/python tools/bench.py --scaling --ps --link=$$link --rounds=1 || exit 1; \
+	  $(BIN)/python tools/bench_scaling.py --link=$$link --rounds=1 && \
+	  $(BIN)/python tools/bench_scaling.py --horovod --link=$$link --rounds=1 && \
+	  $(BIN)/python tools/bench_scaling.py --horovod --compression=fp16 --link=$$link --rounds=1 && \
+	  $(BIN)/python tools/bench_scaling.py --ps --link=$$link --rounds=1 || exit 1; \
 	done
-	$(BIN)/python tools/bench.py --scaling --link=1gbit --straggler=100mbit --rounds=1
-	$(BIN)/python tools/bench.py --scaling --ps --link=1gbit --straggler=100mbit --rounds=1
+	$(BIN)/python tools/bench_scaling.py --link=1gbit --straggler=100mbit --rounds=1
+	$(BIN)/python tools/bench_scaling.py --ps --link=1gbit --straggler=100mbit --rounds=1
 
 # The gradient all-reduce overlapped with the backward pass, or not, and bucket sizes 1-100 MiB:
 # 2-process efficiency of gpt_mini under multi_worker_mirrored and horovod, interleaved rounds on
 # loopback; then overlapped against not on the test cluster's 10 and 1 Gbit/s links (root). Each
 # writes bench_results/overlap[-<link>].json and a trace of one step of each strategy.
 bench-overlap: $(HOROVOD) cluster-tools
-	$(BIN)/python tools/bench.py --overlap --rounds=2
+	$(BIN)/python tools/bench_overlap.py --rounds=2
 	for link in 10gbit 1gbit; do \
-	  $(BIN)/python tools/bench.py --overlap --link=$$link --buckets=25 --rounds=1 || exit 1; \
+	  $(BIN)/python tools/bench_overlap.py --link=$$link --buckets=25 --rounds=1 || exit 1; \
 	done
 
 bench-scaling-horovod: $(HOROVOD)
-	$(BIN)/python tools/bench.py --scaling --horovod
-	$(BIN)/python tools/bench.py --scaling --horovod --compression=fp16
+	$(BIN)/python tools/bench_scaling.py --horovod
+	$(BIN)/python tools/bench_scaling.py --horovod --compression=fp16
 
 # GPipe: the GPT in 2 stages on 2 logical CPU devices, M = 1..16 microbatches, vs unsplit.
 bench-pipeline: $(STAMP)
-	$(BIN)/python tools/bench.py --pipeline
+	$(BIN)/python tools/bench_pipeline.py
 
 # 1F1B vs GPipe peak memory (M = 4..32) and t = 2 tensor-parallel speed on gpt_mini.
 bench-model-parallel: $(STAMP)
