@@ -187,8 +187,10 @@ def input_main():
     from tfdist import config as config_lib, plan, strategies
     from tfdist.callbacks import TrainingLog  # noqa: F401  (the same imports as tfdist train)
     from tfdist.data import Windows, open_store, store
+    from tfdist.layout import Layout
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
+    from tfdist.step import TrainStep
 
     # 1. windows/s read from the big store, GPT-2 shapes (1,025 tokens a window, 64 a batch)
     big = store.TokenStore(make_store(os.path.join(_SCRATCH.value, f"big-{_BIG.value}"), _BIG.value))
@@ -203,9 +205,10 @@ def input_main():
         n += 64
     reader = n / (time.perf_counter() - t0)
     c2 = config_lib.validate(_config("gpt2"))
-    best = [p for p in plan.search(plan.model_from_config(c2, "gpt2"),
-                                   plan.Cluster(plan.DEVICES["a100-80gb"], 8), batch=512)
-            if p.fits and p.layout.runs_in_tfdist()][0]
+    cluster = plan.Cluster(plan.DEVICES["a100-80gb"], 8)
+    best = [p for p in plan.search(plan.model_from_config(c2, "gpt2"), cluster, batch=512,
+                                   opts=plan.calibrated_options())
+            if p.fits and plan.runnable(p, cluster)][0]
     need = best.tokens_per_sec / 1024
     print(f"reader: {reader:,.0f} windows/s of 1,025 tokens from {big.dir}; GPT-2 124M on 8 A100 "
           f"({best.layout}) consumes {best.tokens_per_sec:,.0f} tokens/s = {need:,.0f} windows/s")
@@ -222,7 +225,8 @@ def input_main():
         keras.utils.set_random_seed(c.seed)
         model = GPT.from_model_config(m)
         model.build()
-        model.compile(optimizer=strategy.wrap_optimizer(make_optimizer(t, 10_000)), loss=loss_fn())
+        model.compile(optimizer=make_optimizer(t, 10_000), loss=loss_fn())
+        TrainStep(model, strategy, Layout(batch=t.batch_size), clipnorm=t.grad_clip)
     batches = list(windows.dataset_fn(0, steps)(None))
     in_memory = tf.data.Dataset.from_tensor_slices((tf.stack([b[0] for b in batches]),
                                                     tf.stack([b[1] for b in batches])))

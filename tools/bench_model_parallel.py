@@ -6,7 +6,7 @@
 --schedules: gpt_mini (6 blocks, width 384, context 256) in K = 2 pipeline stages, microbatches of
 --microbatch_size sequences, so that the batch is M of them and the activations GPipe keeps grow
 with M. Each (schedule, M) runs in a fresh process: a training step
-(`train_step` in a tf.function: `compute_gradients` and the optimizer update) traced and run once,
+(tfdist's training step in a tf.function: `compute_gradients` and the update) traced and run once,
 then TF's CPU allocator's peak over the next step (`tf.config.experimental.get_memory_info`, which on
 logical CPU devices is the whole process's; reset after the first step), and the process's peak RSS
 (VmHWM, which also holds TF's runtime and the traced graphs: M microbatches make a larger graph).
@@ -54,16 +54,21 @@ def worker(spec):
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(spec["intra"])
     tf.config.threading.set_inter_op_parallelism_threads(spec["inter"])
-    from tfdist.strategies.base import configure_logical_cpus
+    from tfdist.layout import Layout, configure_logical_cpus
     configure_logical_cpus(spec["stages"] * spec["tensor"])
     import keras
+    from tfdist import strategies
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.models.pipeline import Pipeline
+    from tfdist.step import TrainStep
     keras.utils.set_random_seed(0)
     model = Pipeline(GPT(**SIZES), stages=spec["stages"], microbatches=spec["microbatches"],
                      tensor_parallel=spec["tensor"], schedule=spec["schedule"])
     model.build()
     model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=loss_fn())
+    TrainStep(model, strategies.get("single"), Layout(  # tfdist's step (tfdist.step), as `train`
+        pp=spec["stages"], tp=spec["tensor"], microbatches=spec["microbatches"],
+        schedule=spec["schedule"]))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, size=(spec["batch"], SIZES["block_size"] + 1)).astype("int32")
     x, y = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
@@ -210,15 +215,16 @@ def planner_prediction(one_thread_s):
 
     from tfdist import plan
     from tfdist.config import default_config
-    from tfdist.plan.published import _fit_efficiency
     c = default_config()
     c.model.update(**SIZES)
     model = plan.model_from_config(c, "gpt_mini")
     dev = plan.cpu_device(os.path.join(ROOT, "bench_results"))
     opts = plan.Options(precision="float32")
-    f = _fit_efficiency(model, plan.Cluster(dev, 1), plan.Layout(1), _BATCH.value, one_thread_s, opts)
+    batch = _BATCH.value
+    f = plan.fit_efficiency(model, plan.Cluster(dev, 1), plan.planned(batch, 1, microbatch=batch),
+                            one_thread_s, opts)
     inproc = plan.Cluster(dev, 2, intra_bw=math.inf, inter_bw=math.inf)
-    t2 = plan.step_time(model, inproc, plan.Layout(1, tp=2), _BATCH.value,
+    t2 = plan.step_time(model, inproc, plan.planned(batch, 1, tp=2, microbatch=batch),
                         dataclasses.replace(opts, efficiency=f))["total"]
     return {"fitted_efficiency": f, "predicted_step_s": t2, "speedup": one_thread_s / t2}
 

@@ -5,9 +5,9 @@
 
 Each variant runs as 2 real processes (`horovodrun -np 2`, Gloo on 127.0.0.1; or `tfdist launch
 --workers 2`, TF's gRPC collectives), in turn, for --rounds rounds. Each builds gpt_mini (byte
-vocabulary, ~10.8 M parameters) with the plugin's optimizer (AdamW, global clipping;
-`wrap_optimizer(..., zero_stage)`), runs a traced training step on a batch of --batch sequences
-per replica, then --steps timed steps. Per variant:
+vocabulary, ~10.8 M parameters) with tfdist's training step (`tfdist.step.TrainStep`: AdamW,
+global clipping, the layout's ZeRO stage), runs a traced training step on a batch of --batch
+sequences per replica, then --steps timed steps. Per variant:
 
 * the median step time, and its ratio to plain data parallel's of the same round;
 * the optimizer's bytes on each rank (its variables: AdamW's moments, or the rank's shard);
@@ -59,17 +59,20 @@ def worker(stage):
     import keras
     from tfdist import strategies
     from tfdist.config import default_config
+    from tfdist.layout import Layout
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
+    from tfdist.step import TrainStep
     strategy = strategies.get(_STRATEGY.value)
     keras.utils.set_random_seed(0)
-    with strategy.scope():
+    with strategy.scope():  # as `tfdist train` builds it: tfdist's training step (tfdist.step)
         model = GPT(**SIZES)
         model.build()
         t = default_config().train
-        optimizer = strategy.wrap_optimizer(make_optimizer(t, 1000), zero_stage=stage)
-        model.compile(optimizer=optimizer, loss=loss_fn())
-        optimizer.build(model.trainable_variables)
+        model.compile(optimizer=make_optimizer(t, 1000), loss=loss_fn())
+        TrainStep(model, strategy, Layout(dp=strategy.num_replicas, zero=stage),
+                  clipnorm=t.grad_clip)
+        optimizer = model.optimizer
     rank = strategy.worker_index
     rng = np.random.default_rng(rank)
     tokens = rng.integers(0, 256, size=(_BATCH.value, SIZES["block_size"] + 1)).astype("int32")
