@@ -190,3 +190,15 @@ def test_one_gradient_reduction_per_optimizer():
     opt = compat.set_gradient_reduction(keras.optimizers.SGD(), lambda gv: gv)
     with pytest.raises(ValueError, match="already set"):
         compat.set_gradient_reduction(opt)
+
+
+def test_docs_show_the_table_as_it_is():
+    """docs/upstream.md holds `table.markdown()` between its markers (regenerate it with
+    `python -c "from tfdist.compat import table; print(table.markdown(), end='')"`)."""
+    from tfdist.compat import table
+    with open(os.path.join(ROOT, "docs", "upstream.md")) as f:
+        text = f.read()
+    start = text.index("<!-- the patch table: tfdist.compat.table.markdown() -->\n")
+    end = text.index("<!-- end of the patch table -->")
+    shown = text[start:end].split("\n", 1)[1]
+    assert shown == table.markdown()

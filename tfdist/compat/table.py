@@ -193,6 +193,37 @@ PATCHES = {
 }
 
 
+def source_link(target):
+    """The upstream source file of `target` at the tested versions, as a URL."""
+    module = target.partition(":")[0]
+    if module.startswith("keras."):
+        return (f"https://github.com/keras-team/keras/blob/v{TESTED['keras']}/"
+                f"{module.replace('.', '/')}.py")
+    if module.endswith("_pb2"):  # generated from its .proto, in TF's tree under third_party/xla
+        path = "third_party/xla/xla/" + module.split("tensorflow.", 1)[1].replace(".", "/")
+        return (f"https://github.com/tensorflow/tensorflow/blob/v{TESTED['tensorflow']}/"
+                f"{path[:-len('_pb2')]}.proto")
+    return (f"https://github.com/tensorflow/tensorflow/blob/v{TESTED['tensorflow']}/"
+            f"{module.replace('.', '/')}.py")
+
+
+def markdown():
+    """The table as docs/upstream.md shows it (tests/test_compat.py keeps the two equal)."""
+    import re
+    issue = lambda text: re.sub(  # noqa: E731
+        r"\b([\w-]+/[\w-]+)#(\d+)", r"[\1#\2](https://github.com/\1/issues/\2)", text)
+    rows = ["| row | tfdist.compat | relies on (tested: "
+            + ", ".join(f"{k} {v}" for k, v in TESTED.items()) + ") | upstream issue | "
+            "without it | the test that fails without it |", "|---|---|---|---|---|---|"]
+    for name, p in PATCHES.items():
+        targets = "<br>".join(f"[`{t.partition(':')[2] or t.rpartition('.')[2]}`]"
+                              f"({source_link(t)})" for t in p.targets)
+        rows.append(f"| <a id=\"{name}\"></a>`{name}` | "
+                    + ", ".join(f"`{f}`" for f in p.functions) + f" | {targets} | "
+                    f"{issue(p.issue)} | {p.breaks} | `{p.test}` |")
+    return "\n".join(rows) + "\n"
+
+
 def fingerprint(targets):
     """sha1 (12 hex digits) of the source of `targets` ("module:qualified.name", or a module);
     "missing" when one cannot be found."""
