@@ -231,8 +231,8 @@ def _fake_bench(d, with_pipeline=True):
     if with_pipeline:
         (d / "pipeline.json").write_text(json.dumps({"stages": 2, "batch": 16, "rows": [
             {"variant": "unsplit-1", "microbatches": None, "step_time_s": 2.8},
-            {"variant": "K=2, M=8", "microbatches": 8, "step_time_s": 1.4, "speedup": 1.44,
-             "speedup_vs_1_inter_op_thread": 2.0}]}))
+            {"variant": "K=2, M=8", "microbatches": 8, "step_time_s": 1.333, "speedup": 1.5,
+             "speedup_vs_1_inter_op_thread": 2.1}]}))
 
 
 @pytest.mark.slow
@@ -240,17 +240,65 @@ def test_measured_predicts_the_benches_from_their_inputs(tmp_path):
     _fake_bench(tmp_path)
     mini = plan.model_from_config(plan._config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
     rows = {r["figure"]: r for r in plan.measured(str(tmp_path), mini)}
-    eff = rows["2-worker efficiency, multi_worker_mirrored"]
+    eff = rows["scaling.json: MWMS, 2 processes vs 1"]
     t1 = 16 * 256 / 1400.0
     grads = mini.params * 4  # float32 gradients, 2 workers: the ring sends the buffer once
+    # no tensor.json, so no contention; the reference itself is unloaded: the step is the
+    # one-process step plus the all-reduce at the measured 0.3 GB/s, on the cores (not hidden)
     assert eff["predicted"] == pytest.approx(t1 / (t1 + grads / 0.3e9), rel=1e-3)
-    assert eff["measured"] == 0.9
-    assert rows["2-rank efficiency, horovod"]["missing"] == "make bench-scaling-horovod"
-    pipe = rows["pipeline K=2, M=8: speedup vs one core"]
-    assert 1.6 < pipe["predicted"] < 16 / 9 and pipe["measured"] == 2.0  # just under the ideal KM/(M+K-1)
+    assert eff["measured"] == 0.9 and eff["within"] and eff["error"] == pytest.approx(eff["predicted"] / 0.9 - 1)
+    assert rows["scaling-horovod.json"]["missing"] == "make bench-scaling-horovod"
+    assert rows["tensor.json"]["missing"] == "make bench-model-parallel"
+    pipe = rows["pipeline.json: K=2, M=8 speedup vs one core"]
+    assert 1.6 < pipe["predicted"] < 16 / 9 and pipe["measured"] == 2.1  # just under the ideal KM/(M+K-1)
+    assert not pipe["within"] and "faster than 2 cores' worth" in pipe["reason"]  # 2.1 > K: named
     r = tfdist_plan("--measured", "--config=configs/gpt_mini.py", f"--bench_dir={tmp_path}")
     assert r.returncode == 0, r.stderr
     assert "predicted" in r.stdout and "not measured here: run `make bench-scaling-horovod`" in r.stdout
+    assert "within 10 %" in r.stdout and "OFF" in r.stdout
+
+
+def test_every_committed_benchmark_row_is_predicted_within_10_percent_or_named():
+    """The committed bench_results/: every figure of every benchmark the planner models is printed
+    beside its prediction, and each is within ±10 % or says why not; the ones the issue names
+    (loopback, links, Horovod, the parameter server, pipeline, ZeRO) are predictions within ±10 %
+    where docs/benchmarks.md does not call the run unusable."""
+    bench_dir = os.path.join(ROOT, "bench_results")
+    mini = plan.model_from_config(plan._config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
+    rows = plan.measured(bench_dir, mini)
+    assert not [r for r in rows if "missing" in r]
+    judged = [r for r in rows if "measured" in r]
+    for r in judged:
+        assert r["error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
+        assert r["within"] == (abs(r["error"]) <= 0.10), r
+        assert r["within"] or r["reason"], r  # off, and says why
+    assert [r["figure"] for r in judged if r.get("fitted")] == ["tensor.json: t=2 speedup vs one core"]
+    by_file = {}
+    for r in judged:
+        by_file.setdefault(r["figure"].split(":")[0], []).append(r)
+
+    def load(name):
+        with open(os.path.join(bench_dir, name)) as f:
+            return json.load(f)
+    # one row per committed row
+    for name in os.listdir(bench_dir):
+        if name.startswith("scaling"):
+            assert len(by_file[name]) == 1, name
+    assert len(by_file["overlap.json"]) == len(load("overlap.json")["rows"]) - 1  # less the reference
+    assert len(by_file["pipeline.json"]) == sum(1 for r in load("pipeline.json")["rows"] if r["microbatches"])
+    assert len(by_file["zero.json"]) == len(by_file["zero-mwms.json"]) == 2
+    assert len(by_file["schedules.json"]) == len(load("schedules.json")["rows"])
+    assert {r["figure"].split(":")[0] for r in rows if "input" in r} >= {
+        "bench.json", "allreduce.json", "allreduce-1gbit.json", "allreduce-10gbit.json"}
+    # the issue's rows: predictions within ±10 %
+    for name in ("scaling.json", "scaling-horovod.json", "scaling-horovod-fp16.json", "scaling-1gbit.json",
+                 "scaling-10gbit.json", "scaling-1gbit-straggler100mbit.json", "scaling-ps.json",
+                 "zero.json", "zero-mwms.json"):
+        assert all(r["within"] for r in by_file[name]), by_file[name]
+    assert sum(r["within"] for r in by_file["pipeline.json"]) >= 4
+    # the rows docs/benchmarks.md calls unusable are named as such
+    for name in ("scaling-horovod-1gbit.json", "scaling-horovod-10gbit.json", "scaling-ps-10gbit.json"):
+        assert not by_file[name][0]["within"] and "docs/benchmarks.md" in by_file[name][0]["reason"]
 
 
 @pytest.mark.slow

@@ -261,12 +261,15 @@ def main(argv):
     if F.measured:
         if not model.n_layer:
             raise UsageError("--measured needs a model with sizes (e.g. --config=configs/gpt_mini.py)")
-        for r in measured(F.bench_dir, model):
+        for r in measured(F.bench_dir, model):  # one line per benchmark row (and input)
             if "missing" in r:
-                print(f"{r['figure']:<52} not measured here: run `{r['missing']}`")
+                print(f"{r['figure']:<64} not measured here: run `{r['missing']}`")
+            elif "input" in r:
+                print(f"{r['figure']:<64} input: {r['input']}")
             else:
-                print(f"{r['figure']:<52} predicted {r['predicted']:6.3f}  measured {r['measured']:6.3f}  "
-                      f"({r['note']})")
+                verdict = "fitted" if r.get("fitted") else "within 10 %" if r["within"] else "OFF"
+                print(f"{r['figure']:<64} measured {r['measured']:6.3f}  predicted {r['predicted']:6.3f}  "
+                      f"{r['error']:+6.1%}  {verdict:<11}  {r.get('reason') or r['note']}")
         return
     device = cpu_device(F.bench_dir) if F.device == CPU else DEVICES[F.device]
     cluster = Cluster(device, F.devices, F.per_node or 0, (F.intra_node_gbps or 0) * GB,

@@ -109,6 +109,15 @@ class Options:
     # under ZeRO); False: after the backward pass. bucket_bytes: tfdist's strategy.bucket_mb.
     overlap: bool = False
     bucket_bytes: float = 25 * 2 ** 20
+    # CPU hosts, where the processes compute on cores they share (tfdist.plan.machine):
+    # core_share is the speed of a device's compute against one core of its own (below 1 when
+    # other processes compute on the same cores, above 1 when its own ops use more than one);
+    # comm_cpu_bw is the bus bandwidth the cores alone give the gradient all-reduce (its copies
+    # and reductions, as measured between processes on one host): that part of the all-reduce
+    # runs on the cores that compute, so overlap cannot hide it. 0: devices whose network
+    # engines move the bytes (GPUs, TPUs).
+    core_share: float = 1.0
+    comm_cpu_bw: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,8 +215,10 @@ def step_time(model, cluster, layout, opts=Options()):
     Then the data-parallel gradient all-reduce (ZeRO: reduce-scatter + all-gather, the same volume;
     ZeRO-3 gathers the weights twice: 1.5x): with `opts.overlap` (and no ZeRO) only the part that
     the last microbatch's backward pass does not hide (`exposed_allreduce`), else all of it; and
-    the optimizer update (memory-bound, 28 bytes per parameter held). `opts.efficiency` must be
-    given (`tfdist.plan.calibrated()`: Megatron-LM's 175B run)."""
+    the optimizer update (memory-bound, 28 bytes per parameter held). On CPU hosts the compute
+    runs at `opts.core_share` of a core's speed, and the all-reduce's copies and reductions
+    (`opts.comm_cpu_bw`) are never hidden: only the rest of it, the wire's, overlaps.
+    `opts.efficiency` must be given (`tfdist.plan.calibrated()`: Megatron-LM's 175B run)."""
     if not opts.efficiency:
         raise ValueError("Options.efficiency (the fraction of peak matmuls reach) is needed; "
                          "tfdist.plan.calibrated() gives the one fitted on Megatron-LM's 175B run")
@@ -220,7 +231,7 @@ def step_time(model, cluster, layout, opts=Options()):
     hidden = a.hidden_bytes(tokens, opts.precision)  # one layer's input: what TP and PP send
 
     matmul = layers * passes * a.layer_flops() * tokens / t + 3 * a.head_flops() * tokens / t
-    compute = matmul / (eff * dev.peak(opts.precision))
+    compute = matmul / (eff * dev.peak(opts.precision) * opts.core_share)
     if dev.hbm_bw:
         moved = layers * activation_bytes_per_layer(model, layout, tokens, opts.precision)
         moved += a.logits_bytes(tokens, t)  # fp32 logits and their softmax gradient
@@ -239,10 +250,13 @@ def step_time(model, cluster, layout, opts=Options()):
     n = stage_params(model, pp, t)
     grad_bytes = n * STATE_BYTES[opts.precision][1]
     dp = allreduce_seconds(grad_bytes, layout.dp, cluster.bandwidth(t * layout.dp))
+    cores = allreduce_seconds(grad_bytes, layout.dp, opts.comm_cpu_bw) if opts.comm_cpu_bw else 0.0
+    cores = min(cores, dp)  # the cores' part of the all-reduce; the rest is the wire's
     if layout.zero >= 3:
-        dp *= 1.5
+        dp, cores = 1.5 * dp, 1.5 * cores
     if opts.overlap and not layout.zero and dp:
-        dp = exposed_allreduce(dp, compute * (passes - 1) / passes, grad_bytes, opts.bucket_bytes)
+        dp = cores + exposed_allreduce(dp - cores, compute * (passes - 1) / passes, grad_bytes,
+                                       opts.bucket_bytes)
     held = n / (layout.dp if layout.zero >= 1 else 1)
     update = held * 28 / dev.hbm_bw if dev.hbm_bw else 0.0
     total = pipeline + dp + update
