@@ -47,14 +47,26 @@ def test_a_bad_flag_is_exactly_one_line(command):
     assert lines == ["tfdist: error: Unknown command line flag 'no_such_flag'"], lines
 
 
+# A bad value that `tfdist train` finds once TensorFlow is imported (flags are parsed before).
+BAD_VALUE = "--config.train.steps=0"
+BAD_VALUE_LINE = "tfdist: error: config key 'train.steps' must be an integer > 0, got 0"
+
+
+@pytest.mark.slow
+def test_a_bad_value_after_tensorflow_started_is_exactly_one_line():
+    p = tfdist("train", BAD_VALUE, env=LOUD)
+    assert p.returncode == 2
+    assert (p.stdout + p.stderr).splitlines() == [BAD_VALUE_LINE], p.stdout + p.stderr
+
+
 @pytest.mark.slow
 def test_verbose_shows_tensorflows_start_up_messages():
     """The companion: the noise is really there, and --verbose lets it through."""
     from tfdist.cli import NOISE
-    p = tfdist("train", "--no_such_flag=1", "--verbose", env=LOUD)
+    p = tfdist("train", BAD_VALUE, "--verbose", env=LOUD)
     assert p.returncode == 2
     assert any(n in p.stderr for n in NOISE), p.stderr
-    assert p.stderr.splitlines()[-1] == "tfdist: error: Unknown command line flag 'no_such_flag'"
+    assert p.stderr.splitlines()[-1] == BAD_VALUE_LINE
 
 
 HELP_SECONDS = 1.5  # of CPU time, which a busy machine does not stretch as it does wall time

@@ -31,7 +31,11 @@ def quiet_tensorflow_import(argv=None):
     """Imports TensorFlow and Keras with the C++ runtime's stderr captured; what is not start-up
     noise is passed on. (The notices are C++ writes to file descriptor 2 while TF loads, so
     they cannot be filtered at the Python level; oneDNN itself stays on.)"""
-    if verbose(argv) or "tensorflow" in sys.modules:
+    if "tensorflow" in sys.modules:
+        return
+    if verbose(argv):  # its messages shown, as TensorFlow prints them
+        import tensorflow  # noqa: F401
+        import keras  # noqa: F401
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.stderr.flush()

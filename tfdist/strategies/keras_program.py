@@ -6,7 +6,16 @@
 the chief write files. `Strategy` (tfdist.strategies.base) is a `KerasProgram`; a plugin overrides
 what its strategy does differently (Horovod: the split; the parameter server: its coordinator).
 
-Example: see `tfdist.strategies.base` (a model compiled in a plugin's scope, then `fit`).
+Example (a model compiled in a plugin's scope is that plugin's):
+
+    >>> import keras, tfdist.strategies
+    >>> from tfdist.strategies.keras_program import owner_of
+    >>> strategy = tfdist.strategies.get("mirrored", devices=2)
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    >>> owner_of(model) is strategy
+    True
 """
 import contextlib
 import os
