@@ -25,6 +25,14 @@ BENCH_HINT = {"bench.json": "make bench", "scaling.json": "make bench-scaling",
 TOLERANCE = 0.10  # a prediction within ±10 % of the measured figure
 FP32 = Options(precision="float32")
 RING = "tf ring (MWMS)"  # TF's collectives and its parameter server both move tensors over gRPC
+# The allreduce*.json column that measured a bench's collective, by the bench's `strategy` label
+# ("multi_worker_mirrored", "horovod", "horovod, compression fp16").
+COLLECTIVE = {"multi_worker_mirrored": RING, "horovod": "horovod/gloo"}
+
+
+def collective(label):
+    kind, _, compression = label.partition(", compression ")
+    return COLLECTIVE[kind] + (f" {compression}" if compression not in ("", "none") else "")
 KNOWN = {"scaling-ps-10gbit.json": "the run overlapped the start of a test suite (docs/benchmarks.md: unusable)"}
 ABOVE_100 = ("above 100 %, not real: each process ran faster than the one-process reference for the same work "
              "(docs/benchmarks.md: unusable, cause not found; all on loaded days, where a process with more "
@@ -208,7 +216,7 @@ def _day(h, load):
 
 def scaling_row(h, model, bench_dir, name, s):
     """A scaling*.json (not the parameter server's): 2 processes' efficiency against one."""
-    impl = ("horovod/gloo" + (" fp16" if "fp16" in name else "")) if "horovod" in name else RING
+    impl = collective(s.get("strategy", "multi_worker_mirrored"))
     grads = model.params * 4
     link, ar_name, allreduce = _collective(bench_dir, s, impl, grads)
     figure = f"{name}: {'MWMS' if impl == RING else impl.replace('/gloo', '')}, 2 processes vs 1"
@@ -238,7 +246,7 @@ def overlap_rows(h, model, bench_dir, o):
     t1 = per * model.seq_len / o["rows"][0]["tokens_per_sec"]  # the "1 process" row
     out = []
     for r in o["rows"][1:]:
-        impl = "horovod/gloo" if r["strategy"] == "horovod" else RING
+        impl = collective(r["strategy"])
         allreduce = allreduce_time(ar, impl, model.params * 4)
         if allreduce is None:
             return out + [{"figure": "overlap.json", "missing": BENCH_HINT["allreduce.json"]}]
@@ -328,7 +336,7 @@ def zero_rows(h, model, bench_dir, name, z):
     """zero*.json: ZeRO-1/2's step against plain data parallel's, 2 processes on loopback. ZeRO's
     reduce-scatter and all-gather move the all-reduce's bytes (the cores' work either way, not
     hidden), and the update's memory traffic is inside the fitted fraction of peak on this CPU."""
-    impl = "horovod/gloo" if z["strategy"] == "horovod" else RING
+    impl = collective(z["strategy"])
     plain, per = z["rows"][0], z["batch_per_rank"]
     allreduce = allreduce_time(read_bench(bench_dir, "allreduce.json"), impl, plain["gradient_bytes"])
     if allreduce is None:
