@@ -45,8 +45,12 @@ demo: $(STAMP)
 # partitions, heartbeats) and leave a core idle.
 PYTEST_PROCS := -n 2 --dist loadfile
 
+# The machine's fp32 matmul rate before and after (tools/matmul_peak.py): a slow day shows.
 test: $(STAMP) $(HOROVOD) cluster-tools
-	$(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_PROCS) -m 'not long'
+	@$(BIN)/python tools/matmul_peak.py --when=before
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_PROCS) -m 'not long'; \
+	  status=$$?; echo "make test: pytest took $$(( $$(date +%s) - start )) s"; \
+	  $(BIN)/python tools/matmul_peak.py --when=after; exit $$status
 
 # The trials `make test` leaves out for time (tests marked long).
 test-long: $(STAMP) $(HOROVOD) cluster-tools

@@ -1,9 +1,9 @@
 """Fixtures and pytest hooks only (the helpers the test modules share are in tests/helpers.py).
-TF and the default corpus are prepared once per session in a private data_dir."""
+The default corpus and the single-process reference run are made once per test run, shared by
+both pytest processes (helpers.once)."""
 import os
 
 import pytest
-
 
 
 def pytest_configure(config):
@@ -25,17 +25,39 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=rank)  # stable: each file's tests keep their order
 
 
+def _run_root(tmp_path_factory):
+    """The directory both pytest processes of one test run share (pytest-xdist gives each its own
+    base directory inside it); the base directory itself without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-    """A data_dir with the default corpus (this Python's stdlib) prepared in it as a token store."""
-    d = str(tmp_path_factory.mktemp("tfds"))
-    from tfdist import config
-    from tfdist.data import open_store
+    """A data_dir with the default corpus (this Python's stdlib) prepared in it as a token store:
+    once per test run (helpers.once), read by both pytest processes."""
+    from tests.helpers import once
 
-    c = config.default_config()
-    c.data.data_dir = d
-    open_store(c.data, progress=False)
-    return d
+    def prepare(d):
+        from tfdist import config
+        from tfdist.data import open_store
+        c = config.default_config()
+        c.data.data_dir = str(d)
+        open_store(c.data, progress=False)
+    return str(once(_run_root(tmp_path_factory), "tfds", prepare))
+
+
+@pytest.fixture(scope="session")
+def single_reference(tmp_path_factory, data_dir):
+    """The run of helpers.single_overrides (its weights dumped: `weights(d, 0)`), made once per
+    test run; its DRIVER_RESULT is in result.json."""
+    import json
+    from tests.helpers import driver, once, single_overrides
+
+    def make(d):
+        _, result = driver(d, single_overrides(data_dir), "--dump-weights")
+        (d / "result.json").write_text(json.dumps(result))
+    return once(_run_root(tmp_path_factory), "single-reference", make)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,15 +14,20 @@ guard, not a timing), and what a run left: `metrics`, `losses`, `executed_steps`
 * inputs: `load_config` (a file of configs/), `write_nanogpt`, `free_port`, `free_port_run`;
 * tiers: `first_fast` (a CLI case family: its first case in `make test-fast`, the rest in the
   whole suite);
+* `once` (a directory made once per test run, shared by both pytest processes: the prepared
+  corpus, the single-process reference run);
 * `children` and `task_of` (tfdist's launcher finds its processes with them).
 """
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -44,6 +49,46 @@ def first_fast(cases):
             return pytest.param(*c.values, marks=[*c.marks, pytest.mark.slow], id=c.id)
         return pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow)
     return [cases[0]] + [slow(c) for c in cases[1:]]
+
+
+# -- made once per test run ----------------------------------------------------------------------
+def once(root, name, make, timeout=1200):
+    """`root/name`, made by `make(directory)` once per test run: the first pytest process to ask
+    makes it while holding `root/name.lock`, the other waits for it (`timeout` s at most). A make
+    that failed leaves no `.made` mark, so the next to ask makes it again from nothing."""
+    directory = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{directory} was not made within {timeout} s by the "
+                                       f"pytest process making it") from None
+                time.sleep(0.2)
+        if not (directory / ".made").exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            make(directory)
+            (directory / ".made").touch()
+    return directory
+
+
+SINGLE_STEPS = 20
+
+
+def reference_run(data_dir):
+    """The runs several families compare with one process (test_strategies, test_multi_worker,
+    test_horovod, test_netcluster): gpt_nano, 20 steps of a global batch of 16, 10 steps per
+    epoch, no backup. Its single-process run is conftest's `single_reference`, made once."""
+    return {"data.data_dir": data_dir, "train.steps": SINGLE_STEPS, "train.steps_per_epoch": 10,
+            "train.batch_size": 16, "backup.enabled": False}
+
+
+def single_overrides(data_dir):
+    return {**reference_run(data_dir), "strategy.name": "single"}
 
 
 # -- processes -----------------------------------------------------------------------------------

@@ -10,9 +10,8 @@ import pytest
 
 from tfdist.strategies.horovod import horovodrun_argv
 from tests.helpers import (DRIVER, OVERLAP_BUCKET_MB, ROOT, assert_overlap, driver, losses,
-                           max_diff, run_group, steps_by_worker, tagged, weights)
-
-STEPS = 20
+                           max_diff, reference_run, run_group, steps_by_worker, tagged, weights)
+from tests.helpers import SINGLE_STEPS as STEPS
 CHAOS_STEPS = 24
 RANKS = 2
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -29,16 +28,13 @@ def horovodrun(workdir, overrides, *extra, np_=RANKS, timeout=300):
 
 
 def common(data_dir, **extra):
-    return {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": 10,
-            "train.batch_size": 16, "backup.enabled": False, **extra}
+    return {**reference_run(data_dir), **extra}  # single_reference's, but for the strategy
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, data_dir):
+def single(single_reference):
     """One process, the same global batch: the reference every Horovod run must equal."""
-    d = tmp_path_factory.mktemp("hvd-single")
-    driver(d, {**common(data_dir), "strategy.name": "single"}, "--dump-weights")
-    return d
+    return single_reference
 
 
 def test_check_build():
@@ -178,7 +174,7 @@ def test_killed_rank_resumes_step_exactly(tmp_path, data_dir, uninterrupted, ran
                        "--kill-at-step", str(step), "--kill-worker", str(rank))
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     assert p.stdout.count("tfdist launch: started") == 2  # one restart
-    assert f"resuming from" in p.stdout and f"at step {step} of {CHAOS_STEPS}" in p.stdout
+    assert "resuming from" in p.stdout and f"at step {step} of {CHAOS_STEPS}" in p.stdout
     # the first attempt ran `step` steps, the second the rest: none twice
     assert steps_by_worker(tmp_path) == {r: CHAOS_STEPS for r in range(RANKS)}
     ref = weights(uninterrupted, 0)

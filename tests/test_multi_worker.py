@@ -13,11 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, OVERLAP_BUCKET_MB, ROOT, assert_overlap, children, driver,
-                           final_weights, load_config, losses, max_diff, run, steps_by_worker,
-                           tagged, weights)
-
-STEPS = 20
+from tests.helpers import (DRIVER, OVERLAP_BUCKET_MB, ROOT, assert_overlap, children,
+                           final_weights, load_config, losses, max_diff, reference_run, run,
+                           steps_by_worker, tagged, weights)
+from tests.helpers import SINGLE_STEPS as STEPS
 CHAOS_STEPS = 30
 WORKERS = 2
 
@@ -35,8 +34,7 @@ def launch(workdir, overrides, *extra, timeout=400, **kw):
 
 
 def common(data_dir):
-    return {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": 10,
-            "train.batch_size": 16, "backup.enabled": False}
+    return reference_run(data_dir)  # single_reference's, but for the strategy
 
 
 # -- sockets --------------------------------------------------------------------------------------
@@ -98,12 +96,11 @@ def run_and_sample_sockets(workdir, overrides, *extra, bind="loopback", timeout=
 
 # -- tests ----------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir):
+def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir, single_reference):
     """2 workers equal one process. Their gradients go in buckets that overlap the backward pass
     (the default; gpt_nano's 0.5 MiB in 0.1 MiB buckets); without overlap (strategy.overlap=off,
     one all-reduce after the backward pass) the losses are the same within 1e-6 and the workers'
     weights bitwise equal."""
-    driver(tmp_path / "single", {**common(data_dir), "strategy.name": "single"})
     runs = {}
     for overlap in ("auto", "off"):
         o = {**common(data_dir), "strategy.name": "multi_worker_mirrored", "strategy.overlap": overlap,
@@ -118,7 +115,7 @@ def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir):
             f"in sync") in runs["auto"]
     assert "[w0] tfdist: multi_worker_mirrored: gradients: 4 bucket(s) of <= 0.1 MiB" in runs["auto"]
     assert "[w0] tfdist: multi_worker_mirrored: gradients: one all-reduce" in runs["off"]
-    a, b, c = (losses(tmp_path / d) for d in ("single", "auto", "off"))
+    a, b, c = losses(single_reference), losses(tmp_path / "auto"), losses(tmp_path / "off")
     assert len(a) == len(b) == len(c) == STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
     assert max(abs(x - y) for x, y in zip(b, c)) <= 1e-6, (b, c)

@@ -14,8 +14,9 @@ import threading
 
 import pytest
 
-from tests.helpers import (DRIVER, ROOT, driver, final_weights, losses, max_diff, metrics,
+from tests.helpers import (DRIVER, ROOT, final_weights, losses, max_diff, metrics, reference_run,
                            steps_by_worker, wait_until)
+from tests.helpers import SINGLE_STEPS as STEPS
 from tools.chaos_partition import (PARTITION_BOUND, PS_EPOCH, PS_LAUNCH, logged_steps,
                                    partition_trial, ps_flags, ps_verdict, train_flags, uninterrupted)
 from tools.netcluster import NetCluster, leftovers, namespaces, root_links
@@ -32,7 +33,6 @@ def _missing():
 
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 PORT = 12345  # every host has its own address space: one port for all
-STEPS = 20
 
 
 def _connects(net, host, address, port):
@@ -126,16 +126,13 @@ def test_a_partition_drops_silently_and_heals():
 
 
 def _common(data_dir):
-    return {"data.data_dir": data_dir, "train.steps": STEPS, "train.steps_per_epoch": 10,
-            "train.batch_size": 16, "backup.enabled": False}
+    return reference_run(data_dir)  # single_reference's, but for the strategy
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, data_dir):
+def single(single_reference):
     """The reference: `single` on this machine, 20 steps of gpt_nano."""
-    work = tmp_path_factory.mktemp("single")
-    driver(work, {**_common(data_dir), "strategy.name": "single"})
-    return work
+    return single_reference
 
 
 def _env(net, i, cluster, role, index):

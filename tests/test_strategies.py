@@ -1,4 +1,5 @@
 """Strategy seam: registry, single vs mirrored equivalence, model.fit for GPT and user models."""
+import json
 import sys
 
 import pytest
@@ -6,7 +7,7 @@ import pytest
 import tfdist.strategies
 from tfdist import config
 from tfdist.errors import UsageError
-from tests.helpers import driver, losses, run
+from tests.helpers import SINGLE_STEPS, driver, losses, run, single_overrides
 
 
 def test_registry_lists_plugins_and_refuses_unknown_names():
@@ -22,16 +23,13 @@ def test_config_strategy_section_builds_the_plugin():
 
 
 @pytest.mark.slow
-def test_mirrored_on_2_logical_cpus_matches_single_step_for_step(tmp_path, data_dir):
+def test_mirrored_on_2_logical_cpus_matches_single_step_for_step(tmp_path, data_dir, single_reference):
     """Same global batch and seed: per-step losses equal within 1e-5 over 20 steps."""
-    steps = 20
-    common = {"data.data_dir": data_dir, "train.steps": steps, "train.steps_per_epoch": 10,
-              "train.batch_size": 16, "backup.enabled": False}
-    _, single = driver(tmp_path / "single", {**common, "strategy.name": "single"})
-    _, mirrored = driver(tmp_path / "mirrored", {**common, "strategy.name": "mirrored",
-                                                "strategy.devices": 2})
-    a, b = losses(tmp_path / "single"), losses(tmp_path / "mirrored")
-    assert len(a) == len(b) == steps
+    common = {**single_overrides(data_dir), "strategy.name": "mirrored", "strategy.devices": 2}
+    single = json.loads((single_reference / "result.json").read_text())
+    _, mirrored = driver(tmp_path / "mirrored", common)
+    a, b = losses(single_reference), losses(tmp_path / "mirrored")
+    assert len(a) == len(b) == SINGLE_STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
     assert a[-1] < a[0] - 0.5  # it trained
     assert abs(single["val_loss"] - mirrored["val_loss"]) <= 1e-5
@@ -39,8 +37,7 @@ def test_mirrored_on_2_logical_cpus_matches_single_step_for_step(tmp_path, data_
     # all-reduce them again (compat: no_second_reduction off) AdamW gets twice the clipped sum.
     # Adam is nearly blind to a gradient's scale (its epsilon is not), so the losses move by
     # 6e-5 over these steps (measured): enough to fail the 1e-5 bound above.
-    driver(tmp_path / "twice", {**common, "strategy.name": "mirrored", "strategy.devices": 2},
-           env={"TFDIST_DISABLE_PATCHES": "no_second_reduction"})
+    driver(tmp_path / "twice", common, env={"TFDIST_DISABLE_PATCHES": "no_second_reduction"})
     c = losses(tmp_path / "twice")
     assert max(abs(x - y) for x, y in zip(a, c)) > 1e-5, (a, c)
 

@@ -1,0 +1,43 @@
+"""This machine's fp32 matmul rate now, beside the one `make bench` committed: `make test` prints
+it before and after the suite, so that a slow day shows next to the suite's time.
+
+    python tools/matmul_peak.py --when=before
+    fp32 matmul peak before the suite: 198.3 GFLOP/s (0.97x bench_results/bench.json's 205.3)
+
+The same measure as `make bench` (tools/bench_common.matmul_peak: the best of 10 products of
+2048 x 2048 matrices, TensorFlow's default threads: every core).
+"""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+WHEN = flags.DEFINE_string("when", "", "Said in the line: before or after what (e.g. the suite).")
+
+
+def committed():
+    """bench_results/bench.json's peak in FLOP/s, or None."""
+    try:
+        with open(os.path.join(ROOT, "bench_results", "bench.json")) as f:
+            return json.load(f)["matmul_peak_flops"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def main(argv):
+    from tfdist.console import quiet_tensorflow_import
+    quiet_tensorflow_import()
+    from tools.bench_common import matmul_peak
+    peak, then = matmul_peak(), committed()
+    against = f" ({peak / then:.2f}x bench_results/bench.json's {then / 1e9:.1f})" if then else ""
+    when = f" {WHEN.value} the suite" if WHEN.value else ""
+    print(f"fp32 matmul peak{when}: {peak / 1e9:.1f} GFLOP/s{against}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
