@@ -70,6 +70,34 @@ def test_overlap_on_with_zero_is_refused():
     assert Layout.from_config(c, strategies.get_class(c.strategy.name)).zero == 2
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_under_zero_the_step_reduce_scatters_instead_of_the_buckets(stage):
+    """What overlap=auto is beside ZeRO: the step (tfdist.step) reduce-scatters to each replica's
+    shard (tfdist.zero), and the strategy's reduction, the one that overlaps in buckets
+    (`Strategy.reduce_gradients`), is not called; without ZeRO it is, once per step."""
+    import keras
+    from tfdist import strategies, zero
+    from tfdist.layout import Layout
+    from tfdist.step import TrainStep
+    calls = []
+
+    def reduce(grads_and_vars):
+        calls.append(len(grads_and_vars))
+        return grads_and_vars
+
+    strategy = strategies.get("single")
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(3)])
+        model.build((None, 4))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        step = TrainStep(model, strategy, Layout(zero=stage), reduce=reduce,
+                         collectives=zero.local())
+    before = [v.numpy() for v in model.trainable_weights]
+    step.update([(tf.ones_like(v), v) for v in model.trainable_weights])
+    assert calls == ([] if stage else [2])
+    assert all(np.allclose(b - 0.1, v.numpy()) for b, v in zip(before, model.trainable_weights))
+
+
 @pytest.mark.slow
 def test_a_bucket_size_of_zero_is_one_line_and_exit_2(tmp_path):
     p = tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path / 'run'}",
