@@ -22,6 +22,15 @@ def test_config_strategy_section_builds_the_plugin():
     assert s.name == "single" and s.num_replicas == 1 and s.is_chief and s.worker_index == 0
 
 
+def test_a_hooks_subclass_of_the_earlier_api_is_told_what_replaced_it():
+    """`tfdist.train.Hooks.wrap_optimizer` (before tfdist's own training step) would now be
+    ignored: defining it is one error naming `Hooks.reduction`."""
+    from tfdist.train import Hooks
+    with pytest.raises(TypeError, match=r"Old.wrap_optimizer is never called.*Hooks.reduction"):
+        type("Old", (Hooks,), {"wrap_optimizer": lambda self, optimizer, strategy: optimizer})
+    assert type("New", (Hooks,), {"reduction": lambda self, strategy: None})().reduction(None) is None
+
+
 @pytest.mark.slow
 def test_mirrored_on_2_logical_cpus_matches_single_step_for_step(tmp_path, data_dir, single_reference):
     """Same global batch and seed: per-step losses equal within 1e-5 over 20 steps."""

@@ -98,6 +98,13 @@ class Hooks:
     #: names of `tfdist.compat.PATCHES` not to apply
     disable_patches = ()
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "wrap_optimizer" in vars(cls):  # the hook before tfdist's own training step
+            raise TypeError(f"{cls.__name__}.wrap_optimizer is never called: the training step "
+                            f"(tfdist.step) reduces the gradients; override "
+                            f"Hooks.reduction(strategy) instead")
+
     def model_seed(self, seed, strategy):
         """The seed of the model's initialisation (the data keeps the config's)."""
         return seed
