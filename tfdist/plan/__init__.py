@@ -19,6 +19,7 @@ from tfdist.plan.model import (GB, STATE_BYTES, Cluster, Device, Model, Options,
 from tfdist.plan.published import (CPU, DEVICES, MEGATRON_OPTIONS, MODELS, PUBLISHED, MiB,  # noqa: F401
                                    calibrated, calibrated_options, fit_efficiency, validate,
                                    zero_figure1)
-from tfdist.plan.machine import BENCH_HINT, allreduce_bandwidth, cpu_device, measured, read_bench  # noqa: F401
+from tfdist.plan.benchmarks import measured  # noqa: F401
+from tfdist.plan.machine import BENCH_HINT, allreduce_bandwidth, cpu_device, read_bench  # noqa: F401
 from tfdist.plan.cli import (ROOT, _config, base_config, chart, format_table, main, run,  # noqa: F401
                              runnable, strategy_command, tfdist_command)

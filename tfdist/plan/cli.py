@@ -32,7 +32,8 @@ import os
 import sys
 
 from tfdist.errors import UsageError
-from tfdist.plan.machine import _fit_to_one_process, cpu_device, measured, read_bench
+from tfdist.plan.benchmarks import measured
+from tfdist.plan.machine import _fit_to_one_process, cpu_device, read_bench
 from tfdist.plan.model import GB, Cluster, Model, Options, memory, model_from_config, planned, search
 from tfdist.plan.published import (CPU, DEVICES, MODELS, PUBLISHED, calibrated, validate,
                                    zero_figure1)

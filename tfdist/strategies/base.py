@@ -47,20 +47,6 @@ from tfdist.lazy import tf  # a plugin is read without TensorFlow (the registry,
 from tfdist.strategies.keras_program import KerasProgram
 
 
-def configure_logical_cpus(n):
-    """Splits the host CPU into `n` logical devices (before TensorFlow initialises its runtime)."""
-    cpus = tf.config.list_physical_devices("CPU")
-    current = tf.config.get_logical_device_configuration(cpus[0])
-    if current is not None and len(current) == n:
-        return
-    try:
-        tf.config.set_logical_device_configuration(
-            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
-    except RuntimeError:
-        raise UsageError(f"cannot split the CPU into {n} logical devices: TensorFlow is already "
-                         f"initialised in this process; create the strategy before any TF op") from None
-
-
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How `tfdist launch` starts a strategy's processes on one machine.

@@ -5,7 +5,8 @@ On a machine without GPUs, `devices=N` splits the CPU into N logical devices, on
 `devices=N` uses the first N (0: all).
 """
 from tfdist.lazy import tf
-from tfdist.strategies.base import Strategy, configure_logical_cpus
+from tfdist.layout import configure_logical_cpus
+from tfdist.strategies.base import Strategy
 
 _CROSS_DEVICE_OPS = {
     "auto": lambda: None,  # TF's choice: NCCL on GPUs, collective ring on CPU devices
