@@ -122,12 +122,13 @@ class GPT(keras.Model):
 
     def build(self, input_shape=None):
         # Build every weight now so that checkpoints can be restored before the first step and
-        # parameters can be counted without data. One token is enough (no weight's shape depends
-        # on the length) and costs nothing: GPT-2's whole block_size took 10 s of CPU here.
+        # parameters can be counted without data. Two tokens are enough (no weight's shape depends
+        # on the length; one would make Keras warn of a softmax over one position) and cost
+        # nothing: GPT-2's whole block_size took 10 s of CPU here.
         if self.built:
             return
         self.built = True  # set first: the call below must not come back here
-        self(ops.zeros((1, 1), dtype="int32"))
+        self(ops.zeros((1, min(2, self.block_size)), dtype="int32"))
 
     def call(self, idx, training=False):
         x = self.embed(idx, training=training)

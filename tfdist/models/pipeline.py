@@ -177,7 +177,8 @@ class Pipeline(keras.Model):
         if self.built:
             return
         self.built = True
-        g, x = self.gpt, ops.zeros((1, 1), dtype="int32")  # one token: the shapes need no more
+        g = self.gpt  # two tokens: the shapes need no more (tfdist.models.gpt.GPT.build)
+        x = ops.zeros((1, min(2, g.block_size)), dtype="int32")
         for s in range(self.stages):
             with tf.device(self.homes[s]):
                 if s == 0:
