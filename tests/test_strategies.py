@@ -31,6 +31,28 @@ def test_a_hooks_subclass_of_the_earlier_api_is_told_what_replaced_it():
     assert type("New", (Hooks,), {"reduction": lambda self, strategy: None})().reduction(None) is None
 
 
+def test_a_model_compiled_in_the_scope_and_stepped_by_tfdist_is_prepared_once(monkeypatch):
+    """`tfdist train` compiles the GPT inside the scope (the plugin adopts it: `after_compile`)
+    and then gives it to tfdist's step: the strategy's `prepare_optimizer` (Horovod's linear
+    learning-rate scaling) must apply once, not once for each (the rate x ranks², found in
+    review)."""
+    import keras
+    from tfdist.layout import Layout
+    from tfdist.step import TrainStep
+    strategy = tfdist.strategies.get("single")
+
+    def double(optimizer):  # as Horovod's lr_scaling=linear with 2 ranks
+        optimizer.learning_rate = optimizer.learning_rate * 2
+        return optimizer
+    monkeypatch.setattr(strategy, "prepare_optimizer", double)
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(1)])
+        model.build((None, 2))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        TrainStep(model, strategy, Layout())
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.2)
+
+
 @pytest.mark.slow
 def test_mirrored_on_2_logical_cpus_matches_single_step_for_step(tmp_path, data_dir, single_reference):
     """Same global batch and seed: per-step losses equal within 1e-5 over 20 steps."""

@@ -58,7 +58,7 @@ class TrainStep:
 
     def __init__(self, model, strategy, layout, clipnorm=0.0, reduce=None, collectives=None):
         self.model, self.layout, self.clipnorm = model, layout, clipnorm
-        self.optimizer = optimizer = strategy.prepare_optimizer(model.optimizer)
+        self.optimizer = optimizer = strategy.prepared(model.optimizer)
         self.reduce = reduce or strategy.reduce_gradients
         # The gradients are reduced here: Keras's optimizer must not all-reduce them again.
         compat.reduce_nothing_in_apply(optimizer)

@@ -184,14 +184,21 @@ class Strategy(KerasProgram):
         learning-rate scaling). Returns it."""
         return optimizer
 
+    def prepared(self, optimizer):
+        """`prepare_optimizer(optimizer)`, once per optimizer: a model compiled inside the scope
+        (`after_compile` wraps its optimizer) and then given to tfdist's step asks twice."""
+        if not getattr(optimizer, "tfdist_prepared", False):
+            self.prepare_optimizer(optimizer)
+            optimizer.tfdist_prepared = True
+        return optimizer
+
     def wrap_optimizer(self, optimizer):
         """A user's compiled optimizer adapted to the strategy: `prepare_optimizer`, then its
         gradients reduced by `reduce_gradients` inside Keras's `apply`, with tfdist's Keras 3
         corrections (`tfdist.compat.set_gradient_reduction`). tfdist's GPT needs none of this:
         its training step (`tfdist.step`) reduces and corrects the gradients itself."""
         from tfdist import compat
-        return compat.set_gradient_reduction(self.prepare_optimizer(optimizer),
-                                             self.reduce_gradients)
+        return compat.set_gradient_reduction(self.prepared(optimizer), self.reduce_gradients)
 
     #: `() -> tfdist.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
     zero_collectives = None
