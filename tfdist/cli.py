@@ -7,7 +7,6 @@ off the terminal unless `--verbose` is given (or TFDIST_VERBOSE=1).
 """
 import os
 import sys
-import tempfile
 
 from absl import app, flags, logging
 

@@ -4,7 +4,7 @@ keeps it off the terminal unless asked (`--verbose`, or TFDIST_VERBOSE=1).
 Example:
 
     >>> from tfdist import console
-    >>> [any(n in line for n in console.NOISE)
+    >>> [console.is_noise(line)
     ...  for line in ("oneDNN custom operations are on. You may see ...", "real news")]
     [True, False]
 """
@@ -53,9 +53,14 @@ def quiet_tensorflow_import(argv=None):
             pass_on_stderr(captured.read())
 
 
+def is_noise(line):
+    """Whether `line` is one of TensorFlow's start-up notices (NOISE)."""
+    return any(n in line for n in NOISE)
+
+
 def pass_on_stderr(captured):
     """Writes captured stderr bytes to stderr, without TensorFlow's start-up noise."""
     rest = [line for line in captured.decode(errors="replace").splitlines()
-            if line.strip() and not any(n in line for n in NOISE)]
+            if line.strip() and not is_noise(line)]
     if rest:
         print("\n".join(rest), file=sys.stderr, flush=True)

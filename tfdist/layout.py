@@ -35,8 +35,6 @@ import dataclasses
 from tfdist.errors import UsageError
 from tfdist.lazy import tf
 
-SCHEDULES = ("gpipe", "1f1b")
-
 
 @dataclasses.dataclass(frozen=True)
 class Layout:

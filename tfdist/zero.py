@@ -133,8 +133,8 @@ class State:
     `reduce_scatter` the gradients, `norm_sum` for clipping, then the optimizer's update of this
     replica's variables, then `gather` them."""
 
-    def __init__(self, optimizer, stage, collectives):
-        self.optimizer, self.stage, self.collectives = optimizer, stage, collectives
+    def __init__(self, stage, collectives):
+        self.stage, self.collectives = stage, collectives
         self.sharding, self.owned = None, set()
         self.slots = set()  # ids of this replica's slot variables: the shard of the state
 
@@ -163,9 +163,6 @@ class State:
                 for i, value in s.unflat(every[r * s.segment:(r + 1) * s.segment], r):
                     c.assign(s.variables[i], value)
 
-    def owns(self, variable):
-        return id(variable) in self.owned
-
 
 def common_variables(optimizer):
     """The optimizer's variables that every replica holds (all but ZeRO's slot shards): what a
@@ -187,7 +184,7 @@ def shard(optimizer, stage, collectives):
     if stage not in (1, 2):
         raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}")
     c = collectives
-    zero = optimizer.tfdist_zero = State(optimizer, stage, c)  # (a dict would be copied by Keras)
+    zero = optimizer.tfdist_zero = State(stage, c)  # (a dict would be copied by Keras)
     build, add_slot = optimizer.build, optimizer.add_variable_from_reference
 
     def add_owned_slot(reference_variable, name=None, initializer="zeros"):

@@ -28,8 +28,8 @@ _BUCKETS = flags.DEFINE_list("buckets", ["1", "4", "25", "100"], "Bucket sizes (
 
 
 def main(argv):
-    del argv
     """Overlapped against not, and the bucket sizes, for both synchronous strategies."""
+    del argv
     import tempfile
     import numpy as np
     from tfdist import profiling

@@ -6,15 +6,14 @@ from tfdist import gradients
 from tfdist.compat.table import using
 
 
-def set_gradient_reduction(optimizer, all_reduce=None, norm_sum=None):
+def set_gradient_reduction(optimizer, all_reduce=None):
     """Sets how a user's compiled `optimizer` reduces gradients across replicas, once, and
     corrects what a Keras 3 optimizer does with them under a strategy ("gradient_reduction").
 
     `all_reduce(grads_and_vars) -> grads_and_vars` replaces Keras's own reduction (the strategy's
     collective); None keeps it. On the reduced gradients, the corrections of `tfdist.gradients`:
     duplicate embedding rows summed, then clipping by `global_clipnorm`, which Keras would apply
-    to each replica's partial gradient before the all-reduce. `norm_sum(x)`: x summed over
-    replicas, where `all_reduce` gives each its shard only. One reduction, one correction: a
+    to each replica's partial gradient before the all-reduce. One reduction, one correction: a
     second call raises instead of wrapping twice. (tfdist's GPT does all this in its training
     step instead: `tfdist.step`.)"""
     if has_gradient_reduction(optimizer):
@@ -31,7 +30,7 @@ def set_gradient_reduction(optimizer, all_reduce=None, norm_sum=None):
     def reduce_then_fix(grads_and_vars):
         reduced = reduce([(gradients.dense_if_smaller(g, v), v) for g, v in grads_and_vars])
         grads = [gradients.sum_duplicate_rows(g) for g, _ in reduced]
-        grads = gradients.clip(grads, clipnorm, norm_sum)
+        grads = gradients.clip(grads, clipnorm)
         return list(zip(grads, [v for _, v in reduced]))
 
     optimizer._all_reduce_sum_gradients = reduce_then_fix

@@ -77,9 +77,6 @@ class Output:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-# TF's start-up notices (see tfdist.cli.NOISE), from any program the workers run: N workers would
-# print them 2N times. They carry no information about the run.
-_NOISE = console.NOISE
 
 
 def _ranks(text):
@@ -96,6 +93,8 @@ def _last_state(raw):
 
 
 def _is_noise(text):
-    return any(n in text for n in _NOISE)
+    """TF's start-up notices (tfdist.console.NOISE), from any program the workers run: N workers
+    would print them 2N times. They carry no information about the run."""
+    return console.is_noise(text)
 
 

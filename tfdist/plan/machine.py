@@ -92,11 +92,10 @@ def cpu_device(bench_dir):
                   f"{bench_dir}/bench.json (fp32 2048^3 matmul peak / {cores} cores) and allreduce.json")
 
 
-def _fit_to_one_process(dev, model, bench, opts):
-    """The fraction of peak that reproduces a scaling bench's 1-process step time, and that time."""
+def fit_to_one_process(dev, model, bench):
+    """The fraction of peak that reproduces a scaling bench's 1-process step time (fp32)."""
     per = bench["batch_per_worker"]
-    t1 = per * model.seq_len / bench["tokens_per_sec_1"]
-    return fit_efficiency(model, Cluster(dev, 1), planned(per, 1, microbatch=per), t1, opts), t1
+    return one_core(dev, model, per, per * model.seq_len / bench["tokens_per_sec_1"])
 
 
 def one_core(dev, model, batch, seconds):
@@ -135,7 +134,7 @@ def host(bench_dir, model):
     0.09 % of its op time: what it loses against half the one-thread step is two cores computing."""
     dev = cpu_device(bench_dir)
     s = read_bench(bench_dir, "scaling.json")
-    unloaded = _fit_to_one_process(dev, model, s, FP32)[0] if s else 1.0
+    unloaded = fit_to_one_process(dev, model, s) if s else 1.0
     rounds = [r["tokens_per_sec_1"] for r in (s or {}).get("rounds", [])]
     spread = min(rounds) / s["tokens_per_sec_1"] if rounds else 1.0
     t = read_bench(bench_dir, "tensor.json")

@@ -62,7 +62,7 @@ class MultiWorkerMirrored(Strategy):
             super().__init__(tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=self.cluster.resolver(), communication_options=options))
         self._barrier = None
-        self.bucket_bytes, self.overlap = buckets.to_bytes(bucket_mb), overlap
+        self.bucket_bytes = buckets.to_bytes(bucket_mb)
         self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.zero)
 
     JOIN_TIMEOUT = 180.0  # seconds for every worker to join; TFDIST_JOIN_TIMEOUT overrides

@@ -35,7 +35,6 @@ Usage (not run as a doctest: inside a program started by `horovodrun -np 2 ...`)
     model.fit(ds, steps_per_epoch=5, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
 """
 import os
-import sys
 
 import keras
 import tensorflow as tf
