@@ -245,6 +245,7 @@ def _resume(c, workdir, held, overwrite, strategy, data, model, hooks):
 
 def _say_what_runs(c, layout, strategy, data, model, backup_dir, start, say):
     say(f"tfdist: {strategy.describe()}")
+    say(f"tfdist: layout: {layout.describe()}")
     if layout.split:
         say(f"tfdist: {model.describe()}")
     if layout.zero:
