@@ -10,12 +10,15 @@ def pytest_configure(config):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # for every process the tests start
 
 
-#: The test files that take longest here (`make test` on 2026-11-26, most first). `make test` runs
-#: 2 pytest processes, each taking the next whole file when it is free (pytest-xdist's loadfile, in
-#: the order of collection): the longest first, so that neither ends the suite alone on a long one.
-SLOWEST_FIRST = ("test_zero", "test_parameter_server", "test_netcluster", "test_multi_worker",
-                 "test_horovod", "test_tensor_parallel", "test_store", "test_keras_programs",
-                 "test_backup", "test_plan", "test_slurm", "test_horovod_keras")
+#: The test files that take longest here (their summed test times in `make test`, 2026-11-26, most
+#: first). `make test` runs 2 pytest processes, each taking the next whole file when it is free
+#: (pytest-xdist's loadfile, in the order of collection): the longest first, so that neither ends
+#: the suite alone on a long one.
+SLOWEST_FIRST = ("test_zero", "test_netcluster", "test_keras_programs", "test_horovod",
+                 "test_multi_worker", "test_store", "test_parameter_server", "test_backup",
+                 "test_tensor_parallel", "test_slurm", "test_data", "test_strategies",
+                 "test_pipeline", "test_horovod_keras", "test_cli_help", "test_cli", "test_launch",
+                 "test_plugins", "test_plan")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -77,7 +77,8 @@ def test_with_horovods_own_keras_api_the_mnist_example_fails(tmp_path):
     assert_crashed_or_apart(p, found)
 
 
-@pytest.mark.parametrize("fp16", [False, True])
+@pytest.mark.parametrize("fp16", [  # fp16: the strategy's allreduce_gradients, as test_horovod's
+    False, pytest.param(True, marks=pytest.mark.long)])  # fp16 test shows; long for time
 def test_horovods_keras_synthetic_benchmark_runs_with_one_line_changed(tmp_path, fp16):
     argv = [program("horovod_keras_synthetic.py", tmp_path, "tfdist")] + (["--fp16-allreduce"] * fp16)
     p, found = horovodrun(argv)

@@ -116,6 +116,7 @@ def killed_and_resumed(slurm, tmp_path_factory, data_dir):
 
 def test_a_killed_task_is_rerun_and_resumes_at_the_backed_up_step(killed_and_resumed):
     work, text = killed_and_resumed
+    assert "tfdist: multi_worker_mirrored: worker 0 of 2, 2 replica(s) in sync" in text
     assert "tfdist.sbatch: step failed (status" in text and "restart 1 of 2" in text
     resumed = [line for line in text.splitlines() if "tfdist: resuming from" in line]
     assert len(resumed) == 1 and f"{work}/backup at step " in resumed[0], text[-3000:]
@@ -128,6 +129,7 @@ def test_a_killed_task_is_rerun_and_resumes_at_the_backed_up_step(killed_and_res
     assert "tfdist.sbatch: done after 1 restart(s)" in text
 
 
+@pytest.mark.long  # time: tests/test_backup.py shows the end window; the SIGKILL case the script's rerun
 def test_the_end_window_finishes_under_slurm(slurm, killed_and_resumed, tmp_path, data_dir):
     """What a kill after the final backup and before model.keras leaves: the job finishes it."""
     done, _ = killed_and_resumed
