@@ -233,7 +233,7 @@ def test_sigterm_to_the_launcher_drains_backs_up_and_resumes(tmp_path, data_dir)
     drains the steps in flight and backs them up (there is no scheduled backup: epoch ends
     only), the servers wait for it, and every process exits 75. Run again,
     the job resumes at that step and ends at exactly the planned steps."""
-    steps, per_epoch = 600, 300
+    steps, per_epoch = 300, 150  # the signal after step 50: mid-epoch, before any backup
     f = flags(tmp_path, data_dir, steps, per_epoch, **{"backup.every_steps": 0})
     run = Launch("parameter_server", f, per_epoch)
     run.wait_for_step(50, "before the signal ")
