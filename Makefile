@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
-.PHONY: setup horovod demo test test-fast bench bench-scaling bench-scaling-ps bench-scaling-horovod \
+.PHONY: setup horovod demo test test-fast bench bench-peer bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos \
         chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition plan-validate plan-measured clean cluster-tools
 
@@ -64,6 +64,20 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python tools/bench_step.py
 
+# tfdist against a plain PyTorch GPT of the same shape and plain Keras fit, fp32 and bf16,
+# interleaved in one run (tools/bench_peer.py). torch lives in its own environment (setup.cfg's
+# `peer` extra, installed alone: tfdist does not depend on it).
+PEER := .venv-peer
+$(PEER)/.installed: setup.cfg
+	test -x $(PEER)/bin/python || $(PYTHON) -m venv $(PEER)
+	$(PEER)/bin/pip install --quiet --disable-pip-version-check $$($(PYTHON) -c "import configparser; \
+	  p = configparser.ConfigParser(); p.read('setup.cfg'); print(p['options.extras_require']['peer'])")
+	$(PEER)/bin/python tools/torch_gpt.py --check
+	touch $@
+
+bench-peer: $(STAMP) $(PEER)/.installed
+	$(BIN)/python tools/bench_peer.py
+
 # 2 workers x 1 thread vs 1 process x 1 thread, gpt_mini, same batch per worker.
 bench-scaling: $(STAMP)
 	$(BIN)/python tools/bench_scaling.py
@@ -83,7 +97,7 @@ chaos: $(STAMP)
 	$(BIN)/python tools/chaos.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(PEER) runs build *.egg-info
 
 # 5 trials: SIGKILL a parameter-server worker at a random time; it must be restarted alone and the
 # run must count exactly the planned steps.

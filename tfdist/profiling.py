@@ -140,3 +140,47 @@ def chrome_trace(workers, pad_us=0.0):
                         "args": {"type": e.type, "backward": is_backward(e),
                                  "gradient_all_reduce": is_gradient_all_reduce(e)}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+#: The phases of tfdist's training step (`tfdist.step`), by where their ops live: the backward
+#: pass under the gradient's scopes, the update in the step's `update` scope (reduction,
+#: corrections, the optimizer), the rest of the step's graph forward.
+PHASES = (("backward", BACKWARD_SCOPES), ("update", ("update/", OPTIMIZER_SCOPE)))
+
+
+def phase(event):
+    """"forward", "backward" or "update" (`PHASES`) of one op of a training step."""
+    for name, scopes in PHASES:
+        if any(s in event.name for s in scopes):
+            return name
+    return "forward"
+
+
+#: The threads of TF's executor, where a graph's ops run (the others: Python's, whose events
+#: wrap whole function calls, Eigen's pool, tf.data's).
+EXECUTOR_THREAD = "tf_Compute"
+
+
+def where_time_goes(events, top=15):
+    """Where one profiled step spent its time: each phase's ops' summed time and span, and the
+    `top` op types by summed time (us; the executor's ops only; ops on several threads at once
+    each count their own)."""
+    phases, types = {}, collections.Counter()
+    counts = collections.Counter()
+    events = [e for e in events if e.thread.startswith(EXECUTOR_THREAD)]
+    for e in events:
+        p = phases.setdefault(phase(e), {"op_us": 0.0, "ops": 0, "start": e.start, "end": e.end})
+        p["op_us"] += e.end - e.start
+        p["ops"] += 1
+        p["start"], p["end"] = min(p["start"], e.start), max(p["end"], e.end)
+        types[e.type] += e.end - e.start
+        counts[e.type] += 1
+    total = sum(types.values()) or 1.0
+    return {
+        "span_us": (max(e.end for e in events) - min(e.start for e in events)) if events else 0.0,
+        "op_us": total,
+        "phases": {k: {"op_us": v["op_us"], "ops": v["ops"], "span_us": v["end"] - v["start"]}
+                   for k, v in phases.items()},
+        "types": [{"type": t, "op_us": us, "share": us / total, "ops": counts[t]}
+                  for t, us in types.most_common(top)],
+    }

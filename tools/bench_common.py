@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfdist import cli  # noqa: E402
 from tools import harness  # noqa: E402
+from tools.matmul_peak import measure as matmul_peak  # noqa: E402,F401
 
 _CONFIG = cli.define_config_flag(
     "config", os.path.join(ROOT, "configs", "gpt_mini.py"), "Model/training config to benchmark.")
@@ -43,20 +44,6 @@ INTER = flags.DEFINE_integer("inter_op_threads", 1, "Inter-op threads per proces
 
 def config():
     return _CONFIG.value
-
-
-def matmul_peak(n=2048, repeats=10):
-    import tensorflow as tf
-    a = tf.random.normal((n, n))
-    b = tf.random.normal((n, n))
-    f = tf.function(lambda: tf.matmul(a, b))
-    f().numpy()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f().numpy()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
 
 
 def train_flags(workdir, steps, batch, inter, extra=()):

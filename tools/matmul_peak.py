@@ -4,7 +4,7 @@ it before and after the suite, so that a slow day shows next to the suite's time
     python tools/matmul_peak.py --when=before
     fp32 matmul peak before the suite: 198.3 GFLOP/s (0.97x bench_results/bench.json's 205.3)
 
-The same measure as `make bench` (tools/bench_common.matmul_peak: the best of 10 products of
+The same measure as `make bench` (`measure`, which the benchmarks use: the best of 10 products of
 2048 x 2048 matrices, TensorFlow's default threads: every core).
 """
 import json
@@ -20,6 +20,23 @@ from absl import app, flags  # noqa: E402
 WHEN = flags.DEFINE_string("when", "", "Said in the line: before or after what (e.g. the suite).")
 
 
+def measure(n=2048, repeats=10, dtype=None):
+    """FLOP/s of the best of `repeats` n^3 `tf.matmul`s (fp32 unless `dtype`), TF's default
+    threads."""
+    import time
+    import tensorflow as tf
+    a = tf.random.normal((n, n), dtype=dtype or tf.float32)
+    b = tf.random.normal((n, n), dtype=dtype or tf.float32)
+    f = tf.function(lambda: tf.matmul(a, b))
+    f().numpy()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f().numpy()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
 def committed():
     """bench_results/bench.json's peak in FLOP/s, or None."""
     try:
@@ -32,8 +49,7 @@ def committed():
 def main(argv):
     from tfdist.console import quiet_tensorflow_import
     quiet_tensorflow_import()
-    from tools.bench_common import matmul_peak
-    peak, then = matmul_peak(), committed()
+    peak, then = measure(), committed()
     against = f" ({peak / then:.2f}x bench_results/bench.json's {then / 1e9:.1f})" if then else ""
     when = f" {WHEN.value} the suite" if WHEN.value else ""
     print(f"fp32 matmul peak{when}: {peak / 1e9:.1f} GFLOP/s{against}", flush=True)

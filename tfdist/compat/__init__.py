@@ -18,12 +18,13 @@ Example:
 
     >>> from tfdist import compat
     >>> sorted(compat.PATCHES)[:2]
-    ['backup_paths', 'gradient_reduction']
+    ['adam_slots', 'backup_paths']
     >>> compat.PATCHES["symbolic_build_under_mwms"].issue
     'keras-team/keras#20585'
 """
 from tfdist.compat.table import PATCHES, PINNED, TESTED, disable, fingerprint, using  # noqa: F401
-from tfdist.compat.optimizers import (has_gradient_reduction, learning_rate_schedule,  # noqa: F401
+from tfdist.compat.optimizers import (adam_slots, has_gradient_reduction,  # noqa: F401
+                                      learning_rate_schedule,
                                       local_variables, optimizer_strategy,
                                       reduce_nothing_in_apply, set_gradient_reduction,
                                       set_learning_rate_schedule, update_on_variable_device)

@@ -72,6 +72,15 @@ def update_on_variable_device(optimizer):
     optimizer.tfdist_placed = True
 
 
+def adam_slots(optimizer, variable):
+    """(first moment, second moment) of `variable` in Keras's Adam family ("adam_slots": Keras 3
+    keeps them in private lists, by the variable's private index); None when the row is off."""
+    if not using("adam_slots"):
+        return None
+    i = optimizer._get_variable_index(variable)
+    return optimizer._momentums[i], optimizer._velocities[i]
+
+
 def learning_rate_schedule(optimizer):
     """The optimizer's learning-rate schedule, or its float rate ("learning_rate_schedule":
     `optimizer.learning_rate` is only the current value)."""

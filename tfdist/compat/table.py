@@ -137,6 +137,14 @@ PATCHES = {
         "under Horovod and the parameter server a subclassed model would have no variables to "
         "broadcast (or create on the ps) before its first step",
         "tests/test_keras_programs.py::test_the_same_program_under_every_strategy", "904fa3a44e90"),
+    "adam_slots": Patch(
+        ("adam_slots",), ("keras.src.optimizers.adam:Adam.update_step",
+                          "keras.src.optimizers.base_optimizer:BaseOptimizer._get_variable_index"),
+        "none found (related: keras-team/keras#19992, Keras 3's optimizers dropped tf.keras 2's "
+        "fused raw ops): Keras 3 keeps Adam's moments in private lists",
+        "tfdist's AdamW (tfdist.optimizers) could not update a variable in one op and would run "
+        "Keras's dozen ops per variable",
+        "tests/test_fast_step.py::test_adamw_updates_each_variable_in_one_op_as_keras_would", "3ec6bc5c68c9"),
     "metrics_order": Patch(
         ("flatten_metrics",), ("keras.src.trainers.trainer:Trainer._flatten_metrics_in_order",),
         "none found: evaluate(return_dict=False)'s order is private",

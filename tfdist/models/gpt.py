@@ -24,6 +24,90 @@ from keras import ops
 from tfdist.models.arithmetic import Transformer
 
 
+# Three parts of the GPT written for fewer passes over the activations. On a CPU each elementwise
+# op of the step reads and writes its whole tensor once, and TF's autodiff of the textbook
+# formulas makes many such passes: in a profile of gpt_mini (tools/profile_step.py) GELU,
+# LayerNorm and the attention's mask and scale took about a third of the step's op time,
+# beside the matmuls. The functions are the same; their gradients are written out
+# (keras.ops.custom_gradient, any backend).
+_K1 = 2 * math.sqrt(2 / math.pi)  # GELU's tanh approximation: 0.5 (1 + tanh(u)) = sigmoid(2 u)
+_K2 = _K1 * 0.044715
+
+
+def _sigmoid_grad(s, dy):
+    """dy * s * (1 - s), one op on TensorFlow."""
+    if keras.backend.backend() == "tensorflow":
+        return tf.raw_ops.SigmoidGrad(y=s, dy=dy)
+    return dy * s * (1 - s)
+
+
+@ops.custom_gradient
+def gelu(x):
+    """GELU, GPT-2's tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+    written as x * sigmoid(x (k1 + k2 x^2)) with its derivative written out.
+
+        >>> float(gelu(ops.convert_to_tensor(1.0)))  # doctest: +ELLIPSIS
+        0.8411...
+    """
+    t = ops.square(x)
+    s = ops.sigmoid(x * (_K1 + _K2 * t))
+
+    def grad(*args, upstream=None):
+        dy = args[0] if upstream is None else upstream
+        return dy * s + _sigmoid_grad(s, dy * x) * (_K1 + 3 * _K2 * t)
+    return x * s, grad
+
+
+def _normalize(x, epsilon):
+    """(x - mean) / sqrt(var + epsilon) over the last axis, with its gradient written out."""
+    @ops.custom_gradient
+    def normalize(x):
+        xc = x - ops.mean(x, axis=-1, keepdims=True)
+        rstd = ops.rsqrt(ops.mean(ops.square(xc), axis=-1, keepdims=True) + epsilon)
+        xhat = xc * rstd
+
+        def grad(*args, upstream=None):
+            dy = args[0] if upstream is None else upstream
+            return rstd * (dy - ops.mean(dy, axis=-1, keepdims=True)
+                           - xhat * ops.mean(dy * xhat, axis=-1, keepdims=True))
+        return xhat, grad
+    return normalize(x)
+
+
+@keras.saving.register_keras_serializable("tfdist")
+class LayerNorm(keras.layers.LayerNormalization):
+    """Keras's LayerNormalization over the last axis (the same weights, computed in float32 also
+    under mixed precision), with the normalization's gradient written out (`_normalize`)."""
+
+    def call(self, inputs):
+        y = _normalize(ops.cast(inputs, "float32"), self.epsilon)
+        if self.scale:
+            y = y * ops.cast(self.gamma, "float32")
+        if self.center:
+            y = y + ops.cast(self.beta, "float32")
+        return ops.cast(y, self.compute_dtype)
+
+
+def _causal_bias(T):
+    """(T, T) float32: 0 where position t may see position s (s <= t), -1e9 above the diagonal;
+    added to the attention scores (one pass, and nothing to differentiate)."""
+    return ops.triu(ops.full((T, T), -1e9, dtype="float32"), k=1)
+
+
+def attention(q, k, v, n_head, dropout, training=False):
+    """Causal attention of `n_head` heads: q, k, v (B, T, n_head * hd) -> (B, T, n_head * hd);
+    `dropout` (a Dropout layer) on the attention weights. The softmax runs in float32 also under
+    mixed precision."""
+    B, T, C = ops.shape(q)[0], ops.shape(q)[1], q.shape[-1]
+    hd = C // n_head
+    q = q * ops.cast(1.0 / math.sqrt(hd), q.dtype)  # scaled here: T/hd times fewer numbers
+    # (B, T, C) -> (B, H, T, hd)
+    q, k, v = (ops.transpose(ops.reshape(t, (B, T, n_head, hd)), (0, 2, 1, 3)) for t in (q, k, v))
+    att = ops.cast(ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))), "float32") + _causal_bias(T)
+    att = dropout(ops.cast(ops.softmax(att, axis=-1), v.dtype), training=training)
+    return ops.reshape(ops.transpose(ops.matmul(att, v), (0, 2, 1, 3)), (B, T, C))
+
+
 def _dense(units, std, bias, name):
     return keras.layers.Dense(units, use_bias=bias, name=name,
                               kernel_initializer=keras.initializers.RandomNormal(stddev=std))
@@ -44,21 +128,8 @@ class CausalSelfAttention(keras.layers.Layer):
         self.resid_dropout = keras.layers.Dropout(dropout)
 
     def call(self, x, training=False):
-        B, T = ops.shape(x)[0], ops.shape(x)[1]
-        hd = self.n_embd // self.n_head
-        qkv = self.c_attn(x)
-        q, k, v = ops.split(qkv, 3, axis=-1)
-        # (B, T, C) -> (B, H, T, hd)
-        q, k, v = (ops.transpose(ops.reshape(t, (B, T, self.n_head, hd)), (0, 2, 1, 3))
-                   for t in (q, k, v))
-        att = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) * (1.0 / math.sqrt(hd))
-        causal = ops.tril(ops.ones((T, T), dtype="bool"))
-        att = ops.cast(att, "float32")  # softmax in float32 also under mixed precision
-        att = ops.where(causal, att, ops.full_like(att, -1e9))
-        att = ops.cast(ops.softmax(att, axis=-1), v.dtype)
-        att = self.attn_dropout(att, training=training)
-        y = ops.matmul(att, v)
-        y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, self.n_embd))
+        q, k, v = ops.split(self.c_attn(x), 3, axis=-1)
+        y = attention(q, k, v, self.n_head, self.attn_dropout, training)
         return self.resid_dropout(self.c_proj(y), training=training)
 
     def get_config(self):
@@ -74,16 +145,16 @@ class Block(keras.layers.Layer):
         super().__init__(**kwargs)
         self.n_embd, self.n_head, self.n_layer = n_embd, n_head, n_layer
         self.dropout, self.bias = dropout, bias
-        self.ln_1 = keras.layers.LayerNormalization(epsilon=1e-5, center=bias, name="ln_1")
+        self.ln_1 = LayerNorm(epsilon=1e-5, center=bias, name="ln_1")
         self.attn = CausalSelfAttention(n_embd, n_head, n_layer, dropout, bias, name="attn")
-        self.ln_2 = keras.layers.LayerNormalization(epsilon=1e-5, center=bias, name="ln_2")
+        self.ln_2 = LayerNorm(epsilon=1e-5, center=bias, name="ln_2")
         self.c_fc = _dense(4 * n_embd, 0.02, bias, "c_fc")
         self.c_proj = _dense(n_embd, 0.02 / math.sqrt(2 * n_layer), bias, "mlp_c_proj")
         self.mlp_dropout = keras.layers.Dropout(dropout)
 
     def call(self, x, training=False):
         x = x + self.attn(self.ln_1(x), training=training)
-        h = keras.activations.gelu(self.c_fc(self.ln_2(x)), approximate=True)
+        h = gelu(self.c_fc(self.ln_2(x)))
         return x + self.mlp_dropout(self.c_proj(h), training=training)
 
     def get_config(self):
@@ -107,7 +178,7 @@ class GPT(keras.Model):
         self.drop = keras.layers.Dropout(dropout)
         self.blocks = [Block(n_embd, n_head, n_layer, dropout, bias, name=f"h_{i}")
                        for i in range(n_layer)]
-        self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, center=bias, name="ln_f")
+        self.ln_f = LayerNorm(epsilon=1e-5, center=bias, name="ln_f")
 
     @classmethod
     def from_model_config(cls, model_config, **kwargs):

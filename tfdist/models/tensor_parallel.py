@@ -48,6 +48,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfdist import compat
+from tfdist.models.gpt import attention, gelu
 
 AXIS = "model"  # the DeviceMesh axis the blocks are split over
 BUILT = weakref.WeakSet()  # every built ShardedDense (tfdist.models.state finds a model's here)
@@ -220,23 +221,14 @@ def parallel_block(block, x, training, devices):
 
 def _parallel_block(block, x, training, devices):
     attn, home = block.attn, devices[0]
-    hd = attn.n_embd // attn.n_head
     heads = attn.n_head // len(devices)
     with tf.device(home):
         h = block.ln_1(x)
     parts = []
     for r, device in enumerate(devices):
         with tf.device(device), tf.name_scope(f"tp{r}"):
-            B, T = ops.shape(h)[0], ops.shape(h)[1]
             q, k, v = ops.split(attn.c_attn.column(r, h), 3, axis=-1)
-            q, k, v = (ops.transpose(ops.reshape(a, (B, T, heads, hd)), (0, 2, 1, 3))
-                       for a in (q, k, v))
-            att = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) * (1.0 / hd ** 0.5)
-            causal = ops.tril(ops.ones((T, T), dtype="bool"))
-            att = ops.cast(att, "float32")
-            att = ops.where(causal, att, ops.full_like(att, -1e9))
-            att = attn.attn_dropout(ops.cast(ops.softmax(att, axis=-1), v.dtype), training=training)
-            y = ops.reshape(ops.transpose(ops.matmul(att, v), (0, 2, 1, 3)), (B, T, heads * hd))
+            y = attention(q, k, v, heads, attn.attn_dropout, training)
             parts.append(attn.c_proj.row(r, y))
     with tf.device(home):
         x = x + attn.resid_dropout(attn.c_proj.add_bias(_sum(parts, home)), training=training)
@@ -244,8 +236,7 @@ def _parallel_block(block, x, training, devices):
     parts = []
     for r, device in enumerate(devices):
         with tf.device(device), tf.name_scope(f"tp{r}"):
-            parts.append(block.c_proj.row(r, keras.activations.gelu(block.c_fc.column(r, h),
-                                                                    approximate=True)))
+            parts.append(block.c_proj.row(r, gelu(block.c_fc.column(r, h))))
     with tf.device(home):
         return x + block.mlp_dropout(block.c_proj.add_bias(_sum(parts, home)), training=training)
 
