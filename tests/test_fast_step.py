@@ -148,3 +148,11 @@ def test_single_on_a_cpu_is_tfs_default_strategy():
     s = tfdist.strategies.get("single")
     assert s.tf_strategy is tf.distribute.get_strategy()
     assert s.describe() == "single: 1 replica on /cpu:0"
+
+
+def test_gelu_of_bfloat16_is_computed_in_float32():
+    x = tf.cast(X, tf.bfloat16)
+    y = gpt.gelu(x)
+    assert y.dtype == tf.bfloat16
+    exact = keras.activations.gelu(tf.cast(x, tf.float32), approximate=True).numpy()
+    np.testing.assert_allclose(y.numpy().astype(np.float32), exact, rtol=2 ** -8, atol=1e-6)

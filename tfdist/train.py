@@ -181,7 +181,13 @@ def _start(c, hooks):
     from tfdist.step import TrainStep
 
     t = c.train
-    _apply_recommended(c, strategy, print if strategy.is_chief else (lambda *a, **k: None))
+    say = print if strategy.is_chief else (lambda *a, **k: None)
+    _apply_recommended(c, strategy, say)
+    from tfdist import host
+    for key, value, why in host.recommendations(
+            c, device="gpu" if tf.config.list_physical_devices("GPU") else "cpu"):
+        say(f"tfdist: recommended here: --config.{key}={str(value).lower()} ({why}); not "
+            f"applied, as it changes the numbers")
     if t.deterministic:
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(hooks.model_seed(c.seed, strategy))

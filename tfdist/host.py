@@ -1,0 +1,57 @@
+"""What this host's CPU runs fastest: the settings `tfdist train` recommends on the console.
+
+They are said, not applied: each changes the numbers a run computes (bfloat16 rounds; XLA
+fuses in another order), so a run keeps the config it was given and a user opts in. A
+strategy's own recommended values (TPU's) are applied, as before (`tfdist.train`). The
+figures are `make bench-peer`'s on this project's machines (bench_results/peer.json).
+
+    >>> from tfdist import config
+    >>> c = config.default_config()
+    >>> c.model.n_embd = 128
+    >>> [key for key, _, _ in recommendations(c, flags={"avx512f", "amx_bf16"})]
+    ['train.precision', 'train.jit_compile']
+    >>> c.model.n_embd = 384
+    >>> recommendations(c, flags={"avx2"})
+    []
+"""
+
+#: CPU flags (/proc/cpuinfo) of a native bfloat16 matmul: oneDNN then runs bf16 at several times
+#: the fp32 rate (1,100-1,300 against 275-340 GFLOP/s for a 2048^3 matmul here).
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+#: The widest model for which XLA (jit_compile) ran the fp32 step faster here: gpt_demo (width
+#: 128) 1.22x; gpt_mini (width 384) 0.98x; in bf16 XLA was slower (its CPU matmuls skip AMX).
+XLA_MAX_WIDTH = 128
+
+
+def cpu_flags():
+    """This CPU's feature flags (empty where /proc/cpuinfo is not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def recommendations(c, flags=None, device="cpu"):
+    """[(config key, value, why)] for config `c` on this host's CPU, where `c` still differs."""
+    if device != "cpu":
+        return []
+    flags = cpu_flags() if flags is None else flags
+    t, found = c.train, []
+    bf16 = sorted(set(BF16_FLAGS) & set(flags))
+    if bf16 and t.precision == "float32":
+        found.append(("train.precision", "mixed_bfloat16",
+                      f"this CPU has {' and '.join(bf16)}: the step ran 1.6-1.8x faster in "
+                      f"bfloat16 here, and learned within 3 %"))
+    if t.precision == "float32" and not bf16 and not t.jit_compile \
+            and c.model.n_embd <= XLA_MAX_WIDTH:
+        found.append(("train.jit_compile", True, f"a model {c.model.n_embd} wide: XLA's fused "
+                      f"step ran 1.2x faster in float32 here"))
+    elif t.precision == "float32" and bf16 and not t.jit_compile \
+            and c.model.n_embd <= XLA_MAX_WIDTH:
+        found.append(("train.jit_compile", True, f"if you keep float32 (a model "
+                      f"{c.model.n_embd} wide: XLA's fused step ran 1.2x faster here)"))
+    return found
