@@ -186,8 +186,8 @@ def _start(c, hooks):
     from tfdist import host
     for key, value, why in host.recommendations(
             c, device="gpu" if tf.config.list_physical_devices("GPU") else "cpu"):
-        say(f"tfdist: recommended here: --config.{key}={str(value).lower()} ({why}); not "
-            f"applied, as it changes the numbers")
+        say(f"tfdist: recommended here: --config.{key}={str(value).lower()}: {why} (not "
+            f"applied: it changes the numbers)")
     if t.deterministic:
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(hooks.model_seed(c.seed, strategy))

@@ -8,7 +8,7 @@ The layers, lowest first. A file may import files of its own layer and of the la
 
     base        errors, lazy, console, progress, buckets, gradients, models/arithmetic
     config      the config schema (the strategy plugins register their options into it)
-    runtime     cluster, lock, preemption, profiling, optimizers, data/, compat/
+    runtime     cluster, lock, preemption, profiling, optimizers, host, data/, compat/
     models      the GPT, its pipeline and tensor-parallel forms, their layout-free state
     layout      the layout object, ZeRO
     callbacks   backup, log, the strategies' callbacks
@@ -31,7 +31,7 @@ LAYERS = [
               "models/arithmetic.py"]),
     ("config", ["config.py"]),
     ("runtime", ["cluster.py", "lock.py", "preemption.py", "profiling.py", "optimizers.py",
-                 "data/", "compat/"]),
+                 "host.py", "data/", "compat/"]),
     ("models", ["models/"]),
     ("layout", ["layout.py", "zero.py"]),
     ("callbacks", ["callbacks/"]),

@@ -33,7 +33,7 @@ import sys
 
 from tfdist.errors import UsageError
 from tfdist.plan.benchmarks import measured
-from tfdist.plan.machine import cpu_device, fit_to_one_process, read_bench
+from tfdist.plan.machine import cpu_device, fit_to_one_process, precision_efficiency, read_bench
 from tfdist.plan.model import GB, Cluster, Model, Options, memory, model_from_config, planned, search
 from tfdist.plan.published import (CPU, DEVICES, MODELS, PUBLISHED, calibrated, validate,
                                    zero_figure1)
@@ -284,7 +284,8 @@ def main(argv):
         s = read_bench(F.bench_dir, "scaling.json")
         if s and model.n_layer:
             mini = model_from_config(_config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
-            eff = fit_to_one_process(device, mini, s)
+            eff = precision_efficiency(F.bench_dir, "float32" if precision == "float32" else
+                                       "bfloat16", fit_to_one_process(device, mini, s))
         else:
             eff = 0.5
     eff = eff or calibrated()

@@ -21,7 +21,8 @@ from tfdist.plan.published import CPU, fit_efficiency
 BENCH_HINT = {"bench.json": "make bench", "scaling.json": "make bench-scaling",
               "scaling-horovod.json": "make bench-scaling-horovod", "allreduce.json": "make bench-allreduce",
               "pipeline.json": "make bench-pipeline", "scaling-ps.json": "make bench-scaling-ps",
-              "tensor.json": "make bench-model-parallel", "zero.json": "make bench-zero"}
+              "tensor.json": "make bench-model-parallel", "zero.json": "make bench-zero",
+              "peer.json": "make bench-peer"}
 FP32 = Options(precision="float32")
 RING = "tf ring (MWMS)"  # TF's collectives and its parameter server both move tensors over gRPC
 # The allreduce*.json column that measured a bench's collective, by the bench's `strategy` label
@@ -88,8 +89,38 @@ def cpu_device(bench_dir):
     cores = bench.get("cores") or os.cpu_count()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     bw = allreduce_bandwidth(bench_dir) or 0.3 * GB  # 0.29-0.35 GB/s measured on this machine
-    return Device(CPU, bench["matmul_peak_flops"] / cores, ram / cores, None, bw, bw, cores,
-                  f"{bench_dir}/bench.json (fp32 2048^3 matmul peak / {cores} cores) and allreduce.json")
+    fp32 = bench["matmul_peak_flops"] / cores
+    bf16 = bf16_over_fp32(bench_dir)  # the bf16 peak, where `make bench-peer` measured it
+    return Device(CPU, fp32 * (bf16 or 1.0), ram / cores, None, bw, bw, cores,
+                  f"{bench_dir}/bench.json (fp32 2048^3 matmul peak / {cores} cores)"
+                  + (f", peer.json (bf16 peak {bf16:.2f}x fp32's)" if bf16 else "")
+                  + " and allreduce.json", fp32_flops=fp32)
+
+
+def _peer_cells(bench_dir, config="gpt_mini.py"):
+    peer = read_bench(bench_dir, "peer.json") or {}
+    return {c["precision"]: c for c in peer.get("cells", []) if c["config"] == config}
+
+
+def bf16_over_fp32(bench_dir):
+    """TF's bf16 matmul peak over its fp32 one, measured in one run by `make bench-peer`; None
+    when it has not run."""
+    cells = _peer_cells(bench_dir)
+    if "bfloat16" not in cells:
+        return None
+    peaks = cells["bfloat16"]["peaks"]
+    return peaks["tfdist_bfloat16"] / peaks["tfdist_float32"]
+
+
+def precision_efficiency(bench_dir, precision, fp32_efficiency):
+    """The fraction of its precision's peak the step reaches: fp32's as fitted; bf16's in the
+    same proportion to it as `make bench-peer` measured for tfdist's gpt_mini step (each against
+    its own precision's peak, in one run). Without peer.json, fp32's."""
+    cells = _peer_cells(bench_dir)
+    if precision == "float32" or not {"float32", "bfloat16"} <= set(cells):
+        return fp32_efficiency
+    mfu = {p: c["rows"]["tfdist"]["mfu"] for p, c in cells.items()}
+    return fp32_efficiency * mfu["bfloat16"] / mfu["float32"]
 
 
 def fit_to_one_process(dev, model, bench):

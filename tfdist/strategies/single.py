@@ -30,6 +30,15 @@ class SingleDevice(Strategy):
             return f"{self.name}: 1 replica, placed by the model over this process's devices"
         return f"{self.name}: 1 replica on /cpu:0"
 
+    def keras_call(self, method, model, upstream, arguments):
+        # Under TF's default strategy Keras's fit builds a subclassed model only at its first
+        # step, after the callbacks' start, where BackupAndRestore refuses an unbuilt model;
+        # under OneDeviceStrategy Keras built it first, so a user's program built it here too.
+        if method == "fit" and not model.built:
+            from tfdist import compat
+            compat.build_for(model, arguments.get("x"))
+        return super().keras_call(method, model, upstream, arguments)
+
     def __init__(self, **unused_options):
         gpus = tf.config.list_physical_devices("GPU")
         # Reads the configuration only: TF's runtime is not started here.
