@@ -1,8 +1,7 @@
 """What makes tfdist's step fast changes no number: the GPT's GELU, LayerNorm and attention with
 their gradients written out (tfdist.models.gpt), the AdamW whose update is one op per variable
-(tfdist.optimizers), the log's per-step work in tf.functions, `single` as TF's default strategy
-on a CPU. Each is compared with the textbook or Keras's own computation, and each check is shown
-to catch a wrong one."""
+(tfdist.optimizers), `single` as TF's default strategy on a CPU. Each is compared with the
+textbook or Keras's own computation, and each check is shown to catch a wrong one."""
 import math
 
 import keras

@@ -17,8 +17,9 @@ import pytest
 from tests.helpers import (DRIVER, ROOT, final_weights, losses, max_diff, metrics, reference_run,
                            steps_by_worker, wait_until)
 from tests.helpers import SINGLE_STEPS as STEPS
-from tools.chaos_partition import (PARTITION_BOUND, PS_EPOCH, PS_LAUNCH, logged_steps,
-                                   partition_trial, ps_flags, ps_verdict, train_flags, uninterrupted)
+from tools.chaos_partition import (PARTITION_BOUND, PS_EPOCH, PS_LAUNCH, PS_STEPS,
+                                   logged_steps, partition_trial, ps_flags, ps_verdict,
+                                   train_flags, uninterrupted)
 from tools.netcluster import NetCluster, leftovers, namespaces, root_links
 
 
@@ -368,13 +369,14 @@ def test_mwms_under_5_percent_packet_loss_ends_bitwise(tmp_path, data_dir, unint
 def test_the_parameter_server_trains_on_while_a_worker_is_cut_off_and_takes_it_back(tmp_path,
                                                                                     data_dir):
     """4 hosts (chief, 2 workers, ps); worker 1's host cut off for 30 s mid-epoch (step 150 of
-    600). gRPC keepalive (the plugin's keepalive_secs, 5 s) fails the chief's call to it, TF's
+    1200: the steps after the heal must outlast worker 1's reconnection; with 600, since issue
+    33's faster step, the run could end before worker 1 was back). gRPC keepalive (the plugin's keepalive_secs, 5 s) fails the chief's call to it, TF's
     coordinator runs that step on worker 0, and the run passes the epoch end (a barrier: every
     step in flight joined) while worker 1 is still cut off; after the heal worker 1 trains again.
     Every step is counted once, no stretch without a logged step exceeds the bound. Without the
     keepalive (keepalive_secs=0) the barrier waits for the cut-off worker until after the heal,
     and the step logged at the heal is still below 200 (measured)."""
-    work, steps = tmp_path / "run", 600
+    work, steps = tmp_path / "run", PS_STEPS
     with NetCluster(4, rate="1gbit") as net:
         r = partition_trial(net, work, data_dir, host=2, at_step=150, seconds=30,
                             strategy="parameter_server", launch=PS_LAUNCH,

@@ -127,21 +127,6 @@ class TrainingLog(keras.callbacks.Callback):
         self._writer = (tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
                         if is_chief and tensorboard else None)
         self._t0 = None
-        self._lr = self._summarize = None  # (each a tf.function: one call a step, not ~20 ops)
-
-    def set_model(self, model):
-        super().set_model(model)
-        optimizer = model.optimizer
-        self._lr = tf.function(lambda: optimizer.learning_rate) if optimizer else None
-        if self._writer is not None:
-            writer = self._writer
-
-            @tf.function
-            def summarize(step, values):
-                with writer.as_default(step=step):
-                    for k, v in zip(("loss", "lr", "tokens_per_sec"), tf.unstack(values)):
-                        tf.summary.scalar("train/" + k, v)
-            self._summarize = summarize
 
     @property
     def losses(self):
@@ -156,7 +141,7 @@ class TrainingLog(keras.callbacks.Callback):
         n = steps_in(logs)
         self.step += n
         logs = logs if logs is not None else {}
-        lr = float(self._lr()) if self._lr else float("nan")
+        lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         record = {"step": self.step, "loss": float(logs.get("loss", np.nan)), "lr": lr,
                   "step_time": dt / n, "tokens_per_sec": n * self.tokens_per_step / dt,
                   "time": round(time.time(), 3)}
@@ -168,9 +153,10 @@ class TrainingLog(keras.callbacks.Callback):
         every = self.flush_every_steps
         if every and self.step // every > (self.step - n) // every:
             self.flush()
-        if self._summarize and self.step % self.log_every_steps == 0:
-            self._summarize(tf.constant(self.step, tf.int64), tf.constant(
-                [record[k] for k in ("loss", "lr", "tokens_per_sec")], tf.float32))
+        if self._writer and self.step % self.log_every_steps == 0:
+            with self._writer.as_default(step=self.step):
+                for k in ("loss", "lr", "tokens_per_sec"):
+                    tf.summary.scalar("train/" + k, record[k])
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None and "val_loss" in logs and self.val_bytes_per_token:
