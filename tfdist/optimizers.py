@@ -38,7 +38,7 @@ class AdamW(keras.optimizers.AdamW):
     """Keras's AdamW, with each variable's Adam update one TensorFlow op: `ResourceApplyAdam`,
     the fused kernel tf.keras 2 used, where Keras 3 runs about a dozen ops, each a pass over the
     variable (as PyTorch's foreach/fused AdamW are to its for-loop one). The same arithmetic
-    (tests/test_model.py); the decoupled weight decay stays Keras's. Other backends, amsgrad and
+    (tests/test_fast_step.py); the decoupled weight decay stays Keras's. Other backends, amsgrad and
     sparse gradients take Keras's own update.
 
         >>> import numpy as np
