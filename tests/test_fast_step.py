@@ -1,5 +1,5 @@
 """What makes tfdist's step fast changes no number: the GPT's GELU, LayerNorm and attention with
-their gradients written out (tfdist.models.gpt), the AdamW whose update is one op per variable
+their gradients written out (tfdist.models.fused; GELU on both its XLA-fused path and its keras.ops one), the AdamW whose update is one op per variable
 (tfdist.optimizers), `single` as TF's default strategy on a CPU. Each is compared with the
 textbook or Keras's own computation, and each check is shown to catch a wrong one."""
 import math
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.models import gpt
+from tfdist.models import fused, gpt
 
 
 def _grads(fn, x, weights=()):
@@ -30,7 +30,16 @@ def _close(a, b, rtol=1e-5):
 X = tf.random.stateless_normal((4, 16, 48), (0, 1)) * 2.0
 
 
-def test_gelu_and_its_gradient_are_kerass_tanh_gelu():
+@pytest.fixture(params=["xla", "ops"])
+def path(request, monkeypatch):
+    """A GELU check runs on both of its paths (tfdist.models.fused): XLA-fused (TF, a known
+    shape) and keras.ops (another backend, an unknown dimension)."""
+    if request.param == "ops":
+        monkeypatch.setattr(fused, "_xla", lambda x: False)
+    return request.param
+
+
+def test_gelu_and_its_gradient_are_kerass_tanh_gelu(path):
     errors = _close(_grads(gpt.gelu, X),
                     _grads(lambda x: keras.activations.gelu(x, approximate=True), X))
     assert max(errors) < 1e-5, errors
@@ -46,10 +55,14 @@ def _layer_norms():
     return ours, theirs
 
 
-def test_layer_norm_and_its_gradients_are_kerass():
+def _layer_norm_errors():
     ours, theirs = _layer_norms()
-    errors = _close(_grads(ours, X, (ours.gamma, ours.beta)),
-                    _grads(theirs, X, (theirs.gamma, theirs.beta)))
+    return _close(_grads(ours, X, (ours.gamma, ours.beta)),
+                  _grads(theirs, X, (theirs.gamma, theirs.beta)))
+
+
+def test_layer_norm_and_its_gradients_are_kerass():
+    errors = _layer_norm_errors()
     assert max(errors) < 1e-5, errors
 
 
@@ -63,11 +76,26 @@ def test_the_gradient_check_finds_a_wrong_gradient(monkeypatch):
         def grad(dy):
             return rstd * (dy - keras.ops.mean(dy, axis=-1, keepdims=True))  # (no xhat term)
         return xc * rstd, grad
-    monkeypatch.setattr(gpt, "_normalize", lambda x, epsilon: wrong(x))
-    ours, theirs = _layer_norms()
-    errors = _close(_grads(ours, X, (ours.gamma, ours.beta)),
-                    _grads(theirs, X, (theirs.gamma, theirs.beta)))
+    monkeypatch.setattr(fused, "_normalize", lambda x, epsilon: wrong(x))
+    errors = _layer_norm_errors()
     assert errors[0] < 1e-5 and errors[1] > 1e-2  # the output right, the input's gradient wrong
+
+
+def test_gelu_is_one_xla_compiled_function_each_way(path):
+    """On TF with a known shape, GELU's forward and backward are each one XLA-compiled call (so
+    one fused loop, not a dozen passes); on the keras.ops path they are separate ops."""
+    @tf.function
+    def step(x):
+        return _grads(gpt.gelu, x)
+    graph = step.get_concrete_function(X).graph
+    compiled = [op for op in graph.get_operations() if op.type in ("PartitionedCall",
+                                                                    "StatefulPartitionedCall")
+                and op.get_attr("_XlaMustCompile") if "_XlaMustCompile" in op.node_def.attr]
+    sigmoids = [op for op in graph.get_operations() if op.type == "Sigmoid"]
+    if path == "xla":
+        assert len(compiled) == 2 and not sigmoids
+    else:
+        assert not compiled and sigmoids
 
 
 def _textbook_attention(q, k, v, n_head):
@@ -149,7 +177,7 @@ def test_single_on_a_cpu_is_tfs_default_strategy():
     assert s.describe() == "single: 1 replica on /cpu:0"
 
 
-def test_gelu_of_bfloat16_is_computed_in_float32():
+def test_gelu_of_bfloat16_is_computed_in_float32(path):
     x = tf.cast(X, tf.bfloat16)
     y = gpt.gelu(x)
     assert y.dtype == tf.bfloat16

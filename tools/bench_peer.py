@@ -20,7 +20,8 @@ included.
 * `tfdist+jit` (--jit): as `tfdist` with `jit_compile=True`.
 
 The matmul peaks (2048^3, fp32 and bf16, TF's and torch's) are measured in the same run, before
-and after each cell, best of both. MFU = tokens/s * training FLOPs per token / the TF peak of the
+and after each cell, best of both; so are the step's own dense-layer matmuls (`linear_products`:
+forward and backward, one after another) in the cell's precision, TF's against torch's. MFU = tokens/s * training FLOPs per token / the TF peak of the
 cell's precision. It prints a table and writes bench_results/peer.json.
 """
 import json
@@ -43,6 +44,17 @@ _JIT = flags.DEFINE_bool("jit", False, "Also time tfdist with jit_compile=True."
 _PEER_PYTHON = flags.DEFINE_string("peer_python", os.path.join(ROOT, ".venv-peer", "bin", "python"),
                                    "The Python that has torch (make bench-peer makes it).")
 _REPLY_TIMEOUT = 1800  # s: the longest a worker may take to answer (a cell's warm-up included)
+
+
+def linear_products(c):
+    """The matmuls of one training step's dense layers (the attention's own products aside):
+    each layer's forward x @ W, and its backward dY @ W^T and X^T @ dY, as [m, k, n, ta, tb]."""
+    N, C = c.train.batch_size * c.model.block_size, c.model.n_embd
+    layer = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]  # qkv, attention out, MLP in, MLP out
+    out = []
+    for k, n in layer * c.model.n_layer + [(C, c.model.vocab_size)]:  # (the tied head)
+        out += [[N, k, n, 0, 0], [N, n, k, 0, 1], [k, N, n, 1, 0]]
+    return out
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -128,13 +140,17 @@ def run_cell(shape_path, precision, log_dir):
             workers[name] = Worker(name, argv, {"shape": peer_shape(c), "precision": precision,
                                                 "data": data, "warmup": WARMUP.value}, log_dir)
             print(f"  {name}: ready", flush=True)
-        peaks = {}
+        peaks, linear = {}, {}
+        products = linear_products(c)
 
         def measure_peaks():
             for dtype in ("float32", "bfloat16"):
                 for who in ("tfdist", "torch"):
                     f = workers[who].ask({"peak": dtype})["flops"]
                     peaks[(who, dtype)] = max(peaks.get((who, dtype), 0), f)
+            for who in ("tfdist", "torch"):  # the model's own products, in the cell's precision
+                s = workers[who].ask({"products": products, "dtype": precision})["seconds"]
+                linear[who] = min(linear.get(who, float("inf")), s)
         measure_peaks()
         times = {name: [] for name in names}
         for r in range(ROUNDS.value):
@@ -165,6 +181,7 @@ def run_cell(shape_path, precision, log_dir):
             "params": arch.params(), "batch": c.train.batch_size, "context": c.model.block_size,
             "flops_per_token": fpt,
             "peaks": {f"{who}_{dtype}": f for (who, dtype), f in peaks.items()},
+            "linear_matmuls_s": linear,
             "tfdist_overhead_vs_keras": 1 - rows["tfdist"]["tokens_per_sec"] / keras_tps,
             "rows": rows}
 
@@ -191,6 +208,9 @@ def drive():
               f"{100 * cell['tfdist_overhead_vs_keras']:+.1f}% of the step's throughput; peaks "
               + ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in sorted(cell["peaks"].items()))
               + " GFLOP/s")
+        lin = cell["linear_matmuls_s"]
+        print(f"{'':12s} {'':9s} the step's dense-layer matmuls alone: TF {lin['tfdist']:.3f} s, "
+              f"torch {lin['torch']:.3f} s (torch {lin['tfdist'] / lin['torch']:.2f}x TF's speed)")
     write_json({"cores": os.cpu_count(), "steps": STEPS.value, "rounds": ROUNDS.value,
                 "cells": cells}, "bench_results/peer.json")
 

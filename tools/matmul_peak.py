@@ -37,6 +37,33 @@ def measure(n=2048, repeats=10, dtype=None):
     return 2 * n ** 3 / best
 
 
+def measure_products(shapes, dtype=None, repeats=5):
+    """Seconds of the best of `repeats` runs of the products `shapes` ([m, k, n, transpose_a,
+    transpose_b] each: an (m x k) times (k x n) product whose operands are stored transposed as
+    said), one after another in one `tf.function`, TF's default threads."""
+    import time
+    import tensorflow as tf
+    dtype = dtype or tf.float32
+    operands = [(tf.random.normal((k, m) if ta else (m, k), dtype=dtype),
+                 tf.random.normal((n, k) if tb else (k, n), dtype=dtype))
+                for m, k, n, ta, tb in shapes]
+
+    @tf.function
+    def run(operands):  # (arguments, not captured constants, which Grappler would fold)
+        corners = [tf.constant(0, dtype)]  # (returned: an op that feeds only a control
+        for (a, b), (_, _, _, ta, tb) in zip(operands, shapes):  # input would be pruned)
+            with tf.control_dependencies(corners[-1:]):  # one at a time, as torch runs them
+                corners.append(tf.matmul(a, b, transpose_a=bool(ta), transpose_b=bool(tb))[0, 0])
+        return tf.stack(corners)
+    run(operands).numpy()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run(operands).numpy()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def committed():
     """bench_results/bench.json's peak in FLOP/s, or None."""
     try:

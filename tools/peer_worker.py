@@ -10,7 +10,9 @@ It reads requests from its standard input, a JSON object a line, and answers eac
 descriptor REPLY_FD (its standard output is the run's own log): the first line is the driver's
 `{"warmup": N, ...}`, answered `{"ready": true}` once N steps have run; then `{"steps": n}` is
 answered with the n steps' times (`{"times": [...]}`: from one batch's start to the next's, so
-callbacks, logging and input count), and `{"peak": "float32"}` with this process's matmul FLOP/s.
+callbacks, logging and input count), `{"peak": "float32"}` with this process's matmul FLOP/s,
+and `{"products": [[m, k, n, ta, tb], ...], "dtype": "float32"}` with the seconds those products
+take (tools/matmul_peak.py's `measure_products`).
 At the end of its input it exits. Training pauses between batches while it waits.
 """
 import importlib.util
@@ -38,7 +40,7 @@ def load_config(path):
 def serve(shape, precision, variant, reply_fd):
     import keras
     import tensorflow as tf
-    from tools.matmul_peak import measure
+    from tools.matmul_peak import measure, measure_products
 
     reply = os.fdopen(reply_fd, "w")
     first = json.loads(sys.stdin.readline())
@@ -68,6 +70,9 @@ def serve(shape, precision, variant, reply_fd):
                 msg = json.loads(line)
                 if "peak" in msg:
                     say({"flops": measure(dtype=getattr(tf, msg["peak"]))})
+                    continue
+                if "products" in msg:
+                    say({"seconds": measure_products(msg["products"], getattr(tf, msg["dtype"]))})
                     continue
                 self.wanted = msg["steps"]
                 self.begins = [time.perf_counter()]

@@ -10,6 +10,7 @@ one JSON object a line, so that the driver can interleave it with tfdist:
     -> {"ready": true, "params": 10818816, "torch": "2.13.0", "threads": 2}
     {"steps": 6}  -> {"times": [0.61, ...], "loss": 4.12}
     {"peak": "bfloat16"} -> {"flops": 1.4e12}
+    {"products": [[m, k, n, ta, tb], ...], "dtype": "bfloat16"} -> {"seconds": 0.21}
     (end of input: exit)
 
 The GPT matches tfdist.models.gpt.GPT: learned positions, pre-LayerNorm blocks, GELU (tanh), the
@@ -136,6 +137,28 @@ def matmul_peak(dtype, n=2048, repeats=10):
     return 2 * n ** 3 / best
 
 
+def products(shapes, dtype, repeats=5):
+    """Seconds of the best of `repeats` runs of the products `shapes` ([m, k, n, transpose_a,
+    transpose_b] each), one after another: tools/matmul_peak.py's `measure_products` in torch."""
+    operands = []
+    for m, k, n, ta, tb in shapes:
+        a = torch.randn((k, m) if ta else (m, k), dtype=dtype)
+        b = torch.randn((n, k) if tb else (k, n), dtype=dtype)
+        operands.append((a.t() if ta else a, b.t() if tb else b))
+
+    def run():
+        with torch.no_grad():
+            for a, b in operands:
+                a @ b
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def serve(stdin=sys.stdin, stdout=sys.stdout):
     def say(obj):
         stdout.write(json.dumps(obj) + "\n")
@@ -150,6 +173,9 @@ def serve(stdin=sys.stdin, stdout=sys.stdout):
         msg = json.loads(line)
         if "peak" in msg:
             say({"flops": matmul_peak(getattr(torch, msg["peak"]))})
+            continue
+        if "products" in msg:
+            say({"seconds": products(msg["products"], getattr(torch, msg["dtype"]))})
             continue
         times, loss = [], None
         for _ in range(msg["steps"]):

@@ -22,78 +22,18 @@ import tensorflow as tf
 from keras import ops
 
 from tfdist.models.arithmetic import Transformer
-
-
-# Three parts of the GPT written for fewer passes over the activations. On a CPU each elementwise
-# op of the step reads and writes its whole tensor once, and TF's autodiff of the textbook
-# formulas makes many such passes: in a profile of gpt_mini (tools/profile_step.py) GELU,
-# LayerNorm and the attention's mask and scale took about a third of the step's op time,
-# beside the matmuls. The functions are the same; their gradients are written out
-# (keras.ops.custom_gradient, any backend).
-_K1 = 2 * math.sqrt(2 / math.pi)  # GELU's tanh approximation: 0.5 (1 + tanh(u)) = sigmoid(2 u)
-_K2 = _K1 * 0.044715
-
-
-def _sigmoid_grad(s, dy):
-    """dy * s * (1 - s), one op on TensorFlow."""
-    if keras.backend.backend() == "tensorflow":
-        return tf.raw_ops.SigmoidGrad(y=s, dy=dy)
-    return dy * s * (1 - s)
-
-
-def gelu(x):
-    """GELU, GPT-2's tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
-    written as x * sigmoid(x (k1 + k2 x^2)) with its derivative written out. Computed in float32
-    also for a bfloat16 or float16 x (TF's CPU kernels of those are slower: 37 ms against 58 for
-    gpt_mini's 4096 x 1536 forward and backward here).
-
-        >>> float(gelu(ops.convert_to_tensor(1.0)))  # doctest: +ELLIPSIS
-        0.8411...
-    """
-    if keras.backend.standardize_dtype(x.dtype) in ("bfloat16", "float16"):
-        return ops.cast(_gelu(ops.cast(x, "float32")), x.dtype)
-    return _gelu(x)
-
-
-@ops.custom_gradient
-def _gelu(x):
-    t = ops.square(x)
-    s = ops.sigmoid(x * (_K1 + _K2 * t))
-
-    def grad(*args, upstream=None):
-        dy = args[0] if upstream is None else upstream
-        return dy * s + _sigmoid_grad(s, dy * x) * (_K1 + 3 * _K2 * t)
-    return x * s, grad
-
-
-def _normalize(x, epsilon):
-    """(x - mean) / sqrt(var + epsilon) over the last axis, with its gradient written out."""
-    @ops.custom_gradient
-    def normalize(x):
-        xc = x - ops.mean(x, axis=-1, keepdims=True)
-        rstd = ops.rsqrt(ops.mean(ops.square(xc), axis=-1, keepdims=True) + epsilon)
-        xhat = xc * rstd
-
-        def grad(*args, upstream=None):
-            dy = args[0] if upstream is None else upstream
-            return rstd * (dy - ops.mean(dy, axis=-1, keepdims=True)
-                           - xhat * ops.mean(dy * xhat, axis=-1, keepdims=True))
-        return xhat, grad
-    return normalize(x)
+from tfdist.models.fused import gelu, layer_norm, masked_softmax
 
 
 @keras.saving.register_keras_serializable("tfdist")
 class LayerNorm(keras.layers.LayerNormalization):
-    """Keras's LayerNormalization over the last axis (the same weights, computed in float32 also
-    under mixed precision), with the normalization's gradient written out (`_normalize`)."""
+    """Keras's LayerNormalization over the last axis (the same weights), computed in float32 also
+    under mixed precision, one pass forward and one backward (`tfdist.models.fused.layer_norm`)."""
 
     def call(self, inputs):
-        y = _normalize(ops.cast(inputs, "float32"), self.epsilon)
-        if self.scale:
-            y = y * ops.cast(self.gamma, "float32")
-        if self.center:
-            y = y + ops.cast(self.beta, "float32")
-        return ops.cast(y, self.compute_dtype)
+        return ops.cast(layer_norm(inputs, self.gamma if self.scale else None,
+                                   self.beta if self.center else None, self.epsilon),
+                        self.compute_dtype)
 
 
 def _causal_bias(T):
@@ -111,8 +51,8 @@ def attention(q, k, v, n_head, dropout, training=False):
     q = q * ops.cast(1.0 / math.sqrt(hd), q.dtype)  # scaled here: T/hd times fewer numbers
     # (B, T, C) -> (B, H, T, hd)
     q, k, v = (ops.transpose(ops.reshape(t, (B, T, n_head, hd)), (0, 2, 1, 3)) for t in (q, k, v))
-    att = ops.cast(ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))), "float32") + _causal_bias(T)
-    att = dropout(ops.cast(ops.softmax(att, axis=-1), v.dtype), training=training)
+    att = masked_softmax(ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))), _causal_bias(T), v.dtype)
+    att = dropout(att, training=training)
     return ops.reshape(ops.transpose(ops.matmul(att, v), (0, 2, 1, 3)), (B, T, C))
 
 
