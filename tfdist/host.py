@@ -16,11 +16,11 @@ figures are `make bench-peer`'s on this project's machines (bench_results/peer.j
 """
 
 #: CPU flags (/proc/cpuinfo) of a native bfloat16 matmul: oneDNN then runs bf16 at about 4x the
-#: fp32 rate (1,133-1,202 against 284-315 GFLOP/s for a 2048^3 matmul here).
+#: fp32 rate (1,051-1,156 against 280-318 GFLOP/s for a 2048^3 matmul here).
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-#: The widest model for which XLA (jit_compile) ran the fp32 step clearly faster here: gpt_demo
-#: (width 128) 1.26x; gpt_mini (width 384) 0.98x and 1.07x in two runs; in bf16 XLA was slower
-#: (0.87x and 0.59x: its CPU matmuls do not use AMX).
+#: The widest model for which XLA (jit_compile) ran the fp32 step faster here: gpt_demo (width
+#: 128) 1.07x (1.26x before GELU was fused: tfdist.models.fused); gpt_mini (width 384) 0.95x; in
+#: bf16 XLA was slower (0.76x and 0.45x: its CPU matmuls do not use AMX).
 XLA_MAX_WIDTH = 128
 
 
@@ -45,10 +45,10 @@ def recommendations(c, flags=None, device="cpu"):
     bf16 = sorted(set(BF16_FLAGS) & set(flags))
     if bf16 and t.precision == "float32":
         found.append(("train.precision", "mixed_bfloat16",
-                      f"this CPU has {' and '.join(bf16)}; in bfloat16 the step ran 1.2x (gpt_demo) "
-                      f"to 1.7x (gpt_mini) faster here, and `make demo` ended within 0.2 % of float32's loss"))
+                      f"this CPU has {' and '.join(bf16)}; in bfloat16 the step ran 1.3x (gpt_demo) "
+                      f"to 2.1x (gpt_mini) faster here, and `make demo` ended within 0.2 % of float32's loss"))
     if t.precision == "float32" and not t.jit_compile and c.model.n_embd <= XLA_MAX_WIDTH:
         found.append(("train.jit_compile", True,
                       ("if you keep float32: " if bf16 else "") + f"a model {c.model.n_embd} "
-                      f"wide ran 1.26x faster in float32 with XLA here"))
+                      f"wide ran 1.07x faster in float32 with XLA here"))
     return found

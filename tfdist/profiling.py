@@ -84,7 +84,8 @@ def read(logdir):
                     half = pending.setdefault(key, {"type": s.get("kernel_type"), "thread": line.name})
                     half["start" if label.endswith("Start") else "end"] = \
                         start if label.endswith("Start") else end
-                elif ":" in label and not label.startswith(("ExecutorState", "EagerLocalExecute")):
+                elif (":" in label and "::" not in label  # ("Class::Method": a runtime's own
+                      and not label.startswith(("ExecutorState", "EagerLocalExecute"))):  # span)
                     name, _, op_type = label.rpartition(":")  # "node name:op type"
                     if op_type not in ALL_REDUCE_TYPES:  # (a collective's own event: see above)
                         events.append(Event(name, op_type, start, end, line.name))
