@@ -1,17 +1,17 @@
 """Pipeline (GPipe) model parallelism: gradients and losses equal the unsplit GPT's, every stage's
 variables and ops are on its device, a backup restores into another split and into the plain
-model, and bad pipeline configs are one line. (Pipeline stages under data parallelism across 2
+model, bad pipeline configs are one line, and the CPU is split before MultiWorkerMirrored starts. (Pipeline stages under data parallelism across 2
 processes: tests/test_tensor_parallel.py's 3D test.)"""
 import json
 import os
 import re
+import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from tests.helpers import (ROOT, assert_usage_error, driver, final_weights, first_fast, max_diff,
-                           run, tfdist, weights)
+from tests.helpers import (ROOT, assert_usage_error, driver, final_weights, first_fast, free_port,
+                           max_diff, run, tfdist, weights)
 
 PROBE = os.path.join(ROOT, "tests", "pipeline_probe.py")
 
@@ -109,3 +109,36 @@ def test_bad_pipeline_configs_are_one_line(tmp_path, flags, needle):
                "--config.train.batch_size=8", *flags, check=False)
     assert_usage_error(p, needle)
     assert not os.listdir(tmp_path)
+
+
+_SPLIT_THEN_MWMS = """
+import json, os, sys
+from tfdist.layout import Layout
+import tensorflow as tf
+os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": ["127.0.0.1:%d"]},
+                                      "task": {"type": "worker", "index": 0}})
+layout = Layout(pp=2, microbatches=2)
+if sys.argv[1] == "listed first":  # the order of tfdist train before the fix
+    layout.split_cpu()
+    layout.place_devices()
+else:  # tfdist train's order
+    layout.split_cpu()
+tf.distribute.MultiWorkerMirroredStrategy()
+print(json.dumps(layout.place_devices()))
+"""
+
+
+@pytest.mark.parametrize("order", ["train's", "listed first"])
+def test_a_split_cpu_leaves_tf_unstarted_for_multi_worker_mirrored(order):
+    """`tfdist train` splits the CPU for a pipeline before the strategy, and lists the devices
+    after it: MultiWorkerMirrored configures its collectives at TF's startup, which listing a
+    device starts ("Collective ops must be configured at program startup"). Companion: listed
+    first, it fails."""
+    p = subprocess.run([sys.executable, "-c", _SPLIT_THEN_MWMS % free_port(), order],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if order == "listed first":
+        assert p.returncode and "Collective ops must be configured at program startup" in p.stderr
+    else:
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert [d.rsplit("/", 1)[1] for d in json.loads(p.stdout.splitlines()[-1])] == \
+            ["device:CPU:0", "device:CPU:1"]

@@ -9,8 +9,8 @@ replicas. `tfdist train` builds one with `Layout.from_config`, from the config a
 strategy plugin declares it can do (`supports_pipeline`, `zero_collectives`, ...), and nothing
 else judges a layout: every refusal below is one line naming the keys and what to do. The number
 of replicas is known once the strategy is built (then it is built again with them). Then the layout places the
-devices (`place_devices`: GPUs, or the CPU split into logical devices) and builds the model for
-itself (`build_model`).
+devices (`split_cpu` before the strategy, `place_devices` after it: GPUs, or the CPU split into
+logical devices) and builds the model for itself (`build_model`).
 
 `tfdist plan` enumerates and prices the same class (`Layout.planned`), prints the command that
 runs a layout from `config_overrides()`, and calls runnable only what `accepts` (these checks).
@@ -223,25 +223,33 @@ class Layout:
                 f"{' recompute' if self.recompute else ''}")
 
     # -- devices and the model (TensorFlow from here) ---------------------------------------------
-    def place_devices(self, plugin):
-        """The pp x tp device names of this process's replica, stage by stage: `devices` as
-        given (they must exist), else the first GPUs, else the CPU split into that many logical
-        devices (before TensorFlow starts its runtime). [] when the model is not split."""
-        if not self.split:
-            return []
+    def split_cpu(self):
+        """Before TensorFlow starts its runtime (and so before the strategy: MultiWorkerMirrored
+        configures its collectives at startup): the CPU split into pp x tp logical devices, where
+        the model is split, no `devices` are given and there is no GPU. Lists no device, which
+        would start the runtime."""
+        if not self.split or self.devices:
+            return
         n = self.pp * self.tp
-        if self.devices:
-            _check_devices_exist(self.devices)
-            return list(self.devices)
-        gpus = len(tf.config.list_physical_devices("GPU"))
+        gpus = len(tf.config.list_physical_devices("GPU"))  # (physical: the runtime waits)
         if gpus and gpus < n:
             raise UsageError(f"pipeline.stages x tensor.parallel = {self.pp} x {self.tp} needs {n} "
                              f"devices and this process sees {gpus} GPU(s); lower them or give "
                              f"pipeline.devices")
         if not gpus:
             configure_logical_cpus(n)  # one logical CPU device per stage and shard
-        kind = "GPU" if gpus else "CPU"
-        return [d.name for d in tf.config.list_logical_devices(kind)[:n]]
+
+    def place_devices(self):
+        """The pp x tp device names of this process's replica, stage by stage (after `split_cpu`
+        and the strategy): `devices` as given (they must exist), else the first GPUs, else the
+        CPU's logical devices. [] when the model is not split."""
+        if not self.split:
+            return []
+        if self.devices:
+            _check_devices_exist(self.devices)
+            return list(self.devices)
+        kind = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
+        return [d.name for d in tf.config.list_logical_devices(kind)[:self.pp * self.tp]]
 
     def build_model(self, model_config, devices=()):
         """The GPT of `model_config` (the config's `model` section) for this layout: itself, or

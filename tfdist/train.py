@@ -169,10 +169,11 @@ def _start(c, hooks):
     # Before anything initialises TF's runtime: thread pools, devices, then the strategy.
     tf.config.threading.set_intra_op_parallelism_threads(c.train.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(c.train.inter_op_threads)
-    devices = layout.place_devices(plugin)
+    layout.split_cpu()
     strategy = strategies.from_config(c)
     strategy.serve()  # a task that only serves others (parameter server) ends here
     layout = Layout.from_config(c, plugin, replicas=strategy.num_replicas)
+    devices = layout.place_devices()
 
     import keras
     from tfdist.data import open_store

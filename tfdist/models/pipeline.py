@@ -81,7 +81,7 @@ def balanced_split(costs, stages, first_extra=0.0, last_extra=0.0):
 
 def default_devices(n):
     """The first `n` devices of this process: its GPUs if it has enough, else its (logical)
-    CPUs. (`tfdist.layout.Layout.place_devices` judges and places a run's devices.)"""
+    CPUs. (`tfdist.layout.Layout.split_cpu` and `place_devices` judge and place a run's devices.)"""
     for kind in ("GPU", "CPU"):
         found = tf.config.list_logical_devices(kind)
         if len(found) >= n:
