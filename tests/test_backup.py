@@ -324,3 +324,37 @@ def test_a_signal_in_an_epochs_last_step_stops_after_its_validation():
             model.fit(x, x[:, :1], batch_size=1, epochs=2, validation_data=(x, x[:, :1]),
                       callbacks=[Watch(), stop], verbose=0)
         assert events == expected, (signal_at, events)
+
+
+_STOPPED_THEN_TERMINATED = """
+import os, signal, sys, time
+import keras, numpy as np
+from tfdist.preemption import Preemption
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+class Signal(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+stop = Preemption(["USR1"], save=lambda: 2, say=lambda m: None)
+try:
+    with stop:
+        model.fit(np.ones((4, 2)), np.ones((4, 1)), batch_size=1, verbose=0,
+                  callbacks=[Signal(), stop])
+finally:  # the process's slow teardown, during which srun terminates it
+    if sys.argv[1] == "restore":  # the companion: the handlers as they were before the fix
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+"""
+
+
+@pytest.mark.parametrize("mode", ["as built", "restore"])
+def test_a_term_after_the_preemption_backup_keeps_status_75(mode):
+    """srun --kill-on-bad-exit terminates the tasks still exiting once one has exited 75 (a
+    preemption both backed up: tests/test_slurm.py's USR1 trial saw 143); a TERM after the backup
+    is written ends the task with 75 at once. Companion: with SIGTERM's default handler back,
+    the task dies of the signal."""
+    p = subprocess.run([sys.executable, "-c", _STOPPED_THEN_TERMINATED, mode],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == (75 if mode == "as built" else -signal.SIGTERM), p.stderr[-2000:]

@@ -56,7 +56,8 @@ class Launch:
         # the chief's "[c0] Epoch <k>/<epochs>", then "[c0] step <done in the epoch>/<per_epoch>"
         self._per_epoch, self._epoch = per_epoch, 0
         self._epoch_line = re.compile(r"^\[c0\] Epoch (\d+)/")
-        self._bar = re.compile(rf"^\[c0\]\s+(?:step\s+)?(\d+)/{per_epoch}\b")
+        self._bar = re.compile(  # Keras's bar ("50/1500"), or tfdist's lines ("step 50/1,500")
+            rf"^\[c0\]\s+(?:step\s+)?([\d,]+)/(?:{per_epoch}|{per_epoch:,})\b")
         self._reader = threading.Thread(target=self._read, args=(master,), daemon=True)
         self._reader.start()
 
@@ -86,7 +87,8 @@ class Launch:
             if epoch:
                 self._epoch = int(epoch.group(1)) - 1
             if bar:
-                self.step = max(self.step, self._epoch * self._per_epoch + int(bar.group(1)))
+                self.step = max(self.step, self._epoch * self._per_epoch
+                                + int(bar.group(1).replace(",", "")))
 
     @property
     def out(self):

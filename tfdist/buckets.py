@@ -23,7 +23,11 @@ Example: 4 gradients of 10, 10, 30 and 5 MiB in buckets of 25 MiB, the last vari
     [[3, 2], [1, 0]]
 """
 
+from tfdist.lazy import tf
+
 MIB = 1 << 20
+#: The name scope of the gradients' collectives (tfdist.profiling finds them by it).
+GRADIENT_SCOPE = "tfdist_reduce"
 BUCKET_MB = 25.0  # PyTorch DDP's default
 #: Values of `strategy.overlap`: `auto` overlaps wherever tfdist's gradient path allows it (not
 #: under ZeRO, whose reduce-scatter takes every gradient at once), `on` insists (refused with
@@ -104,7 +108,8 @@ def reduce(grads_and_vars, reduce_group, bucket_bytes=None, log=None):
     groups = plan(sizes, bucket_bytes) if bucket_bytes else [list(range(len(present)))]
     out = list(grads_and_vars)
     for group in groups:
-        reduced = reduce_group([grads_and_vars[present[k]][0] for k in group])
+        with tf.name_scope(GRADIENT_SCOPE):  # (tfdist.profiling finds the gradients' collectives)
+            reduced = reduce_group([grads_and_vars[present[k]][0] for k in group])
         for k, g in zip(group, reduced):
             out[present[k]] = (g, grads_and_vars[present[k]][1])
     return out

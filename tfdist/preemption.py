@@ -81,9 +81,21 @@ class Preemption(keras.callbacks.Callback):
             self._previous[number] = signal.signal(number, self._on_signal)
         return self
 
-    def __exit__(self, *exc):
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
+    def __exit__(self, exc_type, exc, tb):
+        if isinstance(exc, Preempted) and self._previous:
+            # The backup is written and the process is on its way out (TF's teardown can take
+            # seconds). A TERM now, as srun's --kill-on-bad-exit sends to the tasks still exiting
+            # once one has exited 75, must not turn this task's 75 into 143 (a failure to the
+            # job script): these signals end it at once with 75.
+            def exit_preempted(number, frame):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(EXIT_PREEMPTED)
+            for number in {*self._previous, signal.SIGTERM}:
+                signal.signal(number, exit_preempted)
+        else:
+            for number, handler in self._previous.items():
+                signal.signal(number, handler)
         self._previous = {}
         if self._timer is not None:
             self._timer.cancel()

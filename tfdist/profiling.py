@@ -11,16 +11,16 @@ tab shows. This module reads that capture (TF's XSpace protobuf), without Tensor
   and its completion, and its span here runs from one to the other.
 * `overlap(events)`: the backward pass (ops of the gradient: `gradient_tape/` under Keras's
   `GradientTape`, `gradients/` under `tf.gradients`), the gradient all-reduces (the collectives
-  inside the optimizer's update), and how they overlap: how many were issued and how many had
-  completed before the last backward op ended, and the share of the communication time that ran
-  during the backward pass. An ordering read from the trace, not a timing.
+  under tfdist's gradient scopes, `GRADIENT_SCOPES`), and how they overlap: how many were
+  issued and how many had completed before the last backward op ended, and the share of the
+  communication time that ran during the backward pass. An ordering read from the trace, not a timing.
 * `chrome_trace({worker: events})`: the Trace Event JSON that chrome://tracing and Perfetto open.
 
 Example (a trace of two ops, made by hand):
 
     >>> from tfdist import profiling
     >>> events = [profiling.Event("gradient_tape/h_0/MatMul", "MatMul", 0.0, 10.0, "tf_Compute/1"),
-    ...           profiling.Event("adam_w/HorovodGroupedAllreduce_g_0", "HorovodGroupedAllreduce",
+    ...           profiling.Event("tfdist_reduce/CollectiveReduceV2", "CollectiveReduceV2",
     ...                           4.0, 12.0, "tf_Compute/1")]
     >>> r = profiling.overlap(events)
     >>> r["issued_during_backward"], r["completed_during_backward"], r["hidden_fraction"]
@@ -39,10 +39,13 @@ ALL_REDUCE_TYPES = ("CollectiveReduceV2", "CollectiveReduce", "HorovodAllreduce"
 #: Where the backward pass's ops live in a Keras train step (GradientTape) or a pipeline's
 #: (tf.gradients).
 BACKWARD_SCOPES = ("gradient_tape/", "gradients/")
-#: Where the gradient all-reduce lives: inside the optimizer's update (Keras's AdamW is `adam_w`;
-#: any optimizer's scope ends with its name). Other collectives of a step (the loss's mean,
-#: metrics) sit outside it.
+#: The optimizer's update (Keras's AdamW is `adam_w`; any optimizer's scope ends with its name).
 OPTIMIZER_SCOPE = "adam_w/"
+#: Where the gradient all-reduces live: tfdist's step reduces every bucket of gradients under
+#: `tfdist.buckets.GRADIENT_SCOPE`; Horovod's collectives take their names from tfdist's own
+#: absolute scope (`tfdist/strategies/horovod.py`). Other collectives of a step (the loss's
+#: mean, metrics) have neither.
+GRADIENT_SCOPES = ("tfdist_reduce", "tfdist_allreduce")
 
 
 def newest_capture(logdir):
@@ -99,16 +102,16 @@ def is_backward(event):
     return any(scope in event.name for scope in BACKWARD_SCOPES)
 
 
-def is_gradient_all_reduce(event, scope=OPTIMIZER_SCOPE):
-    return event.type in ALL_REDUCE_TYPES and scope in event.name
+def is_gradient_all_reduce(event, scopes=GRADIENT_SCOPES):
+    return event.type in ALL_REDUCE_TYPES and any(s in event.name for s in scopes)
 
 
-def overlap(events, scope=OPTIMIZER_SCOPE):
-    """How the gradient all-reduces of one step (the all-reduces inside the optimizer's `scope`)
+def overlap(events, scopes=GRADIENT_SCOPES):
+    """How the gradient all-reduces of one step (the all-reduces under one of `scopes`)
     sat against its backward pass (see the module docstring). Times in us from the capture's
     start."""
     backward = [e for e in events if is_backward(e)]
-    reduces = sorted((e for e in events if is_gradient_all_reduce(e, scope)),
+    reduces = sorted((e for e in events if is_gradient_all_reduce(e, scopes)),
                      key=lambda e: e.start)
     if not backward or not reduces:
         raise ValueError(f"the trace has {len(backward)} backward op(s) and {len(reduces)} "
