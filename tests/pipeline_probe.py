@@ -4,7 +4,8 @@ before TF starts). Prints one `PROBE {...}` JSON line.
     python tests/pipeline_probe.py grads  K M [recompute] [t=T] [schedule=1f1b]
                                                    # pipelined (and tensor-parallel) vs unsplit
     python tests/pipeline_probe.py schedules K M [t=T]     # 1F1B vs GPipe gradients
-    python tests/pipeline_probe.py losses K M [t=T]        # 10 fit steps, split vs unsplit
+    python tests/pipeline_probe.py losses K M [t=T] [sp [without_reduce_scatter]]
+                                                   # 10 fit steps, split vs unsplit
     python tests/pipeline_probe.py placement K M           # devices of variables and of ops
     python tests/pipeline_probe.py tensor_placement K M t=T  # where each shard's ops ran
 """
@@ -30,14 +31,14 @@ from tfdist.step import TrainStep  # noqa: E402
 SIZES = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
 
-def models(k, m, recompute=False, t=1, schedule="gpipe"):
+def models(k, m, recompute=False, t=1, schedule="gpipe", sp=False):
     keras.utils.set_random_seed(0)
     plain = GPT(**SIZES)
     plain.build()
     keras.utils.set_random_seed(0)
     with tfdist.strategies.get("single").scope():  # as `tfdist train` builds it
         piped = Pipeline(GPT(**SIZES), stages=k, microbatches=m, recompute=recompute,
-                         tensor_parallel=t, schedule=schedule)
+                         tensor_parallel=t, schedule=schedule, sequence_parallel=sp)
         piped.build()
     return plain, piped
 
@@ -45,7 +46,8 @@ def models(k, m, recompute=False, t=1, schedule="gpipe"):
 def attach_step(piped):
     """tfdist's training step for `piped` (compiled), as `tfdist train` attaches it."""
     layout = Layout(pp=piped.stages, tp=piped.tensor_parallel, microbatches=piped.microbatches,
-                    schedule=piped.schedule, recompute=piped.recompute)
+                    schedule=piped.schedule, recompute=piped.recompute,
+                    sp=piped.sequence_parallel, seq=SIZES["block_size"])
     with tfdist.strategies.get("single").scope():
         TrainStep(piped, tfdist.strategies.get("single"), layout)
 
@@ -93,22 +95,27 @@ def schedules(k, m, t=1):
             "n": len(out["1f1b"][1])}
 
 
-def losses(k, m, t=1, optimizer="sgd"):
+def losses(k, m, t=1, optimizer="sgd", sp=False):
     """SGD by default: Adam divides by sqrt(v), so a gradient element of 1e-8 moves its weight
-    as much as a large one, and float rounding in the gradient (1e-8) becomes 1e-4 in the loss."""
-    plain, piped = models(k, m, t=t)
+    as much as a large one, and float rounding in the gradient (1e-8) becomes 1e-4 in the loss.
+    With `sp`, also the same pipeline without sequence parallelism ("tensor")."""
+    plain, piped = models(k, m, t=t, sp=sp)
+    runs = [("plain", plain), ("pipeline", piped)]
+    if sp:
+        runs.append(("tensor", models(k, m, t=t)[1]))
     out = {}
     xs, ys = zip(*[batch(seed=s) for s in range(10)])
     ds = tf.data.Dataset.from_tensor_slices((tf.stack(xs), tf.stack(ys)))
-    for name, model in (("plain", plain), ("pipeline", piped)):
+    for name, model in runs:
         opt = keras.optimizers.SGD(0.5) if optimizer == "sgd" else keras.optimizers.Adam(1e-3)
         model.compile(optimizer=opt, loss=loss_fn())
-        if model is piped:
-            attach_step(piped)
+        if model is not plain:
+            attach_step(model)
         h = model.fit(ds, epochs=10, steps_per_epoch=1, verbose=0, shuffle=False)
         out[name] = [float(v) for v in h.history["loss"]]
-    return {"plain": out["plain"], "pipeline": out["pipeline"],
-            "max_diff": max(abs(a - b) for a, b in zip(out["plain"], out["pipeline"]))}
+    diff = lambda a, b: max(abs(x - y) for x, y in zip(out[a], out[b]))  # noqa: E731
+    return {**out, "max_diff": diff("plain", "pipeline"), "describe": piped.describe(),
+            **({"sp_vs_tensor": diff("pipeline", "tensor")} if sp else {})}
 
 
 def placement(k, m):
@@ -193,7 +200,12 @@ if __name__ == "__main__":
     elif what == "schedules":
         result = schedules(k, m, t)
     elif what == "losses":
-        result = losses(k, m, t)
+        if "without_reduce_scatter" in words:  # a test's companion: each chunk keeps only its own
+            from tfdist.models import tensor_parallel  # device's partial output, not the sum
+            tensor_parallel._reduce_scatter = lambda parts, devices: [
+                p[:, r * p.shape[1] // len(devices):(r + 1) * p.shape[1] // len(devices)]
+                for r, p in enumerate(parts)]
+        result = losses(k, m, t, sp="sp" in words)
     elif what == "tensor_placement":
         result = tensor_placement(k, m, t)
     else:

@@ -120,12 +120,46 @@ def test_a_backup_of_two_shards_restores_into_one_and_into_two_stages_of_two(tmp
     (["--config.tensor.parallel=2", "--strategy=mirrored", "--devices=2"], "one replica per process"),
     (["--config.pipeline.stages=2", "--config.pipeline.microbatches=1",
       "--config.pipeline.schedule=1f1b"], "at least as many microbatches as stages"),
+    (["--config.tensor.sequence_parallel=True"], "and tensor.parallel is 1"),
+    (["--config.tensor.parallel=2", "--config.tensor.sequence_parallel=True",
+      "--config.model.block_size=33"], "model.block_size (33) must be divisible by 2"),
 ]))
 def test_bad_tensor_parallel_configs_are_one_line(tmp_path, flags, needle):
     p = tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
                "--config.train.batch_size=8", "--config.model.n_head=4", *flags, check=False)
     assert_usage_error(p, needle)
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,m", [(1, 1), (2, 2)])
+def test_sequence_parallel_losses_equal_tensor_parallels(k, m):
+    """Sequence parallelism (t = 2), without and with pipeline stages: 10 SGD steps' losses equal
+    the same tensor-parallel pipeline's without it (and the unsplit GPT's)."""
+    r = probe("losses", k, m, "t=2", "sp")
+    assert "sequence parallel" in r["describe"]
+    assert r["sp_vs_tensor"] < 1e-5 and r["max_diff"] < 1e-5, r
+
+
+@pytest.mark.slow
+def test_the_sequence_parallel_check_fails_without_the_reduce_scatter():
+    """Companion: with each chunk keeping only its own device's partial output (no sum over the
+    shards), the check above fails."""
+    r = probe("losses", 1, 1, "t=2", "sp", "without_reduce_scatter")
+    assert r["sp_vs_tensor"] > 1e-4, r
+
+
+def test_sequence_parallel_activation_memory_is_the_papers_formula():
+    """Korthikanti et al. 2022: per layer s b h (10 + 24/t + 5 a s / (h t)) values with tensor
+    parallelism alone (eq. 3), s b h (34/t + 5 a s / (h t)) with sequence parallelism (eq. 4), at
+    2 bytes a value with dropout masks (the paper's GPT)."""
+    from tfdist.models.arithmetic import Transformer
+    s, b, h, a, t = 2048, 1, 12288, 96, 8  # GPT-3 175B's shape, t = 8
+    arch = Transformer(n_layer=96, n_embd=h, n_head=a, vocab_size=51200, seq_len=s, dropout=True)
+    tensor = arch.activation_bytes_per_layer(s * b, "mixed", tp=t)
+    sequence = arch.activation_bytes_per_layer(s * b, "mixed", tp=t, sp=True)
+    assert tensor == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert sequence == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)))
 
 
 def test_the_planner_recommends_a_runnable_tensor_parallel_layout():

@@ -99,6 +99,9 @@ def default_config():
     # heads and MLP units split over `parallel` devices of this process (per pipeline stage).
     c.tensor = ml_collections.ConfigDict()
     c.tensor.parallel = 1
+    # Sequence parallelism (Korthikanti et al. 2022): the LayerNorms, dropouts and residual
+    # stream split along the sequence over the same devices (needs parallel > 1).
+    c.tensor.sequence_parallel = False
 
     # ZeRO (tfdist/zero.py): 1 shards the optimizer states over the data-parallel replicas, 2 also
     # the gradients; 0 keeps them whole on every replica.
@@ -189,6 +192,7 @@ _RULES = {
                                   "comma-separated block counts, e.g. 2,4 (\"\": balanced)"),
     "pipeline.schedule": (lambda v: v in ("gpipe", "1f1b"), "gpipe or 1f1b"),
     "tensor.parallel": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
+    "tensor.sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
     "zero.stage": (lambda v: v in (0, 1, 2), "0, 1 or 2"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),

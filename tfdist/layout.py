@@ -40,6 +40,8 @@ from tfdist.lazy import tf
 class Layout:
     dp: int = 1  # data-parallel replicas; 0 while the strategy is not built yet
     tp: int = 1  # tensor-parallel shards of each block (Megatron-LM), per stage
+    sp: bool = False  # sequence parallelism: the norms and residuals split over the tp shards
+    seq: int = 0  # tokens per sequence (model.block_size); 0: not given
     pp: int = 1  # pipeline stages
     microbatches: int = 1  # pieces of each replica's batch, run by the pipeline schedule
     accumulate: int = 1  # batches per optimizer update (gradient accumulation)
@@ -61,7 +63,8 @@ class Layout:
         cannot run (`check`)."""
         p = c.pipeline
         layout = cls(
-            dp=replicas, tp=c.tensor.parallel, pp=p.stages, microbatches=p.microbatches,
+            dp=replicas, tp=c.tensor.parallel, sp=c.tensor.sequence_parallel,
+            seq=c.model.block_size, pp=p.stages, microbatches=p.microbatches,
             accumulate=c.train.grad_accum_steps, zero=c.zero.stage, recompute=p.recompute,
             schedule=p.schedule, batch=c.train.batch_size,
             layers_per_stage=tuple(int(x) for x in p.layers_per_stage.split(",") if x.strip()),
@@ -72,16 +75,16 @@ class Layout:
 
     @classmethod
     def planned(cls, batch, dp, tp=1, pp=1, microbatch=0, zero=0, recompute=False,
-                schedule="gpipe"):
+                schedule="gpipe", sp=False):
         """The layout `tfdist plan` prices: `batch` sequences per optimizer update, in pieces of
         `microbatch` sequences per replica (0: one piece); a pipeline runs them as its
         microbatches, otherwise they are accumulated batches (gradient accumulation)."""
         m = batch // (dp * (microbatch or batch // dp))
         if pp > 1:
-            return cls(dp=dp, tp=tp, pp=pp, microbatches=m, zero=zero, recompute=recompute,
-                       schedule=schedule, batch=batch)
-        return cls(dp=dp, tp=tp, microbatches=1, accumulate=m, zero=zero, recompute=recompute,
-                   schedule=schedule, batch=batch // m)
+            return cls(dp=dp, tp=tp, sp=sp, pp=pp, microbatches=m, zero=zero,
+                       recompute=recompute, schedule=schedule, batch=batch)
+        return cls(dp=dp, tp=tp, sp=sp, microbatches=1, accumulate=m, zero=zero,
+                   recompute=recompute, schedule=schedule, batch=batch // m)
 
     # -- the one judge ------------------------------------------------------------------------------
     def check(self, n_layer, n_head, plugin, local_devices=None):
@@ -118,6 +121,14 @@ class Layout:
             raise UsageError(f"tensor.parallel={self.tp} must divide model.n_head ({n_head}) and "
                              f"so the MLP width: each device runs whole attention heads; pick t "
                              f"among the divisors of {n_head}")
+        if self.sp and self.tp == 1:
+            raise UsageError("tensor.sequence_parallel=True splits the sequence over the "
+                             "tensor-parallel shards, and tensor.parallel is 1; set "
+                             "tensor.parallel > 1 or leave sequence_parallel False")
+        if self.sp and self.seq % self.tp:
+            raise UsageError(f"tensor.sequence_parallel=True splits each sequence over "
+                             f"tensor.parallel={self.tp} shards: model.block_size ({self.seq}) "
+                             f"must be divisible by {self.tp}")
         if self.schedule == "1f1b" and self.microbatches < self.pp:
             raise UsageError(f"pipeline.schedule=1f1b needs at least as many microbatches as "
                              f"stages (pipeline.microbatches {self.microbatches} < pipeline.stages "
@@ -179,7 +190,8 @@ class Layout:
         """{"section.key": value}: the config keys that give this layout (with the strategy)."""
         out = {"train.batch_size": self.batch}
         for key, value, default in (
-                ("tensor.parallel", self.tp, 1), ("pipeline.stages", self.pp, 1),
+                ("tensor.parallel", self.tp, 1), ("tensor.sequence_parallel", self.sp, False),
+                ("pipeline.stages", self.pp, 1),
                 ("pipeline.microbatches", self.microbatches, 1),
                 ("pipeline.schedule", self.schedule, "gpipe"),
                 ("pipeline.recompute", self.recompute, False),
@@ -209,7 +221,8 @@ class Layout:
         if self.pp > 1:
             parts.append(f"{self.pp} stage(s)")
         if self.tp > 1:
-            parts.append(f"{self.tp} tensor-parallel shard(s)")
+            parts.append(f"{self.tp} tensor-parallel shard(s)"
+                         + (" (sequence parallel)" if self.sp else ""))
         text = " x ".join(parts)
         if self.microbatches > 1:
             text += f", {self.microbatches} microbatch(es) of {self.microbatch or '?'} sequence(s)"
@@ -220,7 +233,7 @@ class Layout:
     def __str__(self):  # the planner's table
         mb = self.batch // (self.dp * self.microbatches) if self.dp else 0
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={mb} zero={self.zero}"
-                f"{' recompute' if self.recompute else ''}")
+                f"{' sp' if self.sp else ''}{' recompute' if self.recompute else ''}")
 
     # -- devices and the model (TensorFlow from here) ---------------------------------------------
     def split_cpu(self):
@@ -262,7 +275,8 @@ class Layout:
             model = Pipeline(model, stages=self.pp, microbatches=self.microbatches,
                              tensor_parallel=self.tp, schedule=self.schedule,
                              layers_per_stage=list(self.layers_per_stage) or None,
-                             devices=list(devices), recompute=self.recompute)
+                             devices=list(devices), recompute=self.recompute,
+                             sequence_parallel=self.sp)
         model.build()
         return model
 

@@ -125,13 +125,16 @@ class Transformer:
         """One hidden state (tokens x n_embd values): a layer's input, or what a stage sends on."""
         return tokens * self.n_embd * value_bytes(precision)
 
-    def activation_bytes_per_layer(self, tokens, precision="mixed", tp=1, recompute=False):
+    def activation_bytes_per_layer(self, tokens, precision="mixed", tp=1, recompute=False,
+                                   sp=False):
         """Bytes one transformer layer keeps for its backward pass, for `tokens` tokens of one
         microbatch, its tensors split over `tp` tensor-parallel ranks. Korthikanti et al. 2022
         (arXiv:2205.05198) eq. 2: s b h (34 + 5 a s / h) at 2 bytes per value, of which
         24 + 5as/h are split by tensor parallelism. Generalised here to grouped-query attention,
-        gated MLPs, no dropout and FlashAttention (no s x s matrices). With `recompute` the layer
-        keeps only its input, and the rest is computed again in the backward pass."""
+        gated MLPs, no dropout and FlashAttention (no s x s matrices). With `sp` (sequence
+        parallelism, eq. 4: s b h (34/t + 5 a s / (h t))) the rest is split over the t ranks too.
+        With `recompute` the layer keeps only its input, and the rest is computed again in the
+        backward pass."""
         if recompute:
             return self.hidden_bytes(tokens, precision)
         h, t = self.n_embd, tp
@@ -141,7 +144,7 @@ class Transformer:
         split = (4 + 4 * self.kv / h + (8 if self.gated_mlp else 4) * self.ffn_width / h) * value
         scores = 0 if self.flash_attention else (
             (4 * value + 1) if self.dropout else 2 * value) * self.n_head * self.seq_len / h
-        return tokens * h * (unsplit + (split + scores) / t)
+        return tokens * h * (unsplit / (t if sp else 1) + (split + scores) / t)
 
     def logits_bytes(self, tokens, tp=1):
         """The head's float32 logits (also under mixed precision), split over `tp` ranks."""

@@ -113,7 +113,8 @@ class Pipeline(keras.Model):
     """
 
     def __init__(self, gpt, stages=2, microbatches=1, layers_per_stage=None, devices=None,
-                 recompute=False, tensor_parallel=1, schedule="gpipe", **kwargs):
+                 recompute=False, tensor_parallel=1, schedule="gpipe", sequence_parallel=False,
+                 **kwargs):
         super().__init__(**kwargs)
         if isinstance(gpt, dict):  # from get_config
             gpt = keras.saving.deserialize_keras_object(gpt)
@@ -130,7 +131,7 @@ class Pipeline(keras.Model):
         devices = list(devices or default_devices(stages * t))
         self.gpt, self.stages, self.microbatches = gpt, stages, microbatches
         self.layers_per_stage, self.devices, self.recompute = counts, devices, recompute
-        self.tensor_parallel = t
+        self.tensor_parallel, self.sequence_parallel = t, bool(sequence_parallel) and t > 1
         self.mesh = keras.distribution.DeviceMesh((stages, t), ["stage", tp.AXIS], devices)
         self.stage_devices = [list(row) for row in self.mesh.devices]  # [stage][shard]
         self.homes = [row[0] for row in self.stage_devices]  # embed, norms, residuals, head
@@ -146,11 +147,18 @@ class Pipeline(keras.Model):
         g = self.gpt
 
         def body(x, training):  # the stage's blocks, and the head on the last stage
+            devices = self.stage_devices[s]
+            split = self.sequence_parallel and x.shape[1] is not None \
+                and x.shape[1] % len(devices) == 0  # (else, as generate() may: whole)
+            if split:
+                x = tp.scatter_sequence(x, devices)
             for i in self.stage_blocks[s]:
                 if self.tensor_parallel > 1:
-                    x = tp.parallel_block(g.blocks[i], x, training, self.stage_devices[s])
+                    x = tp.parallel_block(g.blocks[i], x, training, devices)
                 else:
                     x = g.blocks[i](x, training=training)
+            if split:
+                x = tp.gather_sequence(x, self.homes[s])
             return g.head(x) if s == self.stages - 1 else x
 
         if self.recompute:  # the embedding (int ids in) stays outside: ids have no gradient
@@ -264,9 +272,11 @@ class Pipeline(keras.Model):
                          " on " + " + ".join(self.stage_devices[s]))
         t = self.tensor_parallel
         if self.stages == 1 and self.microbatches == 1 and t > 1:
-            return f"tensor parallel over {t} devices: " + parts[0]
+            return (f"tensor parallel over {t} devices"
+                    + (", sequence parallel" if self.sequence_parallel else "") + ": " + parts[0])
         return (f"pipeline of {self.stages} stages, {self.microbatches} microbatch(es)"
                 + (f", tensor parallel over {t} devices per stage" if t > 1 else "")
+                + (", sequence parallel" if self.sequence_parallel else "")
                 + (", 1F1B schedule" if self.schedule == "1f1b" else "")
                 + f"{', recomputed' if self.recompute else ''}: " + "; ".join(parts))
 
@@ -293,13 +303,15 @@ class Pipeline(keras.Model):
         b*T*C*(34 + 5*H*T/C) bytes in mixed precision (eq. 2; twice that in float32, less without
         dropout masks: `activation_bytes_per_layer`), of which 24 + 5HT/C are split over the t
         tensor-parallel devices and the rest (norms' and residual inputs) stays on the stage's first
-        device. GPipe keeps all M microbatches' (1F1B: at most K - s on stage s; with recomputation, which wraps each stage whole,
+        device, or, with sequence parallelism, is split over the t devices too (eq. 4). GPipe keeps all M microbatches' (1F1B: at most K - s on stage s; with recomputation, which wraps each stage whole,
         only the stage's input per microbatch, plus one stage's full set while it is recomputed),
         and the last stage each microbatch's float32 logits."""
         g, arch, m, t = self.gpt, self.gpt.arch, self.microbatches, self.tensor_parallel
         tokens = batch_size // m * g.block_size
-        per_block = arch.activation_bytes_per_layer(tokens, precision, tp=t)
-        kept = arch.activation_bytes_per_layer(tokens, precision, tp=float("inf"))  # unsplit part
+        per_block = arch.activation_bytes_per_layer(tokens, precision, tp=t,
+                                                    sp=self.sequence_parallel)
+        kept = 0 if self.sequence_parallel else \
+            arch.activation_bytes_per_layer(tokens, precision, tp=float("inf"))  # unsplit part
         per_param = sum(arithmetic.state_bytes_per_param(precision, optimizer_slots))
         params = {}
         for v in self.trainable_weights:
@@ -346,4 +358,4 @@ class Pipeline(keras.Model):
                 "stages": self.stages, "microbatches": self.microbatches,
                 "layers_per_stage": self.layers_per_stage, "devices": self.devices,
                 "recompute": self.recompute, "tensor_parallel": self.tensor_parallel,
-                "schedule": self.schedule}
+                "schedule": self.schedule, "sequence_parallel": self.sequence_parallel}

@@ -13,6 +13,11 @@ Everything else is kept whole, once, on the first device of the group: the Layer
 stream, the embeddings and the tied head. Megatron "replicates" LayerNorms because each GPU is its
 own process; in one process a replica per device would only add t-1 copies to keep in sync, and the
 inputs of the column-parallel matmuls are copied to each device either way (Megatron's f operator).
+With sequence parallelism (`Pipeline(..., sequence_parallel=True)`, Korthikanti et al. 2022) the
+LayerNorms, dropouts and residual stream are split along the sequence instead: device r holds
+tokens [r*T/t, (r+1)*T/t) of each, the chunks are gathered before each column-parallel matmul and
+the partial outputs reduce-scattered after each row-parallel one (`scatter_sequence`); a stage
+splits its input at entry and joins its output at exit.
 The embedding and head stay whole rather than vocabulary-parallel: the head's logits must be whole
 for Keras's loss (a vocabulary-parallel head needs Megatron's fused cross entropy), and on a
 pipeline they sit on the first and last stage, which hold fewer blocks (the balanced split counts
@@ -214,8 +219,11 @@ def _sum(parts, device):
 def parallel_block(block, x, training, devices):
     """One GPT block, x + attn(ln_1(x)) then x + mlp(ln_2(x)), with its heads and hidden units
     split over `devices` (the residual stream and LayerNorms on devices[0]). Computes what
-    `Block.call` computes (tests/test_tensor_parallel.py compares gradients)."""
+    `Block.call` computes (tests/test_tensor_parallel.py compares gradients). Under sequence
+    parallelism `x` is a list of sequence chunks instead (`scatter_sequence`)."""
     with tf.name_scope(block.name):  # ops named <block>/tp<r>/...: tests find each shard's ops
+        if isinstance(x, list):
+            return _sequence_block(block, x, training, devices)
         return _parallel_block(block, x, training, devices)
 
 
@@ -239,6 +247,71 @@ def _parallel_block(block, x, training, devices):
             parts.append(block.c_proj.row(r, gelu(block.c_fc.column(r, h))))
     with tf.device(home):
         return x + block.mlp_dropout(block.c_proj.add_bias(_sum(parts, home)), training=training)
+
+
+# -- sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, section 4.2.2) -------------
+# Outside the two matmul pairs (the LayerNorms, the dropouts, the residual stream) each of the t
+# devices holds 1/t of the sequence instead of one device holding all of it. Megatron's g and
+# g-bar: an all-gather of the chunks before each column-parallel matmul, and a reduce-scatter of
+# the row-parallel partial outputs after it, in place of the all-reduce (in one process: a concat
+# onto each device, and each chunk's sum of the t partials' slices on its own device).
+
+def scatter_sequence(x, devices):
+    """(B, T, C) -> t chunks (B, T/t, C), chunk r on devices[r] (T divisible by t)."""
+    t, chunks = len(devices), []
+    T = x.shape[1]
+    for r, device in enumerate(devices):
+        with tf.device(device):
+            chunks.append(x[:, r * T // t:(r + 1) * T // t])
+    return chunks
+
+
+def gather_sequence(chunks, device):
+    """The chunks joined into (B, T, C) on `device`."""
+    with tf.device(device):
+        return ops.concatenate(chunks, axis=1) if len(chunks) > 1 else chunks[0]
+
+
+def _reduce_scatter(parts, devices):
+    """Chunk r of the sum of the t partial outputs (B, T, C), summed on devices[r]."""
+    t, T = len(devices), parts[0].shape[1]
+    return [_sum([p[:, r * T // t:(r + 1) * T // t] for p in parts], device)
+            for r, device in enumerate(devices)]
+
+
+def _sequence_block(block, xs, training, devices):
+    attn = block.attn
+    heads = attn.n_head // len(devices)
+
+    def norm(layer, chunks):
+        out = []
+        for r, (device, chunk) in enumerate(zip(devices, chunks)):
+            with tf.device(device), tf.name_scope(f"tp{r}"):
+                out.append(layer(chunk))
+        return out
+
+    def add(chunks, summed, dense, dropout):
+        out = []
+        for r, (device, chunk, part) in enumerate(zip(devices, chunks, summed)):
+            with tf.device(device), tf.name_scope(f"tp{r}"):
+                out.append(chunk + dropout(dense.add_bias(part), training=training))
+        return out
+
+    hs = norm(block.ln_1, xs)
+    parts = []
+    for r, device in enumerate(devices):
+        with tf.device(device), tf.name_scope(f"tp{r}"):
+            q, k, v = ops.split(attn.c_attn.column(r, gather_sequence(hs, device)), 3, axis=-1)
+            y = attention(q, k, v, heads, attn.attn_dropout, training)
+            parts.append(attn.c_proj.row(r, y))
+    xs = add(xs, _reduce_scatter(parts, devices), attn.c_proj, attn.resid_dropout)
+    hs = norm(block.ln_2, xs)
+    parts = []
+    for r, device in enumerate(devices):
+        with tf.device(device), tf.name_scope(f"tp{r}"):
+            h = gather_sequence(hs, device)
+            parts.append(block.c_proj.row(r, gelu(block.c_fc.column(r, h))))
+    return add(xs, _reduce_scatter(parts, devices), block.c_proj, block.mlp_dropout)
 
 
 def build_block(block, x, devices):

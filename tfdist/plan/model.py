@@ -87,11 +87,13 @@ class Cluster:
         return (self.intra_bw or self.device.intra_bw) if inside else (self.inter_bw or self.device.inter_bw)
 
 
-def planned(batch, dp, tp=1, pp=1, microbatch=1, zero=0, recompute=False, schedule="gpipe"):
+def planned(batch, dp, tp=1, pp=1, microbatch=1, zero=0, recompute=False, schedule="gpipe",
+            sp=False):
     """The layout of `dp` x `tp` x `pp` devices for `batch` sequences per optimizer update in
-    pieces of `microbatch` sequences per replica (`tfdist.layout.Layout.planned`). Rank order:
-    tensor-parallel ranks adjacent (in a node), then data-parallel, then stages."""
-    return Layout.planned(batch, dp, tp, pp, microbatch, zero, recompute, schedule)
+    pieces of `microbatch` sequences per replica (`tfdist.layout.Layout.planned`; `sp`: sequence
+    parallelism over the tp ranks). Rank order: tensor-parallel ranks adjacent (in a node), then
+    data-parallel, then stages."""
+    return Layout.planned(batch, dp, tp, pp, microbatch, zero, recompute, schedule, sp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +150,10 @@ def activation_bytes_per_layer(model, layout, tokens, precision):
     """Bytes one transformer layer keeps for its backward pass, for `tokens` tokens of one
     microbatch, split over the layout's tensor-parallel ranks: Korthikanti et al. 2022
     (arXiv:2205.05198) eq. 2, s b h (34 + 5 a s / h) at 2 bytes per value, of which 24 + 5as/h
-    are split by tensor parallelism; generalised to grouped-query attention, gated MLPs, no
-    dropout and FlashAttention (tfdist.models.arithmetic.Transformer.activation_bytes_per_layer)."""
-    return model.activation_bytes_per_layer(tokens, precision, layout.tp)
+    are split by tensor parallelism, and all of it with sequence parallelism (eq. 4, `layout.sp`);
+    generalised to grouped-query attention, gated MLPs, no dropout and FlashAttention
+    (tfdist.models.arithmetic.Transformer.activation_bytes_per_layer)."""
+    return model.activation_bytes_per_layer(tokens, precision, layout.tp, sp=layout.sp)
 
 
 def memory(model, layout, opts=Options()):
@@ -334,8 +337,9 @@ def layouts(model, cluster, batch, fixed=None, schedule="gpipe"):
                     if fixed.get("zero", zero) != zero or (zero and dp == 1) or (zero >= 2 and pp > 1):
                         continue  # ZeRO-2/3 shard what pipelining keeps per microbatch: not combined
                     for rc in (False, True):
-                        if fixed.get("recompute", rc) == rc:
-                            yield planned(batch, dp, tp, pp, mb, zero, rc, schedule)
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            if fixed.get("recompute", rc) == rc and fixed.get("sp", sp) == sp:
+                                yield planned(batch, dp, tp, pp, mb, zero, rc, schedule, sp)
 
 
 def search(model, cluster, batch, fixed=None, opts=Options()):
