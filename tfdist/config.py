@@ -99,9 +99,7 @@ def default_config():
     # heads and MLP units split over `parallel` devices of this process (per pipeline stage).
     c.tensor = ml_collections.ConfigDict()
     c.tensor.parallel = 1
-    # Sequence parallelism (Korthikanti et al. 2022): the LayerNorms, dropouts and residual
-    # stream split along the sequence over the same devices (needs parallel > 1).
-    c.tensor.sequence_parallel = False
+    c.tensor.sequence_parallel = False  # norms and residuals split along the sequence (Megatron)
 
     # ZeRO (tfdist/zero.py): 1 shards the optimizer states over the data-parallel replicas, 2 also
     # the gradients; 0 keeps them whole on every replica.
