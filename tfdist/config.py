@@ -102,7 +102,7 @@ def default_config():
     c.tensor.sequence_parallel = False  # norms and residuals split along the sequence (Megatron)
 
     # ZeRO (tfdist/zero.py): 1 shards the optimizer states over the data-parallel replicas, 2 also
-    # the gradients; 0 keeps them whole on every replica.
+    # the gradients, 3 also the weights (tfdist/zero3.py); 0 keeps them whole on every replica.
     c.zero = ml_collections.ConfigDict()
     c.zero.stage = 0
 
@@ -191,7 +191,7 @@ _RULES = {
     "pipeline.schedule": (lambda v: v in ("gpipe", "1f1b"), "gpipe or 1f1b"),
     "tensor.parallel": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
     "tensor.sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
-    "zero.stage": (lambda v: v in (0, 1, 2), "0, 1 or 2"),
+    "zero.stage": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
     "backup.preemption_signals": (

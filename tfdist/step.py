@@ -64,15 +64,21 @@ class TrainStep:
         compat.reduce_nothing_in_apply(optimizer)
         if layout.split:  # each variable's update on its device (Keras 3 leaves it unplaced)
             compat.update_on_variable_device(optimizer)
-        self.zero = None
+        self.zero = self.params = None
         if layout.zero:
-            from tfdist import zero
-            self.zero = zero.shard(optimizer, layout.zero, collectives or strategy.zero_collectives())
+            from tfdist import zero, zero3
+            collectives = collectives or strategy.zero_collectives()
+            if layout.zero == 3:  # the weights too: each unit gathered where it runs
+                self.params = zero3.shard(model, collectives)
+            self.zero = zero.shard(optimizer, layout.zero, collectives,
+                                   self.params and self.params.owner)
+            self.zero.params = self.params
         variables = model.trainable_weights
-        optimizer.build(variables)  # (under ZeRO: this replica's slots only)
+        # (under ZeRO: this replica's slots only; ZeRO-3: built on the weights it holds)
+        optimizer.build(self.params.owned if self.params else variables)
         self.accumulators = []
-        if layout.accumulate > 1:  # ZeRO-2 keeps only its own variables' (None for the others)
-            add = self.zero.add_slot if self.zero and layout.zero == 2 else \
+        if layout.accumulate > 1:  # ZeRO-2, 3 keep only their own variables' (None for others)
+            add = self.zero.add_slot if self.zero and layout.zero >= 2 else \
                 optimizer.add_variable_from_reference
             self.accumulators = [add(v, name="gradient_accumulator") for v in variables]
             self.batches = optimizer.add_variable((), dtype="int64", name="tfdist_batches")
@@ -88,11 +94,16 @@ class TrainStep:
             with tf.GradientTape() as tape:
                 loss = model.compute_loss(x, y, model(x, training=True), training=True)
                 scaled = optimizer.scale_loss(loss)
-            grads = tape.gradient(scaled, model.trainable_weights)
+            # (ZeRO-3: by this replica's own weights, reduce-scattered by the backward pass)
+            variables = self.params.sources() if self.params else model.trainable_weights
+            grads = tape.gradient(scaled, variables)
         # 2. Keras's `loss` metric, as its own train_step keeps it.
         compat.track_loss(model, loss, tf.shape(x)[0])
-        # 3. Reduce, correct, apply.
-        self.update(list(zip(grads, model.trainable_weights)))
+        # 3. Reduce, correct, apply. (ZeRO-3: the anchor's gradient is kept, so that a replica
+        #    that owns none of a unit's weights runs the unit's reduce-scatter too.)
+        if self.params:
+            self.params.keep(grads[-1])
+        self.update(list(zip(grads, variables)))
         return model.get_metrics_result()
 
     def update(self, grads_and_vars):
@@ -100,7 +111,7 @@ class TrainStep:
         zero, k = self.zero, self.layout.accumulate
         # 1. Accumulation: every k-th batch goes on, with the mean of the k batches' gradients.
         if k > 1:
-            if zero and zero.stage == 2:  # each replica accumulates its own variables' only
+            if zero and zero.stage >= 2:  # each replica accumulates its own variables' only
                 grads_and_vars = zero.reduce_scatter(grads_and_vars)
             owned = {id(v) for _, v in grads_and_vars}
             pairs = [(a, v) for a, v in zip(self.accumulators, self.model.trainable_weights)
@@ -113,7 +124,7 @@ class TrainStep:
             def mean_and_reset():
                 mean = [(tf.convert_to_tensor(a) / k, v) for a, v in pairs]
                 with tf.control_dependencies([g for g, _ in mean]):
-                    self._apply(mean, reduced=bool(zero and zero.stage == 2))
+                    self._apply(mean, reduced=bool(zero and zero.stage >= 2))
                     for a, _ in pairs:
                         a.assign(tf.zeros_like(a))
                 return tf.constant(0)

@@ -65,15 +65,17 @@ Collectives = collections.namedtuple(
     "Collectives", "rank size reduce_scatter all_gather sum assign slot_scope",
     defaults=(contextlib.nullcontext,))
 Collectives.__doc__ = """What a strategy gives ZeRO: this replica's `rank` of `size`;
-`reduce_scatter(flat)`: this replica's 1/size of the flat buffer reduced over the replicas (the
-strategy's op); `all_gather(flat)`: every replica's flat buffer, in rank order, concatenated;
+`reduce_scatter(flat, name=None)`: this replica's 1/size of the flat buffer reduced over the
+replicas (the strategy's op); `all_gather(flat, name=None)`: every replica's flat buffer, in rank
+order, concatenated (`name`: the same on every replica, unique in a graph; ZeRO-3 names each);
 `sum(scalar)`: the scalar summed over the replicas; `assign(variable, value)` from a replica;
 `slot_scope()`: the context in which this replica's own slots are created."""
 
 
 def local():
     """Collectives of one replica (N = 1): ZeRO's step is then the plain optimizer's."""
-    return Collectives(0, 1, lambda x: x, lambda x: x, lambda x: x, lambda v, x: v.assign(x))
+    return Collectives(0, 1, lambda x, name=None: x, lambda x, name=None: x, lambda x: x,
+                       lambda v, x: v.assign(x))
 
 
 def partition(sizes, n):
@@ -92,18 +94,25 @@ class Sharding:
     bias: tfdist.models.tensor_parallel) get one owner, so a backup can save their slots as the
     unsplit variable's."""
 
-    def __init__(self, variables, n):
+    def __init__(self, variables, n, owner=None):
         self.variables = list(variables)
         self.sizes = [int(np.prod(v.shape)) for v in self.variables]
+        if owner is not None:  # ZeRO-3's (tfdist.zero3): the owner of each variable, by id
+            self._set([owner[id(v)] for v in self.variables], n)
+            return
         groups = {}  # group key -> indices, in the order of their first variable
         for i, v in enumerate(self.variables):
             groups.setdefault(getattr(v, "tfdist_shard_of", None) or ("variable", i), []).append(i)
         members = list(groups.values())
         owner_of = partition([sum(self.sizes[i] for i in m) for m in members], n)
-        self.owners = [0] * len(self.variables)
+        owners = [0] * len(self.variables)
         for m, owner in zip(members, owner_of):
             for i in m:
-                self.owners[i] = owner
+                owners[i] = owner
+        self._set(owners, n)
+
+    def _set(self, owners, n):
+        self.owners = owners
         self.of = [[i for i, o in enumerate(self.owners) if o == r] for r in range(n)]
         self.loads = [sum(self.sizes[i] for i in idx) for idx in self.of]
         self.segment = max(self.loads) if self.loads else 0  # elements per replica, padded
@@ -137,14 +146,18 @@ class State:
         self.stage, self.collectives = stage, collectives
         self.sharding, self.owned = None, set()
         self.slots = set()  # ids of this replica's slot variables: the shard of the state
+        self.params = None  # ZeRO-3: the weights' sharding (tfdist.zero3.Parameters)
 
     def norm_sum(self, x):
         """`x` summed over the replicas (a squared norm: each holds its segment's)."""
         return self.collectives.sum(x)
 
     def reduce_scatter(self, grads_and_vars):
-        """[(summed gradient, variable)] of this replica's variables (those with a gradient)."""
+        """[(summed gradient, variable)] of this replica's variables (those with a gradient).
+        ZeRO-3: the backward pass reduce-scattered them already (tfdist.zero3)."""
         s, c = self.sharding, self.collectives
+        if self.stage == 3:
+            return [(g, v) for g, v in grads_and_vars if g is not None and id(v) in self.owned]
         by_handle = {id(_handle(v)): g for g, v in grads_and_vars}
         grads = [by_handle.get(id(_handle(v))) for v in s.variables]
         dense = [tf.zeros(v.shape, tf.float32) if g is None else tf.convert_to_tensor(g)
@@ -155,7 +168,7 @@ class State:
     def gather(self):
         """Every replica's updated variables to every replica (`GATHER` False: none)."""
         s, c = self.sharding, self.collectives
-        if not GATHER or c.size == 1:
+        if not GATHER or c.size == 1 or self.stage == 3:  # ZeRO-3: gathered where they are used
             return
         every = c.all_gather(s.flat([_handle(v) for v in s.variables], c.rank))
         for r in range(c.size):
@@ -175,14 +188,14 @@ def _handle(v):  # the tf.Variable of a Keras variable
     return v.value if isinstance(v, keras.Variable) else v
 
 
-def shard(optimizer, stage, collectives):
+def shard(optimizer, stage, collectives, owner=None):
     """Makes `optimizer` a ZeRO-`stage` optimizer over `collectives`' replicas; returns its
-    `State`. Its `build(variables)` partitions the variables and creates slots only for this
+    `State`. Stage 3: `owner` ({id(variable): replica}) is the weights' (tfdist.zero3). Its `build(variables)` partitions the variables and creates slots only for this
     replica's (in `collectives.slot_scope()`), so that it can update only those; its
     `add_slot(variable, name)` adds one more slot of the same kind (`None` for a variable this
     replica does not own), such as the step's gradient accumulators under ZeRO-2."""
-    if stage not in (1, 2):
-        raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}")
+    if stage not in (1, 2, 3) or (stage == 3) != (owner is not None):
+        raise ValueError(f"ZeRO stage must be 1, 2, or 3 with the weights' owners; got {stage!r}")
     c = collectives
     zero = optimizer.tfdist_zero = State(stage, c)  # (a dict would be copied by Keras)
     build, add_slot = optimizer.build, optimizer.add_variable_from_reference
@@ -196,7 +209,7 @@ def shard(optimizer, stage, collectives):
         return slot
 
     def zero_build(variables):
-        s = zero.sharding = Sharding(variables, c.size)
+        s = zero.sharding = Sharding(variables, c.size, owner)
         zero.owned = {id(s.variables[i]) for i in s.of[c.rank]}
         optimizer.add_variable_from_reference = add_owned_slot
         try:
@@ -214,6 +227,8 @@ def describe(optimizer):
     zero = getattr(optimizer, "tfdist_zero", None)
     if zero is None or zero.sharding is None:
         return "no ZeRO" if zero is None else f"ZeRO-{zero.stage} (not built yet)"
+    if zero.params is not None:
+        return zero.params.describe()
     s, c = zero.sharding, zero.collectives
     return (f"ZeRO-{zero.stage} over {c.size} replica(s): this replica owns "
             f"{len(s.of[c.rank])} of {len(s.variables)} variables ({s.loads[c.rank]:,} of "
@@ -256,13 +271,16 @@ def shard_dir(backup_dir, step):
     return os.path.join(backup_dir, "zero", f"step-{step}")
 
 
-def save_shard(backup_dir, step, slots, rank, size):
-    """Writes this replica's `slots` ({name: variable}) for step `step`, then its manifest."""
+def save_shard(backup_dir, step, slots, rank, size, weights=None):
+    """Writes this replica's `slots` ({name: variable}; ZeRO-3: and its `weights`) for step
+    `step`, then its manifest."""
     d = shard_dir(backup_dir, step)
     tf.io.gfile.makedirs(d)
-    tf.train.Checkpoint(optimizer=slots).write(os.path.join(d, f"rank-{rank}"))
+    parts = dict(optimizer=slots, **({"weights": weights} if weights else {}))
+    tf.train.Checkpoint(**parts).write(os.path.join(d, f"rank-{rank}"))
     write_atomic(os.path.join(d, f"rank-{rank}.json"),
-                 json.dumps({"rank": rank, "replicas": size, "names": sorted(slots)}))
+                 json.dumps({"rank": rank, "replicas": size, "names": sorted(slots),
+                             "weights": sorted(weights or {})}))
 
 
 def manifests(backup_dir, step):
@@ -283,19 +301,27 @@ def manifests(backup_dir, step):
     return found
 
 
-def restore_slots(backup_dir, step, slots):
-    """Restores `slots` ({name: variable}) from the shards of step `step`. UsageError, one line,
-    when a shard is missing or a slot is in none of them."""
-    d, found = shard_dir(backup_dir, step), set()
+def restore_slots(backup_dir, step, slots, weights=None):
+    """Restores `slots` ({name: variable}), and `weights` (ZeRO-3's), from the shards of step
+    `step`. UsageError, one line, when a shard is missing or a variable is in none of them."""
+    d, found, weights = shard_dir(backup_dir, step), set(), weights or {}
     for m in manifests(backup_dir, step):
         mine = {k: slots[k] for k in m["names"] if k in slots}
-        if mine:
-            tf.train.Checkpoint(optimizer=mine).read(  # (read: no save counter, as written)
+        my_weights = {k: weights[k] for k in m.get("weights", []) if k in weights}
+        if mine or my_weights:
+            parts = dict(optimizer=mine, **({"weights": my_weights} if my_weights else {}))
+            tf.train.Checkpoint(**parts).read(  # (read: no save counter, as written)
                 os.path.join(d, f"rank-{m['rank']}")).assert_existing_objects_matched()
-        found |= set(mine)
-    if set(slots) - found:
-        raise UsageError(f"backup {backup_dir} at step {step}: no shard holds the optimizer slot(s) "
-                         f"{sorted(set(slots) - found)[:3]}; it was written for another model")
+        found |= set(mine) | {"weights/" + k for k in my_weights}
+    lost = sorted((set(slots) | {"weights/" + k for k in weights}) - found)
+    if lost:
+        raise UsageError(f"backup {backup_dir} at step {step}: no shard holds {lost[:3]}; it was "
+                         f"written for another model")
+
+
+def shard_weight_names(backup_dir, step):
+    """The weights that step `step`'s shards hold (ZeRO-3's; none for stages 1-2)."""
+    return {n for m in manifests(backup_dir, step) for n in m.get("weights", [])}
 
 
 def prune(backup_dir, oldest_kept):

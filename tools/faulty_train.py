@@ -33,6 +33,8 @@ really ran, across restarts.
   WORKDIR/weight_hashes-w<i>.txt.
 --skip-zero-gather: leave out ZeRO's all-gather (tfdist.zero.GATHER), to show that the equality
   tests can fail.
+--skip-zero3-gather, --skip-zero3-reduce: leave out ZeRO-3's gather of the weights, or the
+  reduction of their gradients (tfdist.zero3.GATHER, REDUCE), to show that the tests can fail.
 --kill-before-model-save: SIGKILL when training ends, after the last step's backup and before
   `model.keras` is written (the end window), in the first attempt only.
 --signal-at-step K [--signal NAME]: send this process SIGNAME (default TERM) while its K-th step
@@ -67,6 +69,8 @@ def main():
     ap.add_argument("--skip-broadcast", action="store_true")
     ap.add_argument("--hash-weights", action="store_true")
     ap.add_argument("--skip-zero-gather", action="store_true")
+    ap.add_argument("--skip-zero3-gather", action="store_true")
+    ap.add_argument("--skip-zero3-reduce", action="store_true")
     ap.add_argument("--kill-before-model-save", action="store_true")
     ap.add_argument("--signal-at-step", type=int, default=0)
     ap.add_argument("--signal", default="TERM")
@@ -78,7 +82,7 @@ def main():
     import tensorflow as tf
     from tfdist import cluster
     from tfdist import config as config_lib
-    from tfdist import zero
+    from tfdist import zero, zero3
     from tfdist.train import Hooks, train
 
     spec = cluster.from_environment()
@@ -121,6 +125,7 @@ def main():
             manager.save(checkpoint_number=step)
 
     zero.GATHER = not args.skip_zero_gather
+    zero3.GATHER, zero3.REDUCE = not args.skip_zero3_gather, not args.skip_zero3_reduce
     c = importlib.import_module(args.config).get_config()
     for key, value in json.loads(args.overrides).items():
         section, _, name = key.rpartition(".")
@@ -149,7 +154,9 @@ def main():
             steps_file.write(f"{worker} {os.getpid()} {logs['loss']!r}\n")
             steps_file.flush()
             if args.hash_weights:
-                digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in self.model.weights))
+                params = zero3.of(self.model)  # ZeRO-3: the joined weights (a collective)
+                values = params.full_values() if params else [v.numpy() for v in self.model.weights]
+                digest = hashlib.sha256(b"".join(v.tobytes() for v in values))
                 with open(os.path.join(args.workdir, f"weight_hashes-w{worker}.txt"), "a") as f:
                     f.write(f"{self.n} {digest.hexdigest()}\n")
             if kill_here and self.n == args.kill_at_step:

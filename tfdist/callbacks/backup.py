@@ -8,7 +8,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from tfdist import zero
+from tfdist import compat, zero, zero3
 from tfdist.callbacks.log import read_json, steps_in, write_json_atomic
 from tfdist.errors import UsageError
 from tfdist.models import state
@@ -82,8 +82,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         # layout (pipeline stages, tensor-parallel shards: tfdist.models.state). Dropout's RNG
         # state lives in Keras SeedGenerators, listed here so they are saved too.
         # Under ZeRO each process's slots go to its own shard (tfdist.zero), not the checkpoint.
-        self._parts = dict(weights=state.weights(model), step=self.step, epoch=self.epoch,
+        # Under ZeRO-3 (tfdist.zero3) each process's weights go to its shard too: it holds no others.
+        self._weights = state.weights(model)
+        params = zero3.of(model)
+        held = {k: v for k, v in self._weights.items() if params is None or compat.has_storage(v)}
+        self._shard_weights = {} if params is None else {
+            k: v for k, v in held.items() if id(v) in params.owner}
+        self._parts = dict(weights={k: v for k, v in held.items() if k not in self._shard_weights},
+                           step=self.step, epoch=self.epoch,
                            rng=[v.value for v in model.variables if "seed_generator" in v.path])
+        self._held = held
         self._opt = state.optimizer_state(model.optimizer, model)
         self._zero = getattr(model.optimizer, "tfdist_zero", None)
         self._slots, rest = zero.split_slots(model.optimizer, self._opt)
@@ -150,15 +158,17 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _restore_from(self, path):
         step = _step_of(path)
         sharded = tf.io.gfile.isdir(zero.shard_dir(self.backup_dir, step))  # a ZeRO run's backup
-        slots = self._slots
-        if sharded:  # the slots this process holds, in the shards (whatever it holds now)
+        slots, weights = self._slots, {}
+        if sharded:  # the slots (ZeRO-3: weights) this process holds, in the shards
             names = {n for m in zero.manifests(self.backup_dir, step) for n in m["names"]}
             slots = {k: v for k, v in self._opt.items() if k in names}
+            in_shards = zero.shard_weight_names(self.backup_dir, step)
+            weights = {k: v for k, v in self._held.items() if k in in_shards}
         rest = {k: v for k, v in self._opt.items() if k not in slots}
-        tf.train.Checkpoint(optimizer=rest, **self._parts).restore(
-            path).assert_existing_objects_matched()
+        parts = {**self._parts, "weights": {k: v for k, v in self._held.items() if k not in weights}}
+        tf.train.Checkpoint(optimizer=rest, **parts).restore(path).assert_existing_objects_matched()
         if sharded:
-            zero.restore_slots(self.backup_dir, step, slots)
+            zero.restore_slots(self.backup_dir, step, slots, weights)
         elif slots:  # a backup without ZeRO holds every slot
             tf.train.Checkpoint(optimizer=slots).read(path).assert_existing_objects_matched()
 
@@ -184,7 +194,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _save(self, step):
         if self._zero is not None:  # every shard on disk before the index can name this step
             c = self._zero.collectives
-            zero.save_shard(self.backup_dir, step, self._slots, c.rank, c.size)
+            zero.save_shard(self.backup_dir, step, self._slots, c.rank, c.size, self._shard_weights)
             self.barrier()
         if not (self.is_chief or self.collective):
             return

@@ -34,3 +34,5 @@ from tfdist.compat.trainer import (build_for, fix_fit_under_multi_worker,  # noq
                                    flatten_metrics, redirect_backup, replace_sublayer,
                                    take_initial_epoch, test_step_given, track_loss,
                                    train_step_loss)
+from tfdist.compat.variables import (has_storage, release_storage, restore_storage,  # noqa: F401
+                                     storage)

@@ -198,6 +198,14 @@ PATCHES = {
         "none found: TF's SlurmClusterResolver keeps its SLURM_TASKS_PER_NODE parser private",
         "task counts such as '2(x3),1' would be read otherwise than TF's resolver reads them",
         "tests/test_cluster.py::test_slurm_environment_builds_the_cluster", "880b0270c455"),
+    "parameter_storage": Patch(
+        ("storage", "has_storage", "release_storage", "restore_storage"),
+        ("keras.src.backend.tensorflow.core:Variable._initialize",
+         "keras.src.backend.common.variables:Variable"),
+        "keras-team/keras#18473 (open: Keras's sharded variables, keras.distribution, run on JAX "
+        "only; the TF backend has no way to hold a variable's value elsewhere)",
+        "ZeRO-3 could not shard the weights: every replica would hold all of them",
+        "tests/test_zero3.py::test_each_replica_holds_one_nth_of_the_weights", "0203941a8bfd"),
 }
 
 

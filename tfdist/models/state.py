@@ -117,7 +117,8 @@ def _joined(layer, what, parts):
 
 def shapes(model):
     """{name: shape} of the unsplit weights: what a checkpoint must match to be restored."""
-    return {name: [int(d) for d in _value(v).shape] for name, v in sorted(weights(model).items())}
+    return {name: [int(d) for d in (v.shape if isinstance(v, keras.Variable) else _value(v).shape)]
+            for name, v in sorted(weights(model).items())}
 
 
 def _value(v):

@@ -189,9 +189,10 @@ class Horovod(Strategy):
         hvd = self.hvd
         return Collectives(
             hvd.rank(), hvd.size(),
-            lambda x: hvd.reducescatter(x, op=hvd.Average, name="tfdist_zero_reducescatter",
-                                        ignore_name_scope=True),
-            lambda x: hvd.allgather(x, name="tfdist_zero_allgather", ignore_name_scope=True),
+            lambda x, name=None: hvd.reducescatter(
+                x, op=hvd.Average, name=name or "tfdist_zero_reducescatter", ignore_name_scope=True),
+            lambda x, name=None: hvd.allgather(x, name=name or "tfdist_zero_allgather",
+                                               ignore_name_scope=True),
             lambda x: hvd.allreduce(x, op=hvd.Sum, name="tfdist_zero_norm", ignore_name_scope=True),
             lambda variable, value: variable.assign(value))
 
@@ -331,9 +332,11 @@ def broadcast_variables(hvd, variables, root_rank=0):
 def broadcast_from_root(hvd, model, root_rank=0):
     """The root rank's model and optimizer state to every rank (before the first step: Keras
     builds the optimizer's variables before `on_train_begin`). Under ZeRO each rank's optimizer
-    slots are its own, and stay."""
+    slots are its own, and stay; under ZeRO-3 so are its weights (each has one copy)."""
+    from tfdist import zero3
     from tfdist.zero import common_variables
-    broadcast_variables(hvd, list(model.variables) + common_variables(model.optimizer), root_rank)
+    broadcast_variables(hvd, zero3.replicated(model, model.variables)
+                        + common_variables(model.optimizer), root_rank)
 
 
 def _average_state(hvd, model):

@@ -6,6 +6,7 @@ corrections here (keras-team/keras#20585), applied from `tfdist.compat`.
 """
 import os
 import re
+import zlib
 
 from tfdist import buckets
 from tfdist import cluster as cluster_lib
@@ -145,9 +146,12 @@ class MultiWorkerMirrored(Strategy):
         n, strategy = self.num_workers, self.tf_strategy
         group = dict(group_size=n, group_key=_ZERO_GROUP, ordering_token=[])
 
-        def reduce_scatter(flat):
+        def key(name, default):  # a named collective (ZeRO-3: one per unit and use) has its own
+            return default if name is None else 1000 + zlib.crc32(name.encode()) % (1 << 30)
+
+        def reduce_scatter(flat, name=None):
             chunks = tf.raw_ops.CollectiveAllToAllV2(input=tf.reshape(flat, [n, -1]),
-                                                     instance_key=1, **group)
+                                                     instance_key=key(name, 1), **group)
             return tf.reduce_sum(chunks, 0)
 
         def assign(variable, value):  # each local copy of a mirrored variable, this worker only
@@ -156,7 +160,8 @@ class MultiWorkerMirrored(Strategy):
 
         return Collectives(
             self.worker_index, n, reduce_scatter,
-            lambda flat: tf.raw_ops.CollectiveGatherV2(input=flat, instance_key=2, **group),
+            lambda flat, name=None: tf.raw_ops.CollectiveGatherV2(
+                input=flat, instance_key=key(name, 2), **group),
             lambda x: tf.raw_ops.CollectiveReduceV2(input=x, instance_key=3, merge_op="Add",
                                                     final_op="Id", **group),
             assign, lambda: compat.local_variables(strategy))

@@ -1,0 +1,36 @@
+"""A Keras variable without its storage, and with it again: ZeRO-3's sharded weights
+(`tfdist.zero3`). Keras 3 has no public way to drop a variable's value on the TF backend: its
+`keras.distribution` shards variables on JAX only (keras-team/keras#18473, open)."""
+from tfdist.compat.table import using
+
+
+def storage(variable):
+    """The backend variable behind a Keras variable (read it to bypass Keras's stateless scope):
+    "parameter_storage"."""
+    using("parameter_storage")
+    return variable._value
+
+
+def has_storage(variable):
+    using("parameter_storage")
+    return variable._value is not None
+
+
+def release_storage(variable, why=None):
+    """Drops `variable`'s storage: its value lives elsewhere (another replica). Keras's own read
+    of a variable without a value returns its initializer's (for shape inference); here such a
+    read is an error that says `why`."""
+    using("parameter_storage")
+    message = why or f"the weight {variable.path} is held by another replica (ZeRO-3)"
+
+    def refuse(shape, dtype=None):
+        raise ValueError(message)
+    variable._value, variable._initializer = None, refuse
+
+
+def restore_storage(variable, value):
+    """Gives `variable` storage again, holding `value` (under the strategy's scope: a
+    distributed variable where the strategy makes them)."""
+    using("parameter_storage")
+    variable._initializer = None
+    variable._initialize(value)

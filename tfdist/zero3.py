@@ -1,0 +1,402 @@
+"""ZeRO stage 3 (Rajbhandari et al. 2020; PyTorch's FSDP): the weights themselves sharded over the
+N data-parallel replicas, for tfdist's GPT and for any Keras model.
+
+Storage: whole variables, as ZeRO-1/2 shard the optimizer state (`tfdist.zero`). Each trainable
+variable has one owner replica, which alone keeps its storage; on the others the Keras variable
+stays (its shape, its name, its place in the model) but holds nothing (`compat.release_storage`).
+Whole variables rather than flat segments, for the reasons of stages 1-2: the optimizer works per
+variable (AdamW's weight decay is chosen by name), and a backup's shards then hold named variables,
+which restore into any number of replicas (`tfdist.zero`'s format, weights included). The cost is
+padding: each gather moves N times its largest share, not the block's bytes.
+
+A "unit" is what is gathered at once: each top-level layer with weights (a GPT block, a Dense
+layer of a user's Sequential model). Its variables are partitioned over the replicas on their own,
+largest first onto the least-loaded replica, so that each gather's shares are close. A variable
+read outside any unit (the GPT's output head, tied to the token embedding) is gathered where it is
+read, with its unit.
+
+A unit's call, for each batch:
+
+1. forward: its weights are all-gathered (each replica sends what it owns, padded to the unit's
+   largest share), the layer's own `call` runs with them substituted (`keras.StatelessScope`: the
+   layer's code is untouched), and they are dropped when the call returns;
+2. backward (`tf.custom_gradient`): they are gathered again and the unit's forward runs again from
+   its input (recomputed, its dropout masks and norm statistics as in the forward), then its
+   weights' gradients are reduce-scattered: each owner receives the sum over the replicas of its
+   variables' gradients, the strategy's op (Horovod: the average);
+3. the optimizer updates only the owned variables (the step: `tfdist.step`); nothing is gathered
+   after the update.
+
+So a replica holds 1/N of the weights (times the partition's imbalance) plus at most two units'
+gathered weights: the gather of the next unit may start when the current one starts (prefetch,
+a control dependency on the current unit's input; forward and backward). Regathering costs one
+gather more per unit and the recompute of each unit's forward; keeping the gathered weights for
+backward (`REGATHER = False`) costs none of that but holds every unit's gathered weights from its
+forward to its backward: the whole model at the turn of the step (`tools/bench_zero.py` reports
+both).
+
+Example (one replica: the sharded model computes what the plain one does):
+
+    >>> import keras, numpy as np, tensorflow as tf
+    >>> from tfdist import zero, zero3
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    >>> x = np.ones((2, 4), "float32")
+    >>> before = model(x)
+    >>> params = zero3.shard(model, zero.local())
+    >>> bool(np.allclose(model(x), before))
+    True
+    >>> params.describe()
+    'ZeRO-3 over 1 replica(s): this replica holds 2 of 2 units, 4 of 4 variables (23 of 23 parameters); largest unit 15 parameters'
+"""
+import contextlib
+import functools
+
+from tfdist import compat
+from tfdist.errors import UsageError
+from tfdist.lazy import keras, tf
+
+#: Companion switches (tests show the equality tests can fail): False leaves out the gather (each
+#: replica computes with zeros for what it does not own), or the gradients' reduction (each owner
+#: updates with its own replica's gradient only).
+GATHER = True
+REDUCE = True
+#: True: each unit's weights are gathered again for its backward, its forward recomputed.
+REGATHER = True
+
+
+class Unit:
+    """What is gathered at once: a layer's trainable variables (`layer` None: the model's own),
+    and per replica the positions of the variables it owns, in this unit's flat layout."""
+
+    def __init__(self, index, layer, variables):
+        self.index, self.layer, self.variables = index, layer, variables
+        self.sizes = [int(v.shape.num_elements() if hasattr(v.shape, "num_elements")
+                          else _count(v.shape)) for v in variables]
+        self.of = None  # [[position in variables]] per replica, filled by `Parameters`
+        self.segment = 0  # elements per replica in a gather, padded
+
+    @property
+    def parameters(self):
+        return sum(self.sizes)
+
+
+def _count(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def units_of(model):
+    """The model's units: its top-level layers with trainable variables, in call order as Keras
+    lists them, then (when some are left) the model's own variables."""
+    units, seen = [], set()
+    for layer in model.layers:
+        variables = list(layer.trainable_variables)
+        if variables:
+            units.append(Unit(len(units), layer, variables))
+            seen |= {id(v) for v in variables}
+    rest = [v for v in model.trainable_variables if id(v) not in seen]
+    if rest:
+        units.append(Unit(len(units), None, rest))
+    return units
+
+
+class Parameters:
+    """A model's weights sharded over `collectives`' replicas (`shard` makes one). `owned`: the
+    variables this replica holds; `sources()`: what the step differentiates the loss by (the
+    owned variables, then an anchor that puts every unit's backward on each replica's path)."""
+
+    def __init__(self, model, collectives):
+        self.model, self.collectives = model, collectives
+        c = collectives
+        self.units = units_of(model)
+        self.owner, self.home = {}, {}  # id(variable) -> replica; -> (unit, position)
+        load = [0] * c.size
+        for unit in self.units:
+            unit_load = [0] * c.size
+            unit.of = [[] for _ in range(c.size)]
+            for i in sorted(range(len(unit.variables)), key=lambda i: (-unit.sizes[i], i)):
+                v = unit.variables[i]
+                self.home.setdefault(id(v), (unit.index, i))
+                if id(v) not in self.owner:  # first unit: partition it here, balanced
+                    r = min(range(c.size), key=lambda r: (unit_load[r], load[r], r))
+                    self.owner[id(v)] = r
+                    unit_load[r] += unit.sizes[i]
+                    load[r] += unit.sizes[i]
+                unit.of[self.owner[id(v)]].append(i)
+            for positions in unit.of:
+                positions.sort()
+            unit.segment = max(sum(unit.sizes[i] for i in p) for p in unit.of)
+        self.load = load
+        variables = [v for u in self.units for v in u.variables]
+        self.variables = list({id(v): v for v in variables}.values())
+        self.owned = [v for v in self.variables if self.owner[id(v)] == c.rank]
+        # Holds 0, never updated: each unit's collectives take it as an input (the pad of a share
+        # is filled from it), so that every unit's backward is on the path to it (`sources`).
+        self.anchor = tf.Variable(0.0, name="tfdist_zero3_anchor")
+        self.sink = tf.Variable(0.0, trainable=False, name="tfdist_zero3_sink")
+        self._last = {}  # graph -> the tensor the next gather waits for (prefetch of one unit)
+        self._names = (None, {})  # (graph, {(tag, unit): collectives named so far})
+
+    # -- storage -------------------------------------------------------------------------------
+    def release(self):
+        """Drops the storage of every variable another replica owns."""
+        for v in self.variables:
+            if self.owner[id(v)] != self.collectives.rank:
+                compat.release_storage(v)
+
+    def full_values(self):
+        """The model's weights (`model.weights`' order), whole, as numpy arrays: a collective
+        (every replica calls it); nothing is stored."""
+        @tf.function
+        def gather_all():
+            zero = self.anchor.read_value()
+            return [self._gathered(u, self._mine(u), "all", zero) for u in self.units]
+        full = {}
+        for unit, values in zip(self.units, gather_all()):
+            full.update({id(v): value for v, value in zip(unit.variables, values)})
+        return [full[id(w)].numpy() if id(w) in full else w.numpy() for w in self.model.weights]
+
+    def materialize(self):
+        """Every variable full again on every replica (a collective: all call it): to save the
+        whole model, or to read its weights. `release()` shards them again."""
+        for w, value in zip(self.model.weights, self.full_values()):
+            if not compat.has_storage(w):
+                compat.restore_storage(w, value)
+
+    def held_parameters(self):
+        """Parameters this replica stores, counted from its variables."""
+        return sum(_count(v.shape) for v in self.variables if compat.has_storage(v))
+
+    def describe(self):
+        c = self.collectives
+        held = [u for u in self.units if any(self.owner[id(v)] == c.rank for v in u.variables)]
+        return (f"ZeRO-3 over {c.size} replica(s): this replica holds {len(held)} of "
+                f"{len(self.units)} units, {len(self.owned)} of {len(self.variables)} variables "
+                f"({self.load[c.rank]:,} of {sum(self.load):,} parameters); largest unit "
+                f"{max(u.parameters for u in self.units):,} parameters")
+
+    def sources(self):
+        return self.owned + [self.anchor]
+
+    def keep(self, anchor_gradient):
+        """Stores the anchor's gradient (0), so that TF runs what it depends on: every unit's
+        reduce-scatter. (Horovod's ops are not marked stateful: a replica that needs none of a
+        unit's gradients would prune that unit's collective, and the others would wait for it.)"""
+        self.sink.assign(anchor_gradient)
+
+    # -- the collectives -----------------------------------------------------------------------
+    def _mine(self, unit):
+        """This replica's variables of `unit`, read from their storage (not Keras's scope)."""
+        return [tf.convert_to_tensor(compat.storage(unit.variables[i]))
+                for i in unit.of[self.collectives.rank]]
+
+    def _flat(self, unit, r, tensors, zero):
+        """Replica r's share of `unit` (`tensors`, one per variable it owns there), flat, padded
+        with `zero`: the anchor's value (0), a runtime tensor. (Horovod's collectives are not
+        marked stateful: TF's grappler would compute a gather of constants, a replica's share
+        that is all padding, while it optimizes the graph, on that replica alone.)"""
+        parts = [tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors]
+        pad = unit.segment - sum(unit.sizes[i] for i in unit.of[r])
+        return tf.concat(parts + [tf.fill([pad], zero)], 0)
+
+    def _gathered(self, unit, mine, tag, zero):
+        """Every variable of `unit`, full: this replica's `mine` and the others' all-gathered."""
+        c = self.collectives
+        flat = self._flat(unit, c.rank, mine, zero)
+        every = c.all_gather(flat, self._name(tag, unit)) if c.size > 1 and GATHER \
+            else None
+        out = [None] * len(unit.variables)
+        for r in range(c.size):
+            start = 0
+            for i in unit.of[r]:
+                v, n = unit.variables[i], unit.sizes[i]
+                if every is not None:
+                    piece = every[r * unit.segment + start:r * unit.segment + start + n]
+                elif r == c.rank:
+                    piece = flat[start:start + n]
+                else:
+                    piece = tf.zeros([n], tf.float32)
+                out[i] = tf.cast(tf.reshape(piece, v.shape), v.dtype)
+                start += n
+        return out
+
+    def _reduce_scatter(self, unit, grads, tag, zero):
+        """This replica's share of `grads` (one per variable of `unit`), summed over replicas."""
+        c = self.collectives
+        dense = [tf.fill(v.shape, zero) if g is None else tf.convert_to_tensor(g)
+                 for g, v in zip(grads, unit.variables)]
+        buffer = tf.concat([self._flat(unit, r, [dense[i] for i in unit.of[r]], zero)
+                            for r in range(c.size)], 0)
+        if c.size > 1 and REDUCE:
+            mine = c.reduce_scatter(buffer, self._name(tag, unit))
+        else:
+            mine = buffer[c.rank * unit.segment:(c.rank + 1) * unit.segment]
+        out, start = [], 0
+        for i in unit.of[c.rank]:
+            v, n = unit.variables[i], unit.sizes[i]
+            out.append(tf.cast(tf.reshape(mine[start:start + n], v.shape), v.dtype))
+            start += n
+        # The anchor's gradient: 0, computed from the collective so that it waits for it (times the
+        # anchor's value: grappler folds a product by the constant 0 away, and the dependency too).
+        return out, tf.reduce_sum(mine[:1]) * zero
+
+    def _after(self, tensors):
+        """A control dependency on the last unit's input, in this graph: the prefetch bound."""
+        graph = tf.compat.v1.get_default_graph()
+        last = self._last.get(graph)
+        self._last = {graph: [t for t in tensors if t is not None]}
+        return tf.control_dependencies(last) if last else contextlib.nullcontext()
+
+    def _name(self, tag, unit):
+        """The collective's name: the same on every replica, unique in its graph."""
+        graph = tf.compat.v1.get_default_graph()
+        if self._names[0] is not graph:
+            self._names = (graph, {})
+        key = (tag, unit.index)
+        count = self._names[1][key] = self._names[1].get(key, -1) + 1
+        return f"tfdist_zero3_{tag}_{unit.index}_{count}"
+
+    def gather(self, unit):
+        """`unit`'s full weights, differentiable: their gradient is reduce-scattered to the
+        owners (what a read outside the unit's own call uses)."""
+        mine = self._mine(unit)
+
+        @tf.custom_gradient
+        def gather(anchor, *mine):
+            full = self._gathered(unit, list(mine), "read", anchor)
+
+            def grad(*d_full):
+                d_mine, d_anchor = self._reduce_scatter(unit, list(d_full), "read_grad", anchor)
+                return [d_anchor] + d_mine
+            return full, grad
+        return list(gather(self.anchor.read_value(), *mine))
+
+    # -- the calls -----------------------------------------------------------------------------
+    def wrap(self):
+        """Each unit's layer computes with its gathered weights; the model's own call gathers
+        what it reads outside them."""
+        for unit in self.units:
+            if unit.layer is not None:
+                unit.layer.call = self._unit_call(unit, unit.layer.call)
+        self.model.call = self._model_call(self.model.call)
+
+    def _model_call(self, call):
+        @functools.wraps(call)
+        def model_call(*args, **kwargs):
+            with Gathering(self) as scope:
+                out = call(*args, **kwargs)
+            scope.apply_updates()
+            return out
+        return model_call
+
+    def _unit_call(self, unit, call):
+        layer = unit.layer
+
+        @functools.wraps(call)
+        def unit_call(inputs, *args, **kwargs):
+            flat_in = tf.nest.flatten(inputs)
+            n_in = len(flat_in)
+            state = [(v, tf.convert_to_tensor(v.value)) for v in layer.non_trainable_variables]
+            structure = []
+
+            def run(ins, full):
+                mapping = list(zip(unit.variables, full)) + state
+                with Gathering(self, mapping) as scope:
+                    out = call(tf.nest.pack_sequence_as(inputs, list(ins)), *args, **kwargs)
+                return out, scope
+
+            mine, anchor = self._mine(unit), self.anchor.read_value()
+
+            if not REGATHER:  # kept: a differentiable gather, held until its backward
+                with self._after(flat_in):
+                    out, scope = run(flat_in, self.gather(unit))
+                scope.apply_updates()
+                return out
+
+            @tf.custom_gradient
+            def block(*flat):
+                ins, zero, mine_ = flat[:n_in], flat[n_in], list(flat[n_in + 1:])
+                with self._after(flat_in):
+                    full = self._gathered(unit, mine_, "fwd", zero)
+                out, scope = run(ins, full)
+                structure.append(out)
+                updates = [(v, scope.updated[id(v)]) for v, _ in state if id(v) in scope.updated]
+
+                def grad(*d_out):
+                    with self._after(list(d_out)):
+                        full = self._gathered(unit, mine_, "bwd", zero)
+                    with tf.GradientTape() as tape:
+                        watched = [x for x in ins if x.dtype.is_floating] + full
+                        tape.watch(watched)
+                        again, _ = run(ins, full)
+                    grads = tape.gradient(tf.nest.flatten(again), list(ins) + full,
+                                          output_gradients=list(d_out),
+                                          unconnected_gradients=tf.UnconnectedGradients.NONE)
+                    d_mine, d_anchor = self._reduce_scatter(unit, grads[n_in:], "grad", zero)
+                    d_ins = [g if x.dtype.is_floating else None for g, x in zip(grads[:n_in], ins)]
+                    return d_ins + [d_anchor] + d_mine
+                for v, value in updates:  # norm statistics, RNG states: applied (or recorded
+                    v.assign(value)        # by the model's scope, which applies them)
+                return tf.nest.flatten(out), grad
+
+            flat_out = block(*flat_in, anchor, *mine)
+            return tf.nest.pack_sequence_as(structure[-1], list(tf.nest.flatten(flat_out)))
+        return unit_call
+
+
+class Gathering(keras.StatelessScope):
+    """A Keras stateless scope in which a sharded weight that `mapping` does not give is gathered
+    where it is read (`Parameters.gather`, once per unit and scope), and in which assignments are
+    recorded (`updated`) for `apply_updates` to make after it."""
+
+    def __init__(self, params, mapping=None):
+        super().__init__(mapping or [], initialize_variables=False)
+        self.params, self.updated, self._variables, self._read = params, {}, {}, {}
+
+    def add_update(self, update):
+        variable, value = update
+        super().add_update(update)
+        self.updated[id(variable)] = value
+        self._variables[id(variable)] = variable
+
+    def get_current_value(self, variable):
+        value = super().get_current_value(variable)
+        home = self.params.home.get(id(variable))
+        if value is None and home is not None:
+            u, i = home
+            if u not in self._read:
+                self._read[u] = self.params.gather(self.params.units[u])
+            value = self._read[u][i]
+        return value
+
+    def apply_updates(self):
+        for key, value in self.updated.items():
+            self._variables[key].assign(value)
+
+
+def shard(model, collectives):
+    """Shards the built `model`'s trainable weights over `collectives`' replicas (a
+    `tfdist.zero.Collectives`), in place: returns its `Parameters` (also at
+    `model.tfdist_params`). Call it before compiling the optimizer's slots (tfdist's step does)."""
+    params = Parameters(model, collectives)
+    missing = [v.path for v in model.trainable_variables if id(v) not in params.owner]
+    if missing:
+        raise UsageError(f"ZeRO-3 cannot place the weight(s) {missing[:3]}; they belong to no layer")
+    params.wrap()
+    params.release()
+    model.tfdist_params = params
+    return params
+
+
+def replicated(model, variables):
+    """`variables` but the model's sharded weights (each exists once: there is no other copy to
+    make alike, as a broadcast from one replica does)."""
+    params = of(model)
+    return [v for v in variables if params is None or id(v) not in params.owner]
+
+
+def of(model):
+    """The model's `Parameters`, or None when its weights are not sharded."""
+    return getattr(model, "tfdist_params", None)
