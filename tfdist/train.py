@@ -306,9 +306,8 @@ def _finish(c, workdir, layout, strategy, model, backup, log, start, say):
               "val_loss": last_eval.get("loss"), "val_bits_per_byte": last_eval.get("bits_per_byte"),
               "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": workdir}
     from tfdist import zero3
-    if zero3.of(model):  # ZeRO-3: every process gathers the whole model (a collective)
-        with strategy.scope():
-            zero3.of(model).materialize()
+    if zero3.of(model):  # ZeRO-3: every process gathers the whole model (a collective), into
+        zero3.of(model).materialize()  # local variables (outside the scope: none is mirrored)
     if strategy.is_chief:
         # The plain GPT (tensor-parallel shards joined): it samples on any device.
         plain_gpt(model).save(os.path.join(workdir, "model.keras"))

@@ -46,7 +46,7 @@ Example (one replica: the sharded model computes what the plain one does):
     >>> bool(np.allclose(model(x), before))
     True
     >>> params.describe()
-    'ZeRO-3 over 1 replica(s): this replica holds 2 of 2 units, 4 of 4 variables (23 of 23 parameters); largest unit 15 parameters'
+    'ZeRO-3 over 1 replica(s): this replica holds 2 of 2 units, 4 of 4 variables (23 of 23 parameters); largest unit 15 parameters; imbalance 1.00'
 """
 import contextlib
 import functools
@@ -175,7 +175,16 @@ class Parameters:
         return (f"ZeRO-3 over {c.size} replica(s): this replica holds {len(held)} of "
                 f"{len(self.units)} units, {len(self.owned)} of {len(self.variables)} variables "
                 f"({self.load[c.rank]:,} of {sum(self.load):,} parameters); largest unit "
-                f"{max(u.parameters for u in self.units):,} parameters")
+                f"{self.largest_unit:,} parameters; imbalance {self.imbalance:.2f}")
+
+    @property
+    def largest_unit(self):
+        return max(u.parameters for u in self.units)
+
+    @property
+    def imbalance(self):
+        """The largest replica's share over the mean."""
+        return max(self.load) / max(1.0, sum(self.load) / len(self.load))
 
     def sources(self):
         return self.owned + [self.anchor]

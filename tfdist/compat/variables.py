@@ -29,8 +29,9 @@ def release_storage(variable, why=None):
 
 
 def restore_storage(variable, value):
-    """Gives `variable` storage again, holding `value` (under the strategy's scope: a
-    distributed variable where the strategy makes them)."""
+    """Gives `variable` storage again, holding `value`: a variable of this process (outside a
+    strategy's scope; inside, a distributed variable, which multi_worker_mirrored would
+    broadcast from worker 0)."""
     using("parameter_storage")
     variable._initializer = None
     variable._initialize(value)

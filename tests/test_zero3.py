@@ -1,0 +1,106 @@
+"""ZeRO-3 (tfdist/zero3.py), in one process: each replica holds 1/N of the weights, counted from
+its variables; one replica's sharded step equals the plain step, for tfdist's GPT (with dropout,
+with gradient accumulation) and for a user's Keras model with BatchNormalization and Dropout;
+a weight another replica holds cannot be read by mistake. Two replicas (Horovod,
+multi_worker_mirrored), their companions and the resumes are in tests/test_zero.py."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.test_zero import fake, gpt_nano
+from tfdist import compat, zero, zero3
+
+
+def test_each_replica_holds_one_nth_of_the_weights():
+    """Counted from the variables that keep storage: every weight on exactly one replica, each
+    replica's share within the partition's imbalance of 1/N; the gathered weights a step adds
+    are at most two units (the one running and the one prefetched)."""
+    for n in (2, 4):
+        held, described = [], None
+        for r in range(n):
+            _, model = gpt_nano()
+            total = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+            params = zero3.shard(model, fake(r, n))
+            held.append(params.held_parameters())
+            assert held[-1] == params.load[r]
+            assert all(compat.has_storage(v) == (params.owner[id(v)] == r)
+                       for v in model.trainable_variables)
+            described = params.describe()
+        assert sum(held) == total
+        assert max(held) <= total / n * params.imbalance + 1e-6
+        assert params.imbalance < 1.25, params.imbalance  # gpt_nano: 1.02 over 2, 1.13 over 4
+        block = max(u.parameters for u in params.units)
+        assert block < total / 2  # a block, not the model
+        assert f"largest unit {block:,} parameters" in described
+
+
+def test_a_weight_held_elsewhere_cannot_be_read_by_mistake():
+    _, model = gpt_nano()
+    params = zero3.shard(model, fake(1, 2))
+    other = next(v for v in model.trainable_variables if params.owner[id(v)] == 0)
+    with pytest.raises(ValueError, match="is held by another replica"):
+        np.asarray(other)
+
+
+def train(model_fn, stage, steps=6, accumulate=1, data=None):
+    """Losses and final weights of `steps` batches of the compiled `model_fn()` through tfdist's
+    step on one replica, ZeRO-`stage`."""
+    import tfdist.strategies
+    from tfdist.layout import Layout
+    from tfdist.step import TrainStep
+    strategy = tfdist.strategies.get("single")
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = model_fn()
+        TrainStep(model, strategy, Layout(zero=stage, accumulate=accumulate), clipnorm=1.0,
+                  collectives=zero.local())
+    history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
+    params = zero3.of(model)
+    values = params.full_values() if params else [w.numpy() for w in model.weights]
+    return history.history["loss"], values
+
+
+def gpt():
+    from tfdist.models.gpt import GPT, loss_fn
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+    model.build()
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss=loss_fn())
+    return model
+
+
+def tokens():
+    t = tf.random.stateless_uniform((8, 17), (0, 0), maxval=64, dtype=tf.int32)
+    return tf.data.Dataset.from_tensors((t[:, :-1], t[:, 1:])).repeat()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_one_replica_zero3_step_equals_the_plain_step_of_a_gpt(accumulate):
+    """Dropout 0.1: the recomputed forward of each block draws the forward's masks."""
+    plain_loss, plain_w = train(gpt, 0, accumulate=accumulate, data=tokens())
+    loss, w = train(gpt, 3, accumulate=accumulate, data=tokens())
+    assert max(abs(a - b) for a, b in zip(plain_loss, loss)) <= 1e-5, (plain_loss, loss)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(plain_w, w)) <= 1e-5
+
+
+def cnn():
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, padding="same"),
+        keras.layers.BatchNormalization(), keras.layers.ReLU(), keras.layers.Flatten(),
+        keras.layers.Dropout(0.25), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_one_replica_zero3_step_equals_the_plain_step_of_a_keras_cnn():
+    """A user's Sequential model: its BatchNormalization's moving statistics (updated inside the
+    sharded call) and its weights end as the plain step's."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, 10, size=64)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
+    plain_loss, plain_w = train(cnn, 0, data=data)
+    loss, w = train(cnn, 3, data=data)
+    assert max(abs(a - b) for a, b in zip(plain_loss, loss)) <= 1e-5, (plain_loss, loss)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(plain_w, w)) <= 1e-5
