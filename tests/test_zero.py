@@ -136,7 +136,10 @@ class _Weights(keras.layers.Layer):
 
 @pytest.mark.parametrize("flags,needle", first_fast([
     (["--strategy=single", "--config.zero.stage=1"], "strategy single cannot shard the optimizer"),
-    (["--strategy=horovod", "--config.zero.stage=3"], "'zero.stage' must be 0, 1 or 2"),
+    (["--strategy=horovod", "--config.zero.stage=4"], "'zero.stage' must be 0, 1, 2 or 3"),
+    (["--strategy=mirrored", "--config.zero.stage=3"], "strategy mirrored cannot shard"),
+    (["--strategy=horovod", "--config.zero.stage=3", "--config.pipeline.stages=2"],
+     "zero.stage=3 does not yet run with pipeline stages or tensor parallelism"),
     (["--strategy=mirrored", "--config.zero.stage=2"], "strategy mirrored cannot shard"),
     (["--strategy=parameter_server", "--config.zero.stage=1"], "parameter_server cannot shard"),
     (["--strategy=multi_worker_mirrored", "--config.train.grad_accum_steps=2"],
@@ -201,8 +204,8 @@ def assert_equal_to_plain(run, plain, stage, sharded_accumulators=False):
         assert mine["zero"].startswith(f"ZeRO-{stage} over 2 replica(s)")
         imbalance = float(mine["zero"].rsplit(" ", 1)[1])
         sharded = full["bytes"] - full["accumulator_bytes"] * (not sharded_accumulators)
-        assert mine["bytes"] - (full["bytes"] - sharded) <= sharded / 2 * imbalance + 64, (
-            mine, full)  # + the scalars
+        assert mine["bytes"] - (full["bytes"] - sharded) <= sharded / 2 * (imbalance + 0.005) + 64, (
+            mine, full)  # + the scalars; (the imbalance is printed rounded to 0.01)
 
 
 @pytest.fixture(scope="module")
@@ -386,3 +389,85 @@ def test_a_killed_mwms_worker_resumes_from_the_shards_bitwise(tmp_path, data_dir
     assert "at step 7 of 20" in p.stdout, p.stdout[-3000:]
     assert max_diff(weights(tmp_path / "run", 0), weights(reference, 0)) == 0.0
     assert hashes(tmp_path / "run", 0)[-1] == hashes(tmp_path / "run", 1)[-1]
+
+
+# -- ZeRO-3: the weights sharded too (tfdist/zero3.py) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, data_dir):
+    d = tmp_path_factory.mktemp("zero-3")
+    horovod(d, data_dir, 3, "--dump-weights")
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_zero3_under_horovod_equals_plain_data_parallel(zero3_run, plain):
+    """Losses within 1e-5 of plain data parallelism's over 20 steps, the weights joined from both
+    ranks bitwise identical after every step and equal to plain's, each rank's optimizer state
+    half of plain's."""
+    assert_equal_to_plain(zero3_run, plain, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+@pytest.mark.parametrize("skip", ["--skip-zero3-gather",
+                                  pytest.param("--skip-zero3-reduce", marks=pytest.mark.long)])
+def test_without_the_gather_or_the_reduce_scatter_zero3_differs(tmp_path, data_dir, plain, skip):
+    """Companion: each rank computing with only its own weights (zeros for the others'), or
+    updating them with only its own gradients, does not give plain's losses (3 steps)."""
+    horovod(tmp_path, data_dir, 3, skip, "--kill-at-step", "3", "--kill-worker", "0",
+            check=False)
+    a, b = losses(plain)[:3], losses(tmp_path)[:3]
+    assert len(b) == 3
+    assert max(abs(x - y) for x, y in zip(a, b)) > 1e-3, (a, b)
+
+
+@pytest.fixture(scope="module")
+def killed3(tmp_path_factory, data_dir):
+    """ZeRO-3 over 2 ranks, rank 1 SIGKILLed after step 5: each rank's weights in its shard."""
+    d = tmp_path_factory.mktemp("zero3-killed")
+    p = horovod(d, data_dir, 3, "--kill-at-step", str(KILL_AT), "--kill-worker", "1", check=False)
+    assert p.returncode != 0
+    for r in (0, 1):
+        manifest = json.load(open(d / "backup" / "zero" / f"step-{KILL_AT}" / f"rank-{r}.json"))
+        assert manifest["weights"], manifest  # the weights this rank held
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.long)])
+def test_a_zero3_backup_resumes_at_one_rank_and_at_two(tmp_path, data_dir, zero3_run, killed3,
+                                                       ranks):
+    """N = 2 -> 1: each weight read from whichever shard holds it, the uninterrupted run's losses.
+    Same N: bitwise its weights."""
+    shutil.copytree(killed3, tmp_path / "run")
+    p = horovod(tmp_path / "run", data_dir, 3, "--dump-weights", ranks=ranks)
+    assert f"at step {KILL_AT} of {STEPS}" in p.stdout, p.stdout[-3000:]
+    resumed, reference = after(tmp_path / "run", KILL_AT), after(zero3_run, KILL_AT)
+    assert len(resumed) == len(reference) == STEPS - KILL_AT
+    assert max(abs(a - b) for a, b in zip(resumed, reference)) <= 1e-5, (resumed, reference)
+    if ranks == 2:
+        assert max_diff(weights(tmp_path / "run", 0), weights(zero3_run, 0)) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+@pytest.mark.long
+def test_a_one_rank_zero3_backup_resumes_at_two_ranks(tmp_path, data_dir, zero3_run):
+    horovod(tmp_path, data_dir, 3, "--kill-at-step", str(KILL_AT), "--kill-worker", "0", ranks=1,
+            check=False)
+    p = horovod(tmp_path, data_dir, 3, ranks=2)
+    assert f"at step {KILL_AT} of {STEPS}" in p.stdout, p.stdout[-3000:]
+    resumed, reference = after(tmp_path, KILL_AT), after(zero3_run, KILL_AT)
+    assert len(resumed) == STEPS - KILL_AT
+    assert max(abs(a - b) for a, b in zip(resumed, reference)) <= 1e-5, (resumed, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_zero3_under_multi_worker_mirrored_equals_plain_data_parallel(tmp_path, data_dir,
+                                                                      plain_mwms):
+    group(tmp_path, data_dir, 3, "--dump-weights", strategy="multi_worker_mirrored")
+    assert_equal_to_plain(tmp_path, plain_mwms, 3)

@@ -1,4 +1,5 @@
-"""ZeRO with 2 replicas of gpt_mini, plain data parallel against ZeRO-1 and ZeRO-2.
+"""ZeRO with 2 replicas of gpt_mini, plain data parallel against ZeRO-1, ZeRO-2 and ZeRO-3 (its
+gathered weights gathered again for the backward pass, tfdist's default, and kept instead).
 
     python tools/bench_zero.py                                   # Horovod (make bench-zero)
     python tools/bench_zero.py --strategy=multi_worker_mirrored  # TF's collectives (also there)
@@ -10,11 +11,13 @@ global clipping, the layout's ZeRO stage), runs a traced training step on a batc
 sequences per replica, then --steps timed steps. Per variant:
 
 * the median step time, and its ratio to plain data parallel's of the same round;
-* the optimizer's bytes on each rank (its variables: AdamW's moments, or the rank's shard);
+* the optimizer's bytes on each rank (its variables: AdamW's moments, or the rank's shard), and
+  the weight bytes it stores (ZeRO-3: its shard, counted from its variables);
 * TF's CPU allocator peak over the timed steps, and the process's peak RSS (VmHWM), rank 0;
 * the bytes sent per step: the loopback interface's transmitted bytes (/proc/net/dev, both ranks'
   traffic, halved) over the timed steps, against the ZeRO paper's volume (2(N-1)/N of the
-  gradient bytes for an all-reduce, and for a reduce-scatter plus an all-gather alike).
+  gradient bytes for an all-reduce, and for a reduce-scatter plus an all-gather alike; ZeRO-3:
+  3(N-1)/N, the forward's gather, the backward's, and the reduce-scatter).
 
 Prints a table and writes bench_results/zero.json (zero-mwms.json). Gloo's all-reduce is not a
 plain ring, and TCP (and gRPC) add headers, so the measured bytes are compared as ratios to plain
@@ -35,11 +38,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per run (after one traced step).")
 _BATCH = flags.DEFINE_integer("batch", 4, "Sequences of 256 tokens per rank and step.")
-_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of the three variants.")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of the variants.")
 _WORKER = flags.DEFINE_integer("worker", -1, "Internal: run as a rank with this ZeRO stage.")
 _STRATEGY = flags.DEFINE_enum("strategy", "horovod", ["horovod", "multi_worker_mirrored"],
                               "The data-parallel strategy of the 2 processes.")
 
+KEPT = 4  # (the variant's number: ZeRO-3 without the regather)
 SIZES = dict(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0)
 
 
@@ -52,6 +56,9 @@ def loopback_tx():
 
 
 def worker(stage):
+    from tfdist import zero3
+    if stage == KEPT:  # ZeRO-3, the forward's gathered weights kept for the backward pass
+        zero3.REGATHER, stage = False, 3
     import numpy as np
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -90,13 +97,18 @@ def worker(stage):
     strategy.barrier()
     tx = loopback_tx() - tx
     optimizer_bytes = sum(v.numpy().nbytes for v in optimizer.variables)
-    every = [json.loads(x) for x in exchange(strategy, json.dumps(optimizer_bytes))]
+    params = zero3.of(model)
+    weight_bytes = 4 * (params.held_parameters() if params else
+                        sum(int(np.prod(v.shape)) for v in model.trainable_variables))
+    every = [json.loads(x) for x in exchange(strategy, json.dumps([optimizer_bytes, weight_bytes]))]
     if rank == 0:
         with open("/proc/self/status") as f:
             rss = int(f.read().split("VmHWM:")[1].split()[0]) * 1024
         grad_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
         print("RESULT " + json.dumps({
-            "step_s": statistics.median(times), "optimizer_bytes": every,
+            "step_s": statistics.median(times), "optimizer_bytes": [e[0] for e in every],
+            "weight_bytes": [e[1] for e in every],
+            "largest_unit_bytes": 4 * params.largest_unit if params else 0,
             "tf_peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"]),
             "peak_rss_bytes": rss, "sent_per_rank_step": tx / 2 / _STEPS.value,
             "gradient_bytes": grad_bytes}), flush=True)
@@ -132,7 +144,8 @@ def main(argv):
     del argv
     if _WORKER.value >= 0:
         return worker(_WORKER.value)
-    names = {0: "plain data parallel", 1: "ZeRO-1", 2: "ZeRO-2"}
+    names = {0: "plain data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3",
+             KEPT: "ZeRO-3, kept"}
     runs = {s: [] for s in names}
     for _ in range(_ROUNDS.value):
         for s in names:
@@ -143,18 +156,21 @@ def main(argv):
     for s, name in names.items():
         r = {k: statistics.median(x[k] for x in runs[s])
              for k in ("step_s", "tf_peak_bytes", "peak_rss_bytes", "sent_per_rank_step")}
-        r.update(variant=name, stage=s, optimizer_bytes=runs[s][0]["optimizer_bytes"],
-                 gradient_bytes=runs[s][0]["gradient_bytes"])
-        r["paper_bytes_per_rank_step"] = 2 * (n - 1) / n * r["gradient_bytes"]
+        r.update(variant=name, stage=min(s, 3), optimizer_bytes=runs[s][0]["optimizer_bytes"],
+                 weight_bytes=runs[s][0]["weight_bytes"], gradient_bytes=runs[s][0]["gradient_bytes"],
+                 largest_unit_bytes=runs[s][0]["largest_unit_bytes"])
+        r["paper_bytes_per_rank_step"] = (3 if s >= 3 else 2) * (n - 1) / n * r["gradient_bytes"]
         rows.append(r)
     base = rows[0]
-    print(f"\n{'variant':20} {'s/step':>7} {'x plain':>7} {'optimizer MiB/rank':>19} "
+    print(f"\n{'variant':20} {'s/step':>7} {'x plain':>7} {'weights MiB/rank':>17} "
+          f"{'optimizer MiB/rank':>19} "
           f"{'TF peak MiB':>11} {'RSS MiB':>8} {'sent MiB/step':>13} {'x plain':>7} {'paper MiB':>9}")
     for r in rows:
         r["time_vs_plain"] = r["step_s"] / base["step_s"]
         r["sent_vs_plain"] = r["sent_per_rank_step"] / base["sent_per_rank_step"]
         r["optimizer_vs_plain"] = max(r["optimizer_bytes"]) / max(base["optimizer_bytes"])
         print(f"{r['variant']:20} {r['step_s']:7.3f} {r['time_vs_plain']:7.2f} "
+              f"{' / '.join(f'{b / 2**20:.1f}' for b in r['weight_bytes']):>17} "
               f"{' / '.join(f'{b / 2**20:.1f}' for b in r['optimizer_bytes']):>19} "
               f"{r['tf_peak_bytes'] / 2**20:11.1f} {r['peak_rss_bytes'] / 2**20:8.1f} "
               f"{r['sent_per_rank_step'] / 2**20:13.2f} {r['sent_vs_plain']:7.2f} "

@@ -89,7 +89,9 @@ def optimizer_state(optimizer, model):
         for name, v in optimizer_state(inner, model).items():
             out["inner/" + name] = v
         placed |= {id(v) for v in inner.variables}
-    trainables = model.trainable_weights  # what tfdist and Keras's fit build optimizers with
+    # What tfdist and Keras's fit build optimizers with (ZeRO-3: the weights this replica holds)
+    params = getattr(model, "tfdist_params", None)
+    trainables = params.owned if params is not None else model.trainable_weights
     for slot_name, slots in _slot_lists(optimizer, trainables):
         groups = {}
         for var, slot in zip(trainables, slots):
