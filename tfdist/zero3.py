@@ -1,39 +1,20 @@
 """ZeRO stage 3 (Rajbhandari et al. 2020; PyTorch's FSDP): the weights themselves sharded over the
-N data-parallel replicas, for tfdist's GPT and for any Keras model.
+N data-parallel replicas, for tfdist's GPT and for any Keras model (docs/strategies.md, ZeRO-3).
 
-Storage: whole variables, as ZeRO-1/2 shard the optimizer state (`tfdist.zero`). Each trainable
-variable has one owner replica, which alone keeps its storage; on the others the Keras variable
-stays (its shape, its name, its place in the model) but holds nothing (`compat.release_storage`).
-Whole variables rather than flat segments, for the reasons of stages 1-2: the optimizer works per
-variable (AdamW's weight decay is chosen by name), and a backup's shards then hold named variables,
-which restore into any number of replicas (`tfdist.zero`'s format, weights included). The cost is
-padding: each gather moves N times its largest share, not the block's bytes.
+Storage: whole variables, as stages 1-2 shard the optimizer state (`tfdist.zero`): each
+trainable variable has one owner, which alone keeps its storage; elsewhere the Keras variable
+stays (shape, name, place in the model) without a value (`compat.release_storage`). A "unit",
+what is gathered at once, is a top-level layer with weights (a GPT block); its variables are
+partitioned on their own, so that each gather's shares are close. A weight read outside any
+unit (the GPT's head, tied to the token embedding) is gathered where it is read.
 
-A "unit" is what is gathered at once: each top-level layer with weights (a GPT block, a Dense
-layer of a user's Sequential model). Its variables are partitioned over the replicas on their own,
-largest first onto the least-loaded replica, so that each gather's shares are close. A variable
-read outside any unit (the GPT's output head, tied to the token embedding) is gathered where it is
-read, with its unit.
-
-A unit's call, for each batch:
-
-1. forward: its weights are all-gathered (each replica sends what it owns, padded to the unit's
-   largest share), the layer's own `call` runs with them substituted (`keras.StatelessScope`: the
-   layer's code is untouched), and they are dropped when the call returns;
-2. backward (`tf.custom_gradient`): they are gathered again and the unit's forward runs again from
-   its input (recomputed, its dropout masks and norm statistics as in the forward), then its
-   weights' gradients are reduce-scattered: each owner receives the sum over the replicas of its
-   variables' gradients, the strategy's op (Horovod: the average);
-3. the optimizer updates only the owned variables (the step: `tfdist.step`); nothing is gathered
-   after the update.
-
-So a replica holds 1/N of the weights (times the partition's imbalance) plus at most two units'
-gathered weights: the gather of the next unit may start when the current one starts (prefetch,
-a control dependency on the current unit's input; forward and backward). Regathering costs one
-gather more per unit and the recompute of each unit's forward; keeping the gathered weights for
-backward (`REGATHER = False`) costs none of that but holds every unit's gathered weights from its
-forward to its backward: the whole model at the turn of the step (`tools/bench_zero.py` reports
-both).
+For each batch, a unit's call all-gathers its weights and runs the layer's own `call` with them
+substituted (`keras.StatelessScope`); they die when it returns. Its backward
+(`tf.custom_gradient`) gathers them again, recomputes the unit's forward (its dropout masks and
+norm statistics as in the forward) and reduce-scatters the weights' gradients to their owners.
+The optimizer updates the owned weights only. So a replica holds 1/N of the weights plus at most
+two units' gathered weights: the next unit's gather may start when the current one starts
+(prefetch). `REGATHER = False` keeps the forward's gathered weights for backward instead.
 
 Example (one replica: the sharded model computes what the plain one does):
 
