@@ -87,15 +87,15 @@ class TrainStep:
     def __call__(self, data):
         x, y = data[0], data[1]
         model, optimizer = self.model, self.optimizer
-        # 1. Forward, loss, gradients (of the loss scaled for mixed_float16, if it is).
+        # 1. Forward, loss, gradients (of the loss scaled for mixed_float16, if it is); ZeRO-3:
+        #    by this replica's own weights, reduce-scattered by the backward pass.
+        variables = self.params.sources() if self.params else model.trainable_weights
         if self.layout.split:  # the pipeline's schedule; tf.gradients, placed stage by stage
             loss, grads = model.compute_gradients(x, y, scale=optimizer.scale_loss)
         else:
             with tf.GradientTape() as tape:
                 loss = model.compute_loss(x, y, model(x, training=True), training=True)
                 scaled = optimizer.scale_loss(loss)
-            # (ZeRO-3: by this replica's own weights, reduce-scattered by the backward pass)
-            variables = self.params.sources() if self.params else model.trainable_weights
             grads = tape.gradient(scaled, variables)
         # 2. Keras's `loss` metric, as its own train_step keeps it.
         compat.track_loss(model, loss, tf.shape(x)[0])
