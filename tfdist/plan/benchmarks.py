@@ -198,7 +198,8 @@ def tensor_row(h, t):
 
 
 def zero_rows(h, model, bench_dir, name, z):
-    """zero*.json: ZeRO-1/2's step against plain data parallel's, 2 processes on loopback. ZeRO's
+    """zero*.json: ZeRO-1/2's step against plain data parallel's, 2 processes on loopback (ZeRO-3's
+    rows are left out: the planner does not model its second gather and recompute yet). ZeRO's
     reduce-scatter and all-gather move the all-reduce's bytes (the cores' work either way, not
     hidden), and the update's memory traffic is inside the fitted fraction of peak on this CPU."""
     impl = collective(z["strategy"])
@@ -212,6 +213,8 @@ def zero_rows(h, model, bench_dir, name, z):
     o = dataclasses.replace(o, efficiency=fit_efficiency(model, cluster, lay, plain["step_s"], o))
     rows = []
     for r in z["rows"][1:]:
+        if r["stage"] == 3:  # its regather and recompute are not modelled yet (issue 34)
+            continue
         t = step_time(model, cluster, dataclasses.replace(lay, zero=r["stage"]), o)["total"]
         rows.append(judged({"figure": f"{name}: {r['variant']} step vs plain, {z['strategy']}",
                             "measured": r["time_vs_plain"], "predicted": t / plain["step_s"],
