@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-peer bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-data test-long chaos \
+        bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-data test-long chaos \
         chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
@@ -155,11 +155,16 @@ bench-pipeline: $(STAMP)
 bench-model-parallel: $(STAMP)
 	$(BIN)/python tools/bench_model_parallel.py --schedules --tensor
 
-# ZeRO-1/2 against plain data parallel, 2 Horovod ranks then 2 MWMS workers of gpt_mini: time,
+# ZeRO-1/2/3 against plain data parallel, 2 Horovod ranks then 2 MWMS workers of gpt_mini: time,
 # memory, bytes sent.
 bench-zero: $(HOROVOD)
 	$(BIN)/python tools/bench_zero.py
 	$(BIN)/python tools/bench_zero.py --strategy=multi_worker_mirrored
+
+# A model that trains only sharded: each of 2 Horovod ranks capped at 1600 MiB (a memory cgroup;
+# root), a 57 M-parameter GPT: which ZeRO stages train.
+bench-zero-cap: $(HOROVOD)
+	$(BIN)/python tools/bench_zero.py --model=wide --cap_mib=1600 --batch=1 --steps=3
 
 # allreduce bus bandwidth, 1-64 MiB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
 bench-allreduce: $(HOROVOD)

@@ -19,7 +19,12 @@ sequences per replica, then --steps timed steps. Per variant:
   gradient bytes for an all-reduce, and for a reduce-scatter plus an all-gather alike; ZeRO-3:
   3(N-1)/N, the forward's gather, the backward's, and the reduce-scatter).
 
-Prints a table and writes bench_results/zero.json (zero-mwms.json). Gloo's all-reduce is not a
+Prints a table and writes bench_results/zero.json (zero-mwms.json).
+
+With --cap_mib=M each rank runs in a memory cgroup of its own (cgroup v1, limit M MiB, no swap
+beyond it), on --model=wide (8 layers 768 wide, 64 tokens: 57 M parameters, whose weights,
+gradients and moments dominate its memory), for --stages: which variants train under the cap
+and which are killed for memory. It writes bench_results/zero-cap.json. Gloo's all-reduce is not a
 plain ring, and TCP (and gRPC) add headers, so the measured bytes are compared as ratios to plain
 data parallel's.
 """
@@ -40,11 +45,17 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per run (after one trace
 _BATCH = flags.DEFINE_integer("batch", 4, "Sequences of 256 tokens per rank and step.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of the variants.")
 _WORKER = flags.DEFINE_integer("worker", -1, "Internal: run as a rank with this ZeRO stage.")
+_CAP = flags.DEFINE_integer("cap_mib", 0, "A memory cap per rank, MiB (0: none).")
+_MODEL = flags.DEFINE_enum("model", "mini", ["mini", "wide"], "gpt_mini, or a model whose "
+                           "weights dominate its memory (57 M parameters, 64 tokens).")
+_STAGES = flags.DEFINE_list("stages", ["0", "1", "2", "3", "4"], "The variants (4: ZeRO-3 kept).")
+CGROUP = "/sys/fs/cgroup/memory"
 _STRATEGY = flags.DEFINE_enum("strategy", "horovod", ["horovod", "multi_worker_mirrored"],
                               "The data-parallel strategy of the 2 processes.")
 
 KEPT = 4  # (the variant's number: ZeRO-3 without the regather)
 SIZES = dict(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0)
+WIDE = dict(vocab_size=256, block_size=64, n_layer=8, n_head=12, n_embd=768, dropout=0.0)
 
 
 def loopback_tx():
@@ -73,7 +84,8 @@ def worker(stage):
     strategy = strategies.get(_STRATEGY.value)
     keras.utils.set_random_seed(0)
     with strategy.scope():  # as `tfdist train` builds it: tfdist's training step (tfdist.step)
-        model = GPT(**SIZES)
+        sizes = WIDE if _MODEL.value == "wide" else SIZES
+        model = GPT(**sizes)
         model.build()
         t = default_config().train
         model.compile(optimizer=make_optimizer(t, 1000), loss=loss_fn())
@@ -82,7 +94,7 @@ def worker(stage):
         optimizer = model.optimizer
     rank = strategy.worker_index
     rng = np.random.default_rng(rank)
-    tokens = rng.integers(0, 256, size=(_BATCH.value, SIZES["block_size"] + 1)).astype("int32")
+    tokens = rng.integers(0, 256, size=(_BATCH.value, sizes["block_size"] + 1)).astype("int32")
     x, y = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
     run = strategy.tf_strategy.run  # (Horovod: TF's default strategy; MWMS: one replica each)
     step = tf.function(lambda: run(model.train_step, args=((x, y),))["loss"])
@@ -123,17 +135,45 @@ def exchange(strategy, text):
     return [open(os.path.join(d, f"{r}.txt")).read() for r in range(strategy.num_workers)]
 
 
+def capped(argv, cap_mib, name):
+    """`argv` run in a memory cgroup of its own per process, `cap_mib` MiB, swap included."""
+    limit = cap_mib * 2**20
+    script = (f'd={CGROUP}/{name}-$$ && mkdir $d && echo {limit} > $d/memory.limit_in_bytes && '
+              f'(echo {limit} > $d/memory.memsw.limit_in_bytes 2>/dev/null; true) && '
+              f'echo $$ > $d/cgroup.procs && exec "$@"')
+    return ["/bin/sh", "-c", script, "sh", *argv]
+
+
+def cgroups_of(name):
+    import glob
+    return glob.glob(f"{CGROUP}/{name}-*")
+
+
 def measure(stage):
     import tempfile
     from tfdist.strategies.horovod import horovodrun_argv
     me = [sys.executable, os.path.abspath(__file__), f"--worker={stage}", f"--steps={_STEPS.value}",
-          f"--batch={_BATCH.value}", f"--strategy={_STRATEGY.value}"]
+          f"--batch={_BATCH.value}", f"--strategy={_STRATEGY.value}", f"--model={_MODEL.value}"]
+    name = f"tfdist-bench-{os.getpid()}"
+    if _CAP.value:
+        me = capped(me, _CAP.value, name)
     cmd = horovodrun_argv(2, me) if _STRATEGY.value == "horovod" else [
         sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0", "--", *me]
     with tempfile.TemporaryDirectory() as d:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                            env={**os.environ, "TFDIST_BENCH_DIR": d})
     lines = [x.split("RESULT ", 1)[1] for x in p.stdout.splitlines() if "RESULT " in x]
+    if _CAP.value:  # which rank was killed for memory; the cgroups removed (their tasks ended)
+        kills = 0
+        for d in cgroups_of(name):
+            with open(os.path.join(d, "memory.oom_control")) as f:
+                kills += int(dict(line.split() for line in f).get("oom_kill", 0))
+            with open(os.path.join(d, "memory.max_usage_in_bytes")) as f:
+                peak = int(f.read())
+            os.rmdir(d)
+        return {"trained": p.returncode == 0 and bool(lines), "exit": p.returncode,
+                "oom_kills": kills, "cgroup_peak_bytes": peak,
+                **(json.loads(lines[-1]) if lines else {})}
     if p.returncode or not lines:
         raise SystemExit(f"stage {stage} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n"
                          f"{p.stderr[-2000:]}")
@@ -144,6 +184,8 @@ def main(argv):
     del argv
     if _WORKER.value >= 0:
         return worker(_WORKER.value)
+    if _CAP.value:
+        return main_capped()
     names = {0: "plain data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3",
              KEPT: "ZeRO-3, kept"}
     runs = {s: [] for s in names}
@@ -183,6 +225,28 @@ def main(argv):
         "batch_per_rank": _BATCH.value, "steps": _STEPS.value, "rounds": _ROUNDS.value,
         "rows": rows, "runs": runs,
         "command": "python tools/bench_zero.py" + (" --strategy=multi_worker_mirrored" * mwms)},
+        indent=1))
+    print(f"wrote {os.path.normpath(path)}")
+
+
+def main_capped():
+    names = {0: "plain data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3", KEPT: "ZeRO-3, kept"}
+    rows = []
+    for s in map(int, _STAGES.value):
+        r = measure(s)
+        rows.append({"variant": names[s], "stage": min(s, 3), **r})
+        print(f"{names[s]:20} cap {_CAP.value} MiB/rank: "
+              + ("trained" if r["trained"] else f"failed (exit {r['exit']}, {r['oom_kills']} "
+                 f"rank(s) killed for memory)")
+              + f"; cgroup peak {r['cgroup_peak_bytes'] / 2**20:,.0f} MiB", flush=True)
+    from tfdist.data.store import write_atomic
+    path = os.path.join(ROOT, "bench_results", "zero-cap.json")
+    write_atomic(path, json.dumps({
+        "model": _MODEL.value, "sizes": WIDE if _MODEL.value == "wide" else SIZES,
+        "strategy": _STRATEGY.value, "ranks": 2, "batch_per_rank": _BATCH.value,
+        "steps": _STEPS.value, "cap_mib_per_rank": _CAP.value, "rows": rows,
+        "command": f"python tools/bench_zero.py --model={_MODEL.value} --cap_mib={_CAP.value} "
+                   f"--batch={_BATCH.value} --steps={_STEPS.value} --stages={','.join(_STAGES.value)}"},
         indent=1))
     print(f"wrote {os.path.normpath(path)}")
 
