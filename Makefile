@@ -115,6 +115,8 @@ chaos-horovod: $(HOROVOD)
 chaos-zero: $(HOROVOD)
 	$(BIN)/python tools/chaos.py --strategy=horovod --zero=1
 	$(BIN)/python tools/chaos.py --zero=1
+	$(BIN)/python tools/chaos.py --strategy=horovod --zero=3
+	$(BIN)/python tools/chaos.py --zero=3
 
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
 # On shaped links between tools/netcluster.py's hosts (root), at 1 and 10 Gbit/s: allreduce bus

@@ -127,6 +127,17 @@ def test_ring_allreduce_and_the_pipeline_bubble():
         assert t["bubble"] / t["total"] == pytest.approx((k - 1) / (mbs + k - 1), rel=0.02)
 
 
+def test_zero3_memory_is_a_share_of_the_weights_plus_two_gathered_layers():
+    """ZeRO-3 (tfdist.zero3): 1/N of the weights, plus the layer that runs and the one
+    prefetched, gathered whole."""
+    m, c = plan.MODELS["gpt3-175b"], plan.Cluster(plan.DEVICES["a100-80gb"], 64)
+    z2 = plan.memory(m, plan.planned(64, 8, tp=8, zero=2))
+    z3 = plan.memory(m, plan.planned(64, 8, tp=8, zero=3))
+    assert z3["weights"] == pytest.approx(z2["weights"] / 8, rel=1e-9)
+    assert z3["gathered"] == pytest.approx(2 * m.layer_params() / 8 * 2, rel=1e-9)  # fp16 bytes
+    assert "gathered" not in z2
+
+
 def test_data_parallel_time_and_zero_traffic():
     m, c = plan.MODELS["gpt3-175b"], plan.Cluster(plan.DEVICES["a100-80gb"], 64)
     o = plan.calibrated_options()
@@ -187,7 +198,7 @@ def test_the_recommended_command_is_valid_tfdist_flags():
         assert cmd.startswith("tfdist launch --workers 2 ")
         assert ("--config.zero.stage=1" in cmd) == (lay.zero == 1)
     # one microbatch at a time without a pipeline is Keras's gradient accumulation, which
-    # multi_worker_mirrored cannot run (keras-team/keras#20582); ZeRO-3 tfdist does not have
+    # multi_worker_mirrored cannot run (keras-team/keras#20582), ZeRO-3 included
     for lay in (plan.planned(64, 8, microbatch=2), plan.planned(64, 8, microbatch=2, zero=1),
                 plan.planned(64, 8, zero=3)):
         p = plan.evaluate(model, cluster, lay, opts)

@@ -6,6 +6,7 @@
     python tools/chaos.py --strategy=horovod    # 5 trials, 2 Horovod ranks (horovodrun), 30 steps
     python tools/chaos.py --strategy=horovod --zero=1   # the same under ZeRO-1 (chaos-zero.json)
     python tools/chaos.py --zero=1              # ZeRO-1 under multi_worker_mirrored (chaos-zero-mwms.json)
+    python tools/chaos.py [--strategy=horovod] --zero=3  # ZeRO-3 (chaos-zero3[-mwms].json)
 
 multi_worker_mirrored and horovod (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
@@ -85,8 +86,9 @@ def main():
     ap.add_argument("--data_dir", default="", help="TFDS data_dir (default ~/tensorflow_datasets)")
     ap.add_argument("--strategy", default="multi_worker_mirrored",
                     choices=["multi_worker_mirrored", "parameter_server", "horovod", "single"])
-    ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
-                    help="ZeRO stage, synchronous strategies (each replica backs up its optimizer shard)")
+    ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                    help="ZeRO stage, synchronous strategies (each replica backs up its optimizer "
+                         "shard; stage 3: and its weights)")
     ap.add_argument("--fault", default="kill", choices=["kill", "sigterm"],
                     help="kill: SIGKILL after a step; sigterm: preemption during a step (the run "
                          "backs up that step and exits 75)")
@@ -99,8 +101,8 @@ def main():
     mwms = args.strategy == "multi_worker_mirrored"
     args.out = args.out or os.path.join(ROOT, "bench_results", (
         f"chaos-sigterm-{args.strategy}.json" if args.fault == "sigterm" else
-        ("chaos-zero-mwms.json" if args.zero else "chaos.json") if mwms
-        else "chaos-zero.json" if args.zero else "chaos-horovod.json"))
+        (f"chaos-zero{'3' * (args.zero == 3)}-mwms.json" if args.zero else "chaos.json") if mwms
+        else f"chaos-zero{'3' * (args.zero == 3)}.json" if args.zero else "chaos-horovod.json"))
     if args.steps < 4 or args.steps % 10 or args.workers < 1 or args.trials < 1:
         ap.error("--steps must be a multiple of 10 (>= 10); --workers and --trials >= 1")
 

@@ -4,9 +4,10 @@ A first-principles model: devices, models, layouts, memory per device, time per 
 search (tfdist/plan/model.py), the published devices, models and runs (published.py), this
 machine's benches (machine.py), and the command line (this file). It covers data parallelism
 (DP), pipeline stages (PP: K stages, M microbatches), tensor parallelism (TP) and ZeRO-1/2/3
-optimizer-state sharding. ZeRO is modelled only: tfdist cannot run it yet, so the recommended
-command is the best layout tfdist runs (DP x PP x TP, no ZeRO, with a process's stages and
-tensor-parallel devices on one node, and the embedding and head kept whole as tfdist keeps them).
+sharding of the optimizer state, the gradients and (ZeRO-3) the weights, whose gathered layers
+it counts too. The recommended command is the best layout tfdist runs (`tfdist.layout.Layout`
+accepts it: ZeRO-3 without pipeline stages or tensor parallelism, a process's stages and
+tensor-parallel devices on one node, the embedding and head kept whole as tfdist keeps them).
 The transformer's arithmetic (parameters, FLOPs, activation and model-state bytes) is
 tfdist.models.arithmetic's, which the GPT and the pipeline's memory estimate use too.
 

@@ -166,6 +166,9 @@ def memory(model, layout, opts=Options()):
              "optimizer": n * ob / (d if z >= 1 else 1)}
     if model.params_override and not model.n_layer:
         return {**parts, "activations": 0.0, "total": sum(parts.values())}
+    if z >= 3:  # gathered whole while they run: a layer's weights, and the next one's (prefetch,
+        # tfdist.zero3; the embedding's unit is smaller than two layers for every model here)
+        parts["gathered"] = 2 * model.layer_params() / layout.tp * pb
     tokens = layout.microbatch * model.seq_len
     m = layout.passes
     in_flight = (min(m, layout.pp) if opts.schedule == "1f1b" else m) if layout.pp > 1 else 1
