@@ -305,30 +305,36 @@ def test_without_the_all_gather_the_ranks_drift_apart(tmp_path, data_dir):
 
 @pytest.mark.slow
 @pytest.mark.horovod
-@pytest.mark.parametrize("ranks", [2, 1])
-def test_a_killed_run_resumes_from_its_shards_at_two_ranks_and_at_one(tmp_path, data_dir, zero1,
-                                                                    killed, ranks):
-    """Same N: bitwise the uninterrupted run's weights. N = 2 -> 1 (resharded): its losses."""
-    shutil.copytree(killed, tmp_path / "run")
-    p = horovod(tmp_path / "run", data_dir, 1, "--dump-weights", ranks=ranks)
+@pytest.mark.parametrize("stage,ranks", [(1, 2), (1, 1), (3, 1),
+                                         pytest.param(3, 2, marks=pytest.mark.long)])
+def test_a_killed_run_resumes_from_its_shards_at_two_ranks_and_at_one(tmp_path, data_dir, request,
+                                                                    stage, ranks):
+    """Same N: bitwise the uninterrupted run's weights. N = 2 -> 1 (resharded): its losses.
+    ZeRO-3: each rank's weights are in its shard, read at N = 1 from whichever holds them."""
+    killed_run, reference_run = (request.getfixturevalue(f) for f in (
+        ("killed", "zero1") if stage == 1 else ("killed3", "zero3_run")))
+    shutil.copytree(killed_run, tmp_path / "run")
+    p = horovod(tmp_path / "run", data_dir, stage, "--dump-weights", ranks=ranks)
     assert f"at step {KILL_AT} of {STEPS}" in p.stdout, p.stdout[-3000:]
-    resumed, reference = after(tmp_path / "run", KILL_AT), after(zero1, KILL_AT)
+    resumed, reference = after(tmp_path / "run", KILL_AT), after(reference_run, KILL_AT)
     assert len(resumed) == len(reference) == STEPS - KILL_AT
     assert max(abs(a - b) for a, b in zip(resumed, reference)) <= 1e-5, (resumed, reference)
     if ranks == 2:
-        assert max_diff(weights(tmp_path / "run", 0), weights(zero1, 0)) == 0.0
+        assert max_diff(weights(tmp_path / "run", 0), weights(reference_run, 0)) == 0.0
         assert hashes(tmp_path / "run", 0)[-1] == hashes(tmp_path / "run", 1)[-1]
 
 
 @pytest.mark.slow
 @pytest.mark.horovod
 @pytest.mark.long  # time: the resume of 2 ranks' shards at 1 rank shows the resharding
-def test_a_one_rank_backup_resumes_at_two_ranks(tmp_path, data_dir, zero1):
-    horovod(tmp_path, data_dir, 1, "--kill-at-step", str(KILL_AT), "--kill-worker", "0", ranks=1,
-            check=False)
-    p = horovod(tmp_path, data_dir, 1, ranks=2)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_one_rank_backup_resumes_at_two_ranks(tmp_path, data_dir, request, stage):
+    reference = request.getfixturevalue("zero1" if stage == 1 else "zero3_run")
+    horovod(tmp_path, data_dir, stage, "--kill-at-step", str(KILL_AT), "--kill-worker", "0",
+            ranks=1, check=False)
+    p = horovod(tmp_path, data_dir, stage, ranks=2)
     assert f"at step {KILL_AT} of {STEPS}" in p.stdout, p.stdout[-3000:]
-    resumed, reference = after(tmp_path, KILL_AT), after(zero1, KILL_AT)
+    resumed, reference = after(tmp_path, KILL_AT), after(reference, KILL_AT)
     assert len(resumed) == STEPS - KILL_AT
     assert max(abs(a - b) for a, b in zip(resumed, reference)) <= 1e-5, (resumed, reference)
 
@@ -433,36 +439,6 @@ def killed3(tmp_path_factory, data_dir):
         manifest = json.load(open(d / "backup" / "zero" / f"step-{KILL_AT}" / f"rank-{r}.json"))
         assert manifest["weights"], manifest  # the weights this rank held
     return d
-
-
-@pytest.mark.slow
-@pytest.mark.horovod
-@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.long)])
-def test_a_zero3_backup_resumes_at_one_rank_and_at_two(tmp_path, data_dir, zero3_run, killed3,
-                                                       ranks):
-    """N = 2 -> 1: each weight read from whichever shard holds it, the uninterrupted run's losses.
-    Same N: bitwise its weights."""
-    shutil.copytree(killed3, tmp_path / "run")
-    p = horovod(tmp_path / "run", data_dir, 3, "--dump-weights", ranks=ranks)
-    assert f"at step {KILL_AT} of {STEPS}" in p.stdout, p.stdout[-3000:]
-    resumed, reference = after(tmp_path / "run", KILL_AT), after(zero3_run, KILL_AT)
-    assert len(resumed) == len(reference) == STEPS - KILL_AT
-    assert max(abs(a - b) for a, b in zip(resumed, reference)) <= 1e-5, (resumed, reference)
-    if ranks == 2:
-        assert max_diff(weights(tmp_path / "run", 0), weights(zero3_run, 0)) == 0.0
-
-
-@pytest.mark.slow
-@pytest.mark.horovod
-@pytest.mark.long
-def test_a_one_rank_zero3_backup_resumes_at_two_ranks(tmp_path, data_dir, zero3_run):
-    horovod(tmp_path, data_dir, 3, "--kill-at-step", str(KILL_AT), "--kill-worker", "0", ranks=1,
-            check=False)
-    p = horovod(tmp_path, data_dir, 3, ranks=2)
-    assert f"at step {KILL_AT} of {STEPS}" in p.stdout, p.stdout[-3000:]
-    resumed, reference = after(tmp_path, KILL_AT), after(zero3_run, KILL_AT)
-    assert len(resumed) == STEPS - KILL_AT
-    assert max(abs(a - b) for a, b in zip(resumed, reference)) <= 1e-5, (resumed, reference)
 
 
 @pytest.mark.slow
