@@ -33,13 +33,14 @@ def launch(strategy):
     return python + ["-m", "tfdist", "launch", *flags, "--max_restarts=0", "--"] + python
 
 
-def run_program(strategy, base, models=MODELS, env=None):
-    """Runs the program under `strategy`; returns ({(task dir, model): result}, output)."""
+def run_program(strategy, base, models=MODELS, env=None, extra=()):
+    """Runs the program under `strategy` (with `extra` flags); returns ({(task dir, model):
+    result}, output)."""
     tmp = base / "tmp"
     tmp.mkdir(parents=True)
     argv = launch(strategy) + [os.path.join(ROOT, "tests", "own_dir.py"), str(base), PROGRAM,
                                f"--strategy={strategy}", "--devices=2", "--epochs=3",
-                               "--min_delta=1e9", "--models=" + ",".join(models)]
+                               "--min_delta=1e9", "--models=" + ",".join(models), *extra]
     p = run(argv, timeout=TIMEOUT, check=False, env={"TMPDIR": str(tmp), **(env or {})})
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
@@ -164,6 +165,22 @@ def test_the_same_program_under_every_strategy(strategy, single, tmp_path):
         assert "serving at" in out  # the servers: tfdist's own, not the program (it has no serve())
         assert {r["worker"] for r in results.values()} == {0} and all(
             chief for (_, chief, _) in results)
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_the_same_program_with_its_weights_sharded(single, tmp_path, strategy="horovod"):
+    """`tfdist.strategies.get(strategy, zero=3)` (ZeRO-3, tfdist/zero3.py), the program otherwise
+    unchanged: each weight stored on one process while `fit` runs, gathered where each layer
+    runs. The three models train as under plain data parallelism: the single device's losses,
+    evaluation and predictions (the models without Dropout and BatchNormalization), every
+    callback acting, the weights joined after `fit` identical on both processes, the chief's
+    saved files reloading to the same predictions."""
+    results, out = run_program(strategy, tmp_path, extra=["--zero=3"])
+    check_every_process(results, 2)
+    check_only_the_chief_wrote(tmp_path)
+    check_chief_reload(results, bn_exact=True)
+    check_synchronous(results, single, bn_synchronised=True)
 
 
 @pytest.mark.slow

@@ -104,3 +104,13 @@ def test_one_replica_zero3_step_equals_the_plain_step_of_a_keras_cnn():
     loss, w = train(cnn, 3, data=data)
     assert max(abs(a - b) for a, b in zip(plain_loss, loss)) <= 1e-5, (plain_loss, loss)
     assert max(float(np.abs(a - b).max()) for a, b in zip(plain_w, w)) <= 1e-5
+
+
+@pytest.mark.parametrize("name,zero", [("mirrored", 3), ("multi_worker_mirrored", 3),
+                                       ("horovod", 2)])
+def test_a_user_model_is_sharded_with_zero_3_under_horovod_only(name, zero):
+    import tfdist.strategies
+    from tfdist.errors import UsageError
+    with pytest.raises(UsageError, match=f"zero={zero} under strategy {name}: a user's model is "
+                                         f"sharded with zero=3 under horovod"):
+        tfdist.strategies.get(name, zero=zero)

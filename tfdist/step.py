@@ -85,8 +85,9 @@ class TrainStep:
         model.train_step = self  # what Keras's fit calls for each batch
 
     def __call__(self, data):
-        x, y = data[0], data[1]
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         model, optimizer = self.model, self.optimizer
+        y_pred = None
         # 1. Forward, loss, gradients (of the loss scaled for mixed_float16, if it is); ZeRO-3:
         #    by this replica's own weights, reduce-scattered by the backward pass.
         variables = self.params.sources() if self.params else model.trainable_weights
@@ -94,17 +95,20 @@ class TrainStep:
             loss, grads = model.compute_gradients(x, y, scale=optimizer.scale_loss)
         else:
             with tf.GradientTape() as tape:
-                loss = model.compute_loss(x, y, model(x, training=True), training=True)
+                y_pred = model(x, training=True)
+                loss = model.compute_loss(x, y, y_pred, sample_weight, training=True)
                 scaled = optimizer.scale_loss(loss)
             grads = tape.gradient(scaled, variables)
         # 2. Keras's `loss` metric, as its own train_step keeps it.
-        compat.track_loss(model, loss, tf.shape(x)[0])
+        compat.track_loss(model, loss, tf.shape(tf.nest.flatten(x)[0])[0])
         # 3. Reduce, correct, apply. (ZeRO-3: the anchor's gradient is kept, so that a replica
         #    that owns none of a unit's weights runs the unit's reduce-scatter too.)
         if self.params:
             self.params.keep(grads[-1])
         self.update(list(zip(grads, variables)))
-        return model.get_metrics_result()
+        if y_pred is None:
+            return model.get_metrics_result()
+        return model.compute_metrics(x, y, y_pred, sample_weight)  # a user's compiled metrics
 
     def update(self, grads_and_vars):
         """Accumulates, reduces, corrects and applies one batch's gradients (the module doc)."""

@@ -142,9 +142,13 @@ class Parameters:
     def materialize(self):
         """Every variable full again on every replica (a collective: all call it): to save the
         whole model, or to read its weights. `release()` shards them again."""
-        for w, value in zip(self.model.weights, self.full_values()):
-            if not compat.has_storage(w):
-                compat.restore_storage(w, value)
+        # Variables of this process: within a strategy's scope (a user's fit), not mirrored ones
+        # (multi_worker_mirrored would broadcast them from worker 0, which holds other ones).
+        with compat.local_variables(tf.distribute.get_strategy()) if tf.distribute.has_strategy() \
+                else contextlib.nullcontext():
+            for w, value in zip(self.model.weights, self.full_values()):
+                if not compat.has_storage(w):
+                    compat.restore_storage(w, value)
 
     def held_parameters(self):
         """Parameters this replica stores, counted from its variables."""
@@ -378,6 +382,20 @@ def shard(model, collectives):
     params.release()
     model.tfdist_params = params
     return params
+
+
+def fit_callbacks(params):
+    """([first], [last]) around a user's `fit` callbacks (`KerasProgram.sharded`): the weights
+    whole from the first's hook to the last's at the start and at each epoch end (a checkpoint,
+    a backup, Horovod's broadcast read them), and whole after training."""
+    first = keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs=None: params.materialize(),
+        on_epoch_end=lambda epoch, logs=None: params.materialize(),
+        on_train_end=lambda logs=None: params.materialize())
+    last = keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs=None: params.release(),
+        on_epoch_end=lambda epoch, logs=None: params.release())
+    return [first], [last]
 
 
 def replicated(model, variables):

@@ -12,6 +12,7 @@ trains with `fit` (validation data and the standard Keras callbacks), then runs 
     python launchers/examples/keras_cnn.py --strategy=mirrored --devices=2
     tfdist launch --workers 2 -- python launchers/examples/keras_cnn.py --strategy=multi_worker_mirrored
     tfdist launch --strategy=horovod --workers 2 -- python launchers/examples/keras_cnn.py --strategy=horovod
+    tfdist launch --strategy=horovod --workers 2 -- python launchers/examples/keras_cnn.py --strategy=horovod --zero=3
     tfdist launch --strategy=parameter_server --workers 2 --ps 1 -- \\
         python launchers/examples/keras_cnn.py --strategy=parameter_server
 
@@ -28,6 +29,8 @@ from absl import app, flags, logging
 
 _STRATEGY = flags.DEFINE_string("strategy", "single", "A tfdist strategy name.")
 _DEVICES = flags.DEFINE_integer("devices", 0, "Replicas of `mirrored` (on CPU: logical devices).")
+_ZERO = flags.DEFINE_integer("zero", 0, "3: each weight stored on one replica only (ZeRO-3; "
+                             "horovod, multi_worker_mirrored).")
 _MODELS = flags.DEFINE_list("models", ["cnn"], "Any of cnn, functional, subclassed.")
 _EPOCHS = flags.DEFINE_integer("epochs", 3, "Epochs of 8 steps of 64 rows (the global batch).")
 _MIN_DELTA = flags.DEFINE_float("min_delta", 0.0, "EarlyStopping's and ReduceLROnPlateau's "
@@ -45,7 +48,7 @@ def main(argv):
     import tensorflow as tf
     import tfdist.strategies
 
-    strategy = tfdist.strategies.get(_STRATEGY.value, devices=_DEVICES.value)
+    strategy = tfdist.strategies.get(_STRATEGY.value, devices=_DEVICES.value, zero=_ZERO.value)
 
     @keras.saving.register_keras_serializable("tfdist_example")
     class Rows(keras.metrics.Metric):

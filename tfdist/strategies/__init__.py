@@ -66,11 +66,19 @@ def get_class(name):
     return getattr(importlib.import_module(module), cls)
 
 
-def get(name, **options):
-    """Builds the plugin `name` with its options (checked against the plugin's rules)."""
+def get(name, zero=0, **options):
+    """Builds the plugin `name` with its options (checked against the plugin's rules).
+    `zero=3`: a user's model compiled in its scope has its weights sharded over the replicas
+    (ZeRO-3, tfdist/zero3.py; horovod)."""
     cls = get_class(name)
     cls.check_options(options)
-    return cls(**options)
+    if zero and (zero != 3 or not cls.shards_user_models):
+        raise UsageError(f"zero={zero!r} under strategy {name}: a user's model is sharded with "
+                         f"zero=3 under horovod (tfdist's GPT also under multi_worker_mirrored: "
+                         f"--config.zero.stage=3); pass zero=0 here")
+    plugin = cls(**options)
+    plugin.user_zero = zero
+    return plugin
 
 
 def from_config(c):

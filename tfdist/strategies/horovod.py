@@ -182,6 +182,8 @@ class Horovod(Strategy):
                 f"HOROVOD_GLOO_TIMEOUT_SECONDS). Restart the ranks (tfdist launch does): they "
                 f"resume from rank 0's last backup")
 
+    shards_user_models = True  # tfdist.strategies.get("horovod", zero=3): ZeRO-3 of a user's model
+
     def zero_collectives(self):
         """ZeRO's collectives: Horovod's reducescatter (averaging, as its allreduce here),
         allgather, and a summing allreduce, under fixed names (in a graph, ranks meet by name)."""
@@ -234,9 +236,11 @@ class Horovod(Strategy):
         if method == "fit":
             arguments["validation_data"], _ = self.split(arguments["validation_data"], "validate")
             show = [keras.callbacks.ProgbarLogger()] if self.is_chief and verbose != 0 else []
-            arguments["callbacks"] = self.callbacks() + show + callbacks  # metrics averaged first
             compat.build_for(model, arguments["x"])  # before the broadcast of its weights
-            return upstream(model, **arguments)
+            first, last = self.sharded(model, method, arguments)  # (ZeRO-3)
+            arguments["callbacks"] = first + self.callbacks() + show + callbacks + last  # metrics
+            return upstream(model, **arguments)  # averaged first
+        self.sharded(model, method, arguments)
         arguments["callbacks"] = callbacks
         if method == "evaluate":
             return_dict, arguments["return_dict"] = arguments["return_dict"], True

@@ -32,6 +32,7 @@ _ACTIVE = threading.local()  # .stack: the plugins whose scope() is entered, inn
 _OWNERS = weakref.WeakKeyDictionary()  # model -> the plugin it was compiled under
 _BY_TF_STRATEGY = weakref.WeakValueDictionary()  # id(tf.distribute strategy) -> plugin
 _PROCESS_WIDE = []  # a plugin that owns every model of its process (Horovod)
+_SHARDED = weakref.WeakSet()  # models compiled in the scope of a plugin with user_zero (ZeRO-3)
 
 
 def owner_of(model, compiling=False):
@@ -88,12 +89,41 @@ class KerasProgram:
         print(f"tfdist: optimizer {optimizer.name} was created outside strategy.scope(); rebuilt "
               f"from its config inside it", file=sys.stderr, flush=True)
 
+    #: ZeRO stage of a user's compiled models (`tfdist.strategies.get(name, zero=3)`); 0: none.
+    user_zero = 0
+    #: Whether `zero=3` may shard a user's model here (multi_worker_mirrored: not yet, its
+    #: gather of the whole model inside `fit`'s callbacks mismatches the workers' collectives).
+    shards_user_models = False
+
     def after_compile(self, model):
         """The strategy's gradient handling on the compiled optimizer (once: an optimizer passed
-        through `wrap_optimizer` keeps its own)."""
+        through `wrap_optimizer` keeps its own). Under ZeRO-3, tfdist's step does it instead
+        (`sharded`)."""
         from tfdist import compat
-        if model.optimizer is not None and not compat.has_gradient_reduction(model.optimizer):
+        if self.user_zero and self in getattr(_ACTIVE, "stack", []):  # compiled in the scope
+            _SHARDED.add(model)  # (a model loaded later, on one device, is not sharded)
+        if model in _SHARDED or model.optimizer is None:
+            return
+        if not compat.has_gradient_reduction(model.optimizer):
             self.wrap_optimizer(model.optimizer)
+
+    def sharded(self, model, method, arguments):
+        """ZeRO-3 of a user's model: at its first `fit`, `evaluate` or `predict` it is built
+        (from the data's specs, if it is not) and its weights sharded; tfdist's step becomes its
+        `train_step` (`tfdist.step`, `tfdist.zero3`). Returns the callbacks that surround a
+        `fit`'s own: the weights are whole for the callbacks' epoch ends and after training
+        (each process gathers them: a checkpoint or `model.save` reads them as usual)."""
+        if model not in _SHARDED:
+            return [], []
+        from tfdist import compat, zero3
+        if zero3.of(model) is None:
+            if not model.built:
+                compat.build_for(model, arguments.get("x"))
+            from tfdist.layout import Layout
+            from tfdist.step import TrainStep
+            with self.scope():
+                TrainStep(model, self, Layout(dp=self.num_replicas, zero=self.user_zero))
+        return zero3.fit_callbacks(zero3.of(model)) if method == "fit" else ([], [])
 
     def keras_call(self, method, model, upstream, arguments):
         """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own
@@ -101,8 +131,10 @@ class KerasProgram:
         kept to the chief (`for_this_process`)."""
         if method == "save":
             return self.save(model, upstream, arguments)
+        first, last = self.sharded(model, method, arguments)
         own = self.callbacks() if method == "fit" else []
-        arguments["callbacks"] = own + self.for_this_process(arguments.get("callbacks"))
+        arguments["callbacks"] = first + own + self.for_this_process(arguments.get("callbacks")) \
+            + last
         return upstream(model, **arguments)
 
     def for_this_process(self, callbacks):
