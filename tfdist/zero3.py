@@ -31,6 +31,7 @@ Example (one replica: the sharded model computes what the plain one does):
 """
 import contextlib
 import functools
+import math
 
 from tfdist import compat
 from tfdist.errors import UsageError
@@ -51,8 +52,7 @@ class Unit:
 
     def __init__(self, index, layer, variables):
         self.index, self.layer, self.variables = index, layer, variables
-        self.sizes = [int(v.shape.num_elements() if hasattr(v.shape, "num_elements")
-                          else _count(v.shape)) for v in variables]
+        self.sizes = [_count(v.shape) for v in variables]
         self.of = None  # [[position in variables]] per replica, filled by `Parameters`
         self.segment = 0  # elements per replica in a gather, padded
 
@@ -62,10 +62,7 @@ class Unit:
 
 
 def _count(shape):
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+    return math.prod(int(d) for d in shape)
 
 
 def units_of(model):
@@ -382,20 +379,6 @@ def shard(model, collectives):
     params.release()
     model.tfdist_params = params
     return params
-
-
-def fit_callbacks(params):
-    """([first], [last]) around a user's `fit` callbacks (`KerasProgram.sharded`): the weights
-    whole from the first's hook to the last's at the start and at each epoch end (a checkpoint,
-    a backup, Horovod's broadcast read them), and whole after training."""
-    first = keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs=None: params.materialize(),
-        on_epoch_end=lambda epoch, logs=None: params.materialize(),
-        on_train_end=lambda logs=None: params.materialize())
-    last = keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs=None: params.release(),
-        on_epoch_end=lambda epoch, logs=None: params.release())
-    return [first], [last]
 
 
 def replicated(model, variables):

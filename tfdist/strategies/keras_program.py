@@ -18,6 +18,7 @@ Example (a model compiled in a plugin's scope is that plugin's):
     True
 """
 import contextlib
+import importlib
 import os
 import shutil
 import sys
@@ -120,10 +121,12 @@ class KerasProgram:
             if not model.built:
                 compat.build_for(model, arguments.get("x"))
             from tfdist.layout import Layout
-            from tfdist.step import TrainStep
+            # tfdist's step is the layer above (it calls the strategy): loaded by name, as the
+            # registry loads plugins, so that the strategies never import it.
+            train_step = importlib.import_module("tfdist.step").TrainStep
             with self.scope():
-                TrainStep(model, self, Layout(dp=self.num_replicas, zero=self.user_zero))
-        return zero3.fit_callbacks(zero3.of(model)) if method == "fit" else ([], [])
+                train_step(model, self, Layout(dp=self.num_replicas, zero=self.user_zero))
+        return _whole_for_callbacks(zero3.of(model)) if method == "fit" else ([], [])
 
     def keras_call(self, method, model, upstream, arguments):
         """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own
@@ -173,3 +176,17 @@ class KerasProgram:
                     scratch, os.path.basename(str(arguments["filepath"])))})
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _whole_for_callbacks(params):
+    """([first], [last]) around a user's `fit` callbacks under ZeRO-3 (`tfdist.zero3`): the
+    weights whole from the first's hook to the last's at the start and at each epoch end (a
+    checkpoint, a backup, Horovod's broadcast read them), and whole after training."""
+    first = keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs=None: params.materialize(),
+        on_epoch_end=lambda epoch, logs=None: params.materialize(),
+        on_train_end=lambda logs=None: params.materialize())
+    last = keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs=None: params.release(),
+        on_epoch_end=lambda epoch, logs=None: params.release())
+    return [first], [last]
