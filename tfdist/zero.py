@@ -118,11 +118,14 @@ class Sharding:
         self.segment = max(self.loads) if self.loads else 0  # elements per replica, padded
         self.imbalance = self.segment / max(1.0, sum(self.loads) / n)
 
-    def flat(self, tensors, r):
-        """Replica r's segment: its variables' tensors (one per variable, all of them given),
-        flattened, float32, zero-padded to the segment length."""
+    def flat(self, tensors, r, zero=None):
+        """Replica r's segment: its variables' tensors (one per variable; those of the others
+        are not read), flattened, float32, zero-padded to the segment length (with `zero`, a
+        scalar tensor, when given: ZeRO-3 pads from a runtime value, `tfdist.zero3`)."""
         parts = [tf.reshape(tf.cast(tensors[i], tf.float32), [-1]) for i in self.of[r]]
         pad = self.segment - self.loads[r]
+        if zero is not None:
+            return tf.concat(parts + [tf.fill([pad], zero)], 0)
         return tf.concat(parts + [tf.zeros([pad], tf.float32)], 0) if pad or not parts else \
             tf.concat(parts, 0)
 

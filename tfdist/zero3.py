@@ -34,6 +34,7 @@ import functools
 import math
 
 from tfdist import compat
+from tfdist.zero import Sharding
 from tfdist.errors import UsageError
 from tfdist.lazy import keras, tf
 
@@ -47,14 +48,14 @@ REGATHER = True
 
 
 class Unit:
-    """What is gathered at once: a layer's trainable variables (`layer` None: the model's own),
-    and per replica the positions of the variables it owns, in this unit's flat layout."""
+    """What is gathered at once: a layer's trainable variables (`layer` None: the model's own);
+    `sharding` (a `tfdist.zero.Sharding`, set by `Parameters`): which replica owns each, and the
+    flat layout of the unit's collectives."""
 
     def __init__(self, index, layer, variables):
         self.index, self.layer, self.variables = index, layer, variables
         self.sizes = [_count(v.shape) for v in variables]
-        self.of = None  # [[position in variables]] per replica, filled by `Parameters`
-        self.segment = 0  # elements per replica in a gather, padded
+        self.sharding = None
 
     @property
     def parameters(self):
@@ -93,7 +94,6 @@ class Parameters:
         load = [0] * c.size
         for unit in self.units:
             unit_load = [0] * c.size
-            unit.of = [[] for _ in range(c.size)]
             for i in sorted(range(len(unit.variables)), key=lambda i: (-unit.sizes[i], i)):
                 v = unit.variables[i]
                 self.home.setdefault(id(v), (unit.index, i))
@@ -102,10 +102,7 @@ class Parameters:
                     self.owner[id(v)] = r
                     unit_load[r] += unit.sizes[i]
                     load[r] += unit.sizes[i]
-                unit.of[self.owner[id(v)]].append(i)
-            for positions in unit.of:
-                positions.sort()
-            unit.segment = max(sum(unit.sizes[i] for i in p) for p in unit.of)
+            unit.sharding = Sharding(unit.variables, c.size, self.owner)
         self.load = load
         variables = [v for u in self.units for v in u.variables]
         self.variables = list({id(v): v for v in variables}.values())
@@ -181,57 +178,41 @@ class Parameters:
     def _mine(self, unit):
         """This replica's variables of `unit`, read from their storage (not Keras's scope)."""
         return [tf.convert_to_tensor(compat.storage(unit.variables[i]))
-                for i in unit.of[self.collectives.rank]]
-
-    def _flat(self, unit, r, tensors, zero):
-        """Replica r's share of `unit` (`tensors`, one per variable it owns there), flat, padded
-        with `zero`: the anchor's value (0), a runtime tensor. (Horovod's collectives are not
-        marked stateful: TF's grappler would compute a gather of constants, a replica's share
-        that is all padding, while it optimizes the graph, on that replica alone.)"""
-        parts = [tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors]
-        pad = unit.segment - sum(unit.sizes[i] for i in unit.of[r])
-        return tf.concat(parts + [tf.fill([pad], zero)], 0)
+                for i in unit.sharding.of[self.collectives.rank]]
 
     def _gathered(self, unit, mine, tag, zero):
-        """Every variable of `unit`, full: this replica's `mine` and the others' all-gathered."""
-        c = self.collectives
-        flat = self._flat(unit, c.rank, mine, zero)
-        every = c.all_gather(flat, self._name(tag, unit)) if c.size > 1 and GATHER \
-            else None
+        """Every variable of `unit`, full: this replica's `mine` and the others' all-gathered.
+        Each share is padded with `zero`, the anchor's value (0), a runtime tensor: Horovod's
+        collectives are not marked stateful, so TF's grappler would compute a gather of
+        constants (a replica's share that is all padding) while it optimizes the graph, on that
+        replica alone."""
+        s, c = unit.sharding, self.collectives
+        tensors = dict(zip(s.of[c.rank], mine))
+        flat = s.flat(tensors, c.rank, zero)
+        every = c.all_gather(flat, self._name(tag, unit)) if c.size > 1 and GATHER else None
         out = [None] * len(unit.variables)
         for r in range(c.size):
-            start = 0
-            for i in unit.of[r]:
-                v, n = unit.variables[i], unit.sizes[i]
-                if every is not None:
-                    piece = every[r * unit.segment + start:r * unit.segment + start + n]
-                elif r == c.rank:
-                    piece = flat[start:start + n]
-                else:
-                    piece = tf.zeros([n], tf.float32)
-                out[i] = tf.cast(tf.reshape(piece, v.shape), v.dtype)
-                start += n
+            if every is not None:
+                share = every[r * s.segment:(r + 1) * s.segment]
+            else:  # (GATHER False: zeros for the others' weights)
+                share = flat if r == c.rank else tf.zeros([s.segment], tf.float32)
+            for i, value in s.unflat(share, r):
+                out[i] = value
         return out
 
     def _reduce_scatter(self, unit, grads, tag, zero):
         """This replica's share of `grads` (one per variable of `unit`), summed over replicas."""
-        c = self.collectives
+        s, c = unit.sharding, self.collectives
         dense = [tf.fill(v.shape, zero) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(grads, unit.variables)]
-        buffer = tf.concat([self._flat(unit, r, [dense[i] for i in unit.of[r]], zero)
-                            for r in range(c.size)], 0)
+        buffer = tf.concat([s.flat(dense, r, zero) for r in range(c.size)], 0)
         if c.size > 1 and REDUCE:
             mine = c.reduce_scatter(buffer, self._name(tag, unit))
         else:
-            mine = buffer[c.rank * unit.segment:(c.rank + 1) * unit.segment]
-        out, start = [], 0
-        for i in unit.of[c.rank]:
-            v, n = unit.variables[i], unit.sizes[i]
-            out.append(tf.cast(tf.reshape(mine[start:start + n], v.shape), v.dtype))
-            start += n
+            mine = buffer[c.rank * s.segment:(c.rank + 1) * s.segment]
         # The anchor's gradient: 0, computed from the collective so that it waits for it (times the
         # anchor's value: grappler folds a product by the constant 0 away, and the dependency too).
-        return out, tf.reduce_sum(mine[:1]) * zero
+        return [value for _, value in s.unflat(mine, c.rank)], tf.reduce_sum(mine[:1]) * zero
 
     def _after(self, tensors):
         """A control dependency on the last unit's input, in this graph: the prefetch bound."""

@@ -83,9 +83,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         # state lives in Keras SeedGenerators, listed here so they are saved too.
         # Under ZeRO each process's slots go to its own shard (tfdist.zero), not the checkpoint.
         # Under ZeRO-3 (tfdist.zero3) each process's weights go to its shard too: it holds no others.
-        self._weights = state.weights(model)
         params = zero3.of(model)
-        held = {k: v for k, v in self._weights.items() if params is None or compat.has_storage(v)}
+        held = {k: v for k, v in state.weights(model).items()
+                if params is None or compat.has_storage(v)}
         self._shard_weights = {} if params is None else {
             k: v for k, v in held.items() if id(v) in params.owner}
         self._parts = dict(weights={k: v for k, v in held.items() if k not in self._shard_weights},
