@@ -151,6 +151,7 @@ CASES = {"mirrored": 1, "multi_worker_mirrored": 2, "horovod": 2, "parameter_ser
     pytest.param("horovod", marks=pytest.mark.horovod), "parameter_server"])
 def test_the_same_program_under_every_strategy(strategy, single, tmp_path):
     results, out = run_program(strategy, tmp_path)
+    assert not any(r["weights_sharded"] for r in results.values())
     processes = CASES[strategy]
     check_every_process(results, processes)
     check_only_the_chief_wrote(tmp_path)
@@ -177,6 +178,7 @@ def test_the_same_program_with_its_weights_sharded(single, tmp_path, strategy="h
     callback acting, the weights joined after `fit` identical on both processes, the chief's
     saved files reloading to the same predictions."""
     results, out = run_program(strategy, tmp_path, extra=["--zero=3"])
+    assert all(r["weights_sharded"] for r in results.values())  # (False without --zero=3)
     check_every_process(results, 2)
     check_only_the_chief_wrote(tmp_path)
     check_chief_reload(results, bn_exact=True)
