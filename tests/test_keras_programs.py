@@ -169,20 +169,24 @@ def test_the_same_program_under_every_strategy(strategy, single, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.horovod
-def test_the_same_program_with_its_weights_sharded(single, tmp_path, strategy="horovod"):
+@pytest.mark.parametrize("strategy", [pytest.param("horovod", marks=pytest.mark.horovod),
+                                      "multi_worker_mirrored"])
+def test_the_same_program_with_its_weights_sharded(single, tmp_path, strategy):
     """`tfdist.strategies.get(strategy, zero=3)` (ZeRO-3, tfdist/zero3.py), the program otherwise
     unchanged: each weight stored on one process while `fit` runs, gathered where each layer
     runs. The three models train as under plain data parallelism: the single device's losses,
     evaluation and predictions (the models without Dropout and BatchNormalization), every
     callback acting, the weights joined after `fit` identical on both processes, the chief's
-    saved files reloading to the same predictions."""
+    saved files reloading to the same predictions. (Under multi_worker_mirrored the second model
+    failed, "Shape mismatch in the collective instance", while its collectives reused the first
+    model's keys: `test_zero3.py::test_each_sharded_model_has_collectives_of_its_own`.)"""
     results, out = run_program(strategy, tmp_path, extra=["--zero=3"])
     assert all(r["weights_sharded"] for r in results.values())  # (False without --zero=3)
     check_every_process(results, 2)
     check_only_the_chief_wrote(tmp_path)
-    check_chief_reload(results, bn_exact=True)
-    check_synchronous(results, single, bn_synchronised=True)
+    synchronised = strategy == "horovod"  # BatchNormalization's statistics (as plain)
+    check_chief_reload(results, bn_exact=synchronised)
+    check_synchronous(results, single, bn_synchronised=synchronised)
 
 
 @pytest.mark.slow

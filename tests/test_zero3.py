@@ -106,11 +106,24 @@ def test_one_replica_zero3_step_equals_the_plain_step_of_a_keras_cnn():
     assert max(float(np.abs(a - b).max()) for a, b in zip(plain_w, w)) <= 1e-5
 
 
-@pytest.mark.parametrize("name,zero", [("mirrored", 3), ("multi_worker_mirrored", 3),
-                                       ("horovod", 2)])
-def test_a_user_model_is_sharded_with_zero_3_under_horovod_only(name, zero):
+@pytest.mark.parametrize("name,zero", [("mirrored", 3), ("single", 3), ("horovod", 2)])
+def test_a_user_model_is_sharded_with_zero_3_under_horovod_or_mwms_only(name, zero):
     import tfdist.strategies
     from tfdist.errors import UsageError
     with pytest.raises(UsageError, match=f"zero={zero} under strategy {name}: a user's model is "
-                                         f"sharded with zero=3 under horovod"):
+                                         f"sharded with zero=3 under horovod or "
+                                         f"multi_worker_mirrored"):
         tfdist.strategies.get(name, zero=zero)
+
+
+def test_each_sharded_model_has_collectives_of_its_own():
+    """Two models sharded in one process name their collectives apart (the same unit, tag and
+    graph): TF resolves a collective's shape once per key, so a second model reusing the first's
+    keys failed under multi_worker_mirrored ("Shape mismatch in the collective instance")."""
+    names = []
+    with tf.Graph().as_default():
+        for _ in range(2):
+            _, model = gpt_nano()
+            params = zero3.shard(model, fake(0, 2))
+            names.append({params._name(tag, u) for u in params.units for tag in ("fwd", "grad")})
+    assert len(names[0]) == len(names[1]) > 0 and not names[0] & names[1]

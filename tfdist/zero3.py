@@ -31,6 +31,7 @@ Example (one replica: the sharded model computes what the plain one does):
 """
 import contextlib
 import functools
+import itertools
 import math
 
 from tfdist import compat
@@ -45,6 +46,8 @@ GATHER = True
 REDUCE = True
 #: True: each unit's weights are gathered again for its backward, its forward recomputed.
 REGATHER = True
+
+_SERIAL = itertools.count()  # each sharded model's number in this process (the same everywhere)
 
 
 class Unit:
@@ -113,6 +116,10 @@ class Parameters:
         self.sink = tf.Variable(0.0, trainable=False, name="tfdist_zero3_sink")
         self._last = {}  # graph -> the tensor the next gather waits for (prefetch of one unit)
         self._names = (None, {})  # (graph, {(tag, unit): collectives named so far})
+        # Part of every collective's name: TF's collectives resolve an instance's shape once per
+        # key, so a second model's gathers need keys of their own (measured: "Shape mismatch in
+        # the collective instance" under multi_worker_mirrored when they reused the first's).
+        self.serial = next(_SERIAL)
 
     # -- storage -------------------------------------------------------------------------------
     def release(self):
@@ -228,7 +235,7 @@ class Parameters:
             self._names = (graph, {})
         key = (tag, unit.index)
         count = self._names[1][key] = self._names[1].get(key, -1) + 1
-        return f"tfdist_zero3_{tag}_{unit.index}_{count}"
+        return f"tfdist_zero3_{self.serial}_{tag}_{unit.index}_{count}"
 
     def gather(self, unit):
         """`unit`'s full weights, differentiable: their gradient is reduce-scattered to the

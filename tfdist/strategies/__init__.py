@@ -69,13 +69,12 @@ def get_class(name):
 def get(name, zero=0, **options):
     """Builds the plugin `name` with its options (checked against the plugin's rules).
     `zero=3`: a user's model compiled in its scope has its weights sharded over the replicas
-    (ZeRO-3, tfdist/zero3.py; horovod)."""
+    (ZeRO-3, tfdist/zero3.py; horovod, multi_worker_mirrored)."""
     cls = get_class(name)
     cls.check_options(options)
     if zero and (zero != 3 or not cls.shards_user_models):
         raise UsageError(f"zero={zero!r} under strategy {name}: a user's model is sharded with "
-                         f"zero=3 under horovod (tfdist's GPT also under multi_worker_mirrored: "
-                         f"--config.zero.stage=3); pass zero=0 here")
+                         f"zero=3 under horovod or multi_worker_mirrored; pass zero=0 here")
     plugin = cls(**options)
     plugin.user_zero = zero
     return plugin

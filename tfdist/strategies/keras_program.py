@@ -92,8 +92,8 @@ class KerasProgram:
 
     #: ZeRO stage of a user's compiled models (`tfdist.strategies.get(name, zero=3)`); 0: none.
     user_zero = 0
-    #: Whether `zero=3` may shard a user's model here (multi_worker_mirrored: not yet, its
-    #: gather of the whole model inside `fit`'s callbacks mismatches the workers' collectives).
+    #: Whether `zero=3` may shard a user's model here (one replica per process: horovod,
+    #: multi_worker_mirrored).
     shards_user_models = False
 
     def after_compile(self, model):

@@ -29,6 +29,7 @@ class MultiWorkerMirrored(Strategy):
                                     "one of " + ", ".join(_IMPLEMENTATIONS)),
                **buckets.OPTIONS}
     launch = Launch()  # N workers with TF_CONFIG; any failure restarts the group
+    shards_user_models = True  # tfdist.strategies.get("multi_worker_mirrored", zero=3)
 
     @classmethod
     def plan_command(cls, device, processes, per_node, flags):
