@@ -153,9 +153,10 @@ bench-scaling-horovod: $(HOROVOD)
 bench-pipeline: $(STAMP)
 	$(BIN)/python tools/bench_pipeline.py
 
-# 1F1B vs GPipe peak memory (M = 4..32) and t = 2 tensor-parallel speed on gpt_mini.
+# 1F1B vs GPipe peak memory (M = 4..32), t = 2 tensor-parallel speed on gpt_mini, and the
+# activation bytes per shard with and without sequence parallelism.
 bench-model-parallel: $(STAMP)
-	$(BIN)/python tools/bench_model_parallel.py --schedules --tensor
+	$(BIN)/python tools/bench_model_parallel.py --schedules --tensor --sequence
 
 # ZeRO-1/2/3 against plain data parallel, 2 Horovod ranks then 2 MWMS workers of gpt_mini: time,
 # memory, bytes sent.

@@ -2,6 +2,8 @@
 
     python tools/bench_model_parallel.py --schedules   # 1F1B vs GPipe: peak memory at M = 4..32
     python tools/bench_model_parallel.py --tensor      # t = 2 tensor parallel vs the unsplit model
+    python tools/bench_model_parallel.py --sequence    # activation bytes per shard, t = 2, with
+                                                       # and without sequence parallelism
 
 --schedules: gpt_mini (6 blocks, width 384, context 256) in K = 2 pipeline stages, microbatches of
 --microbatch_size sequences, so that the batch is M of them and the activations GPipe keeps grow
@@ -21,6 +23,16 @@ AddN and in copies between the devices, from a profiled step (tf.profiler's trac
 unsplit model's own AddN share (its gradient sums). `tfdist plan`'s
 prediction for this machine (tfdist.plan, with the machine's measured matmul rate) stands beside it,
 with the error. Writes bench_results/tensor.json.
+
+--sequence: the activation bytes each of t = 2 shards keeps for the backward pass, with and
+without sequence parallelism (Korthikanti et al. 2022), against the paper's formula
+(`tfdist.models.arithmetic.Transformer.activation_bytes_per_layer`, eq. 2 and 4, at 4-byte values).
+The logical CPU devices share one allocator, so TF's peak cannot tell the shards apart; the bytes
+are counted from the traced step instead: every tensor a forward op computes from the batch
+(reachable from the token ids) that an op of the backward pass (`tf.gradients`) reads, summed by
+the device of the op that made it. One layer's bytes are the difference between a model of 2 and
+of 1 layers (gpt_mini's width, context 256, dropout 0.1, --batch sequences), so the embedding and
+the head drop out. Writes bench_results/sequence.json.
 """
 import json
 import os
@@ -36,6 +48,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _SCHEDULES = flags.DEFINE_bool("schedules", False, "1F1B vs GPipe peak memory.")
 _TENSOR = flags.DEFINE_bool("tensor", False, "t = 2 tensor parallel vs unsplit speed.")
+_SEQUENCE = flags.DEFINE_bool("sequence", False, "Activation bytes per shard at t = 2, with "
+                              "and without sequence parallelism.")
 _MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "--schedules: M values.")
 _MB_SIZE = flags.DEFINE_integer("microbatch_size", 2, "--schedules: sequences per microbatch.")
 _BATCH = flags.DEFINE_integer("batch", 8, "--tensor: sequences per step.")
@@ -48,6 +62,8 @@ SIZES = dict(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384, dr
 
 def worker(spec):
     """One measurement in this (fresh) process; prints `RESULT {...}`."""
+    if "layers" in spec:
+        return kept_worker(spec)
     import time
 
     import numpy as np
@@ -88,6 +104,43 @@ def worker(spec):
         out["peak_rss_bytes"] = int(f.read().split("VmHWM:")[1].split()[0]) * 1024
     out["estimated_bytes"] = sum(r["total_bytes"] for r in model.memory_estimate(spec["batch"]))
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def kept_worker(spec):
+    """--sequence: the bytes of the activations kept for the backward pass, by device."""
+    import collections
+
+    import tensorflow as tf
+    from tfdist.layout import configure_logical_cpus
+    configure_logical_cpus(2)
+    from tfdist.models.gpt import GPT, loss_fn
+    from tfdist.models.pipeline import Pipeline
+    sizes = {**SIZES, "n_layer": spec["layers"], "dropout": 0.1}
+    model = Pipeline(GPT(**sizes), stages=1, tensor_parallel=2, sequence_parallel=spec["sp"])
+    model.build()
+    model.compile(optimizer="sgd", loss=loss_fn())
+    tokens = tf.zeros((spec["batch"], SIZES["block_size"]), tf.int32)
+    graph = tf.function(model.compute_gradients).get_concrete_function(tokens, tokens).graph
+    backward = lambda op: op.name.split("/")[0].startswith("gradients")  # noqa: E731
+    ids = next(op for op in graph.get_operations() if op.type == "Placeholder")
+    forward, todo = set(), [ids]  # the forward ops computed from the batch's token ids
+    while todo:
+        op = todo.pop()
+        if op.name not in forward and not backward(op):
+            forward.add(op.name)
+            todo += [c for out in op.outputs for c in out.consumers()]
+    kept = {t.name: t for op in graph.get_operations() if backward(op) for t in op.inputs
+            if t.op.name in forward}
+    per_device = collections.Counter()
+    for t in kept.values():
+        device = tf.DeviceSpec.from_string(t.op.device)
+        per_device[f"CPU:{device.device_index}" if t.op.device else "unplaced"] += \
+            t.shape.num_elements() * t.dtype.size
+    arch = model.gpt.arch
+    tokens_n = spec["batch"] * SIZES["block_size"]
+    print("RESULT " + json.dumps({"bytes": per_device, "formula_per_layer": {
+        "sp": arch.activation_bytes_per_layer(tokens_n, "float32", tp=2, sp=True),
+        "tp": arch.activation_bytes_per_layer(tokens_n, "float32", tp=2, sp=False)}}), flush=True)
 
 
 def sum_share(step):
@@ -205,6 +258,38 @@ def tensor_main():
                           "command": "python tools/bench_model_parallel.py --tensor"})
 
 
+def sequence_main():
+    """--sequence (the module doc): one layer's kept bytes on each shard, counted, and the
+    paper's per-rank figure."""
+    counted, formula = {}, None
+    for sp in (False, True):
+        r = {n: measure({"layers": n, "sp": sp, "batch": _BATCH.value}) for n in (1, 2)}
+        devices = sorted(set(r[1]["bytes"]) | set(r[2]["bytes"]))
+        counted[sp] = {d: r[2]["bytes"].get(d, 0) - r[1]["bytes"].get(d, 0) for d in devices}
+        formula = r[1]["formula_per_layer"]
+    rows = []
+    print(f"\none layer of gpt_mini's width, {_BATCH.value} x 256 tokens, float32, t = 2")
+    print(f"{'variant':22} {'shard 0 MiB':>12} {'shard 1 MiB':>12} {'largest':>8} "
+          f"{'paper MiB':>10} {'largest/paper':>14}")
+    for sp, name in ((False, "tensor parallel"), (True, "+ sequence parallel")):
+        shards = [counted[sp].get(f"CPU:{i}", 0) for i in range(2)]
+        paper = formula["sp" if sp else "tp"]
+        rows.append({"variant": name, "sequence_parallel": sp, "shard_bytes": shards,
+                     "largest_shard_bytes": max(shards), "paper_bytes_per_rank": paper,
+                     "largest_over_paper": max(shards) / paper,
+                     "unplaced_bytes": counted[sp].get("unplaced", 0)})
+        print(f"{name:22} {shards[0] / 2**20:12.2f} {shards[1] / 2**20:12.2f} "
+              f"{max(shards) / 2**20:8.2f} {paper / 2**20:10.2f} {max(shards) / paper:14.2f}")
+    cut, paper_cut = (rows[1]["largest_shard_bytes"] / rows[0]["largest_shard_bytes"],
+                      rows[1]["paper_bytes_per_rank"] / rows[0]["paper_bytes_per_rank"])
+    print(f"sequence parallelism: the largest shard keeps {cut:.2f} x as much (paper: "
+          f"{paper_cut:.2f} x)")
+    write("sequence.json", {"model": "gpt_mini width, 1 layer (2 minus 1)", "batch": _BATCH.value,
+                            "t": 2, "dropout": 0.1, "precision": "float32", "rows": rows,
+                            "largest_shard_ratio": cut, "paper_ratio": paper_cut,
+                            "command": "python tools/bench_model_parallel.py --sequence"})
+
+
 def planner_prediction(one_thread_s):
     """`tfdist plan`'s step time for t = 2 on two of this machine's cores (the per-core matmul
     peak of bench_results/bench.json), with the fraction of peak fitted to the unsplit model's
@@ -237,8 +322,10 @@ def main(argv):
         schedules_main()
     if _TENSOR.value:
         tensor_main()
-    if not (_SCHEDULES.value or _TENSOR.value):
-        raise app.UsageError("give --schedules and/or --tensor")
+    if _SEQUENCE.value:
+        sequence_main()
+    if not (_SCHEDULES.value or _TENSOR.value or _SEQUENCE.value):
+        raise app.UsageError("give --schedules, --tensor and/or --sequence")
 
 
 if __name__ == "__main__":
