@@ -35,9 +35,10 @@ import itertools
 import math
 
 from tfdist import compat
+from tfdist.zero3_scope import Gathering
 from tfdist.zero import Sharding
 from tfdist.errors import UsageError
-from tfdist.lazy import keras, tf
+from tfdist.lazy import tf
 
 #: Companion switches (tests show the equality tests can fail): False leaves out the gather (each
 #: replica computes with zeros for what it does not own), or the gradients' reduction (each owner
@@ -59,6 +60,9 @@ class Unit:
         self.index, self.layer, self.variables = index, layer, variables
         self.sizes = [_count(v.shape) for v in variables]
         self.sharding = None
+        # The first of its variables' devices: a pipeline stage's (tensor-parallel shards: the
+        # stage's first device), which orders its gathers (`Parameters._after`).
+        self.device = min(str(getattr(v.value, "device", "") or "") for v in variables)
 
     @property
     def parameters(self):
@@ -71,7 +75,12 @@ def _count(shape):
 
 def units_of(model):
     """The model's units: its top-level layers with trainable variables, in call order as Keras
-    lists them, then (when some are left) the model's own variables."""
+    lists them, then (when some are left) the model's own variables. A model that wraps one
+    layer holding all its weights (tfdist's `Pipeline` of a GPT) has that layer's units."""
+    layers = [layer for layer in model.layers if layer.trainable_variables]
+    if len(layers) == 1 and len(layers[0].trainable_variables) == len(model.trainable_variables) \
+            and getattr(layers[0], "layers", None):
+        model = layers[0]
     units, seen = [], set()
     for layer in model.layers:
         variables = list(layer.trainable_variables)
@@ -95,16 +104,19 @@ class Parameters:
         self.units = units_of(model)
         self.owner, self.home = {}, {}  # id(variable) -> replica; -> (unit, position)
         load = [0] * c.size
-        for unit in self.units:
-            unit_load = [0] * c.size
-            for i in sorted(range(len(unit.variables)), key=lambda i: (-unit.sizes[i], i)):
-                v = unit.variables[i]
+        for unit in self.units:  # each variable partitioned in its first unit, balanced
+            unit_load, groups = [0] * c.size, {}
+            for i, v in enumerate(unit.variables):
                 self.home.setdefault(id(v), (unit.index, i))
-                if id(v) not in self.owner:  # first unit: partition it here, balanced
-                    r = min(range(c.size), key=lambda r: (unit_load[r], load[r], r))
-                    self.owner[id(v)] = r
-                    unit_load[r] += unit.sizes[i]
-                    load[r] += unit.sizes[i]
+                if id(v) not in self.owner:  # a tensor-parallel weight's shards: one owner
+                    key = getattr(v, "tfdist_shard_of", None) or ("variable", i)
+                    groups.setdefault(key, []).append(i)
+            size = lambda m: sum(unit.sizes[i] for i in m)  # noqa: E731
+            for m in sorted(groups.values(), key=lambda m: (-size(m), m[0])):
+                r = min(range(c.size), key=lambda r: (unit_load[r], load[r], r))
+                self.owner.update({id(unit.variables[i]): r for i in m})
+                unit_load[r] += size(m)
+                load[r] += size(m)
             unit.sharding = Sharding(unit.variables, c.size, self.owner)
         self.load = load
         variables = [v for u in self.units for v in u.variables]
@@ -114,7 +126,7 @@ class Parameters:
         # is filled from it), so that every unit's backward is on the path to it (`sources`).
         self.anchor = tf.Variable(0.0, name="tfdist_zero3_anchor")
         self.sink = tf.Variable(0.0, trainable=False, name="tfdist_zero3_sink")
-        self._last = {}  # graph -> the tensor the next gather waits for (prefetch of one unit)
+        self._last = {}  # (graph, device) -> what the next gather there waits for (prefetch)
         self._names = (None, {})  # (graph, {(tag, unit): collectives named so far})
         # Part of every collective's name: TF's collectives resolve an instance's shape once per
         # key, so a second model's gathers need keys of their own (measured: "Shape mismatch in
@@ -221,11 +233,14 @@ class Parameters:
         # anchor's value: grappler folds a product by the constant 0 away, and the dependency too).
         return [value for _, value in s.unflat(mine, c.rank)], tf.reduce_sum(mine[:1]) * zero
 
-    def _after(self, tensors):
-        """A control dependency on the last unit's input, in this graph: the prefetch bound."""
+    def _after(self, unit, tensors):
+        """A control dependency on the input of the last unit on `unit`'s device (its pipeline
+        stage), in this graph: the prefetch bound. (Per stage: a chain through all stages would
+        keep stage 0 from starting a microbatch while stage 1 runs the one before.)"""
         graph = tf.compat.v1.get_default_graph()
-        last = self._last.get(graph)
-        self._last = {graph: [t for t in tensors if t is not None]}
+        self._last = {k: v for k, v in self._last.items() if k[0] is graph}
+        last = self._last.get((graph, unit.device))
+        self._last[graph, unit.device] = [t for t in tensors if t is not None]
         return tf.control_dependencies(last) if last else contextlib.nullcontext()
 
     def _name(self, tag, unit):
@@ -254,17 +269,22 @@ class Parameters:
 
     # -- the calls -----------------------------------------------------------------------------
     def wrap(self):
-        """Each unit's layer computes with its gathered weights; the model's own call gathers
+        """Each unit's layer computes with its gathered weights; the model's own call (and a
+        pipeline's `compute_gradients`, whose 1F1B schedule runs the stages without it) gathers
         what it reads outside them."""
         for unit in self.units:
             if unit.layer is not None:
                 unit.layer.call = self._unit_call(unit, unit.layer.call)
         self.model.call = self._model_call(self.model.call)
+        if hasattr(self.model, "compute_gradients"):  # (its backward may recompute a stage under
+            # a gradient tape of its own: what it reads must be gathered there, not reused)
+            self.model.compute_gradients = self._model_call(self.model.compute_gradients,
+                                                            reuse=False)
 
-    def _model_call(self, call):
+    def _model_call(self, call, reuse=True):
         @functools.wraps(call)
         def model_call(*args, **kwargs):
-            with Gathering(self) as scope:
+            with Gathering(self, reuse=reuse) as scope:
                 out = call(*args, **kwargs)
             scope.apply_updates()
             return out
@@ -289,7 +309,7 @@ class Parameters:
             mine, anchor = self._mine(unit), self.anchor.read_value()
 
             if not REGATHER:  # kept: a differentiable gather, held until its backward
-                with self._after(flat_in):
+                with self._after(unit, flat_in):
                     out, scope = run(flat_in, self.gather(unit))
                 scope.apply_updates()
                 return out
@@ -297,14 +317,14 @@ class Parameters:
             @tf.custom_gradient
             def block(*flat):
                 ins, zero, mine_ = flat[:n_in], flat[n_in], list(flat[n_in + 1:])
-                with self._after(flat_in):
+                with self._after(unit, flat_in):
                     full = self._gathered(unit, mine_, "fwd", zero)
                 out, scope = run(ins, full)
                 structure.append(out)
                 updates = [(v, scope.updated[id(v)]) for v, _ in state if id(v) in scope.updated]
 
                 def grad(*d_out):
-                    with self._after(list(d_out)):
+                    with self._after(unit, list(d_out)):
                         full = self._gathered(unit, mine_, "bwd", zero)
                     with tf.GradientTape() as tape:
                         watched = [x for x in ins if x.dtype.is_floating] + full
@@ -323,36 +343,6 @@ class Parameters:
             flat_out = block(*flat_in, anchor, *mine)
             return tf.nest.pack_sequence_as(structure[-1], list(tf.nest.flatten(flat_out)))
         return unit_call
-
-
-class Gathering(keras.StatelessScope):
-    """A Keras stateless scope in which a sharded weight that `mapping` does not give is gathered
-    where it is read (`Parameters.gather`, once per unit and scope), and in which assignments are
-    recorded (`updated`) for `apply_updates` to make after it."""
-
-    def __init__(self, params, mapping=None):
-        super().__init__(mapping or [], initialize_variables=False)
-        self.params, self.updated, self._variables, self._read = params, {}, {}, {}
-
-    def add_update(self, update):
-        variable, value = update
-        super().add_update(update)
-        self.updated[id(variable)] = value
-        self._variables[id(variable)] = variable
-
-    def get_current_value(self, variable):
-        value = super().get_current_value(variable)
-        home = self.params.home.get(id(variable))
-        if value is None and home is not None:
-            u, i = home
-            if u not in self._read:
-                self._read[u] = self.params.gather(self.params.units[u])
-            value = self._read[u][i]
-        return value
-
-    def apply_updates(self):
-        for key, value in self.updated.items():
-            self._variables[key].assign(value)
 
 
 def shard(model, collectives):

@@ -6,7 +6,7 @@ machine's benches (machine.py), and the command line (this file). It covers data
 (DP), pipeline stages (PP: K stages, M microbatches), tensor parallelism (TP) and ZeRO-1/2/3
 sharding of the optimizer state, the gradients and (ZeRO-3) the weights, whose gathered layers
 it counts too. The recommended command is the best layout tfdist runs (`tfdist.layout.Layout`
-accepts it: ZeRO-3 without pipeline stages or tensor parallelism, a process's stages and
+accepts it: ZeRO-2 without pipeline stages, a process's stages and
 tensor-parallel devices on one node, the embedding and head kept whole as tfdist keeps them).
 The transformer's arithmetic (parameters, FLOPs, activation and model-state bytes) is
 tfdist.models.arithmetic's, which the GPT and the pipeline's memory estimate use too.
@@ -329,9 +329,9 @@ def _check_fixed(model, cluster, batch, fixed):
         raise UsageError(f"dp x tp x pp = {fixed['dp'] * tp * pp} but --devices={g}; make them equal")
     if g % (tp * pp):
         raise UsageError(f"--devices={g} is not a multiple of tp x pp = {tp * pp}")
-    if fixed.get("zero", 0) >= 2 and pp > 1:
-        raise UsageError(f"--zero={fixed['zero']} with --pp={pp}: ZeRO-2/3 shard the gradients that each "
-                         f"pipeline stage accumulates over its microbatches; use --zero=1 or --pp=1")
+    if fixed.get("zero", 0) == 2 and pp > 1:
+        raise UsageError(f"--zero=2 with --pp={pp}: ZeRO-2 shards the gradients that each pipeline "
+                         f"stage accumulates over its microbatches; use --zero=1 or 3, or --pp=1")
     if fixed.get("zero", 0) and fixed.get("dp") == 1:
         raise UsageError("ZeRO shards over data-parallel replicas and --dp=1 has none; drop --zero")
     dp = fixed.get("dp", g // (tp * pp) if ("tp" in fixed or "pp" in fixed) else None)

@@ -258,8 +258,9 @@ def step_time(model, cluster, layout, opts=Options()):
     dp = allreduce_seconds(grad_bytes, layout.dp, cluster.bandwidth(t * layout.dp))
     cores = allreduce_seconds(grad_bytes, layout.dp, opts.comm_cpu_bw) if opts.comm_cpu_bw else 0.0
     cores = min(cores, dp)  # the cores' part of the all-reduce; the rest is the wire's
-    if layout.zero >= 3:
-        dp, cores = 1.5 * dp, 1.5 * cores
+    if layout.zero >= 3:  # the ZeRO paper's 1.5x an all-reduce, for each pass: each microbatch
+        # (and accumulated batch) gathers the weights and reduce-scatters their gradients again
+        dp, cores = 1.5 * m * dp, 1.5 * m * cores
     if opts.overlap and not layout.zero and dp:
         dp = cores + exposed_allreduce(dp - cores, compute * (passes - 1) / passes, grad_bytes,
                                        opts.bucket_bytes)
@@ -337,8 +338,8 @@ def layouts(model, cluster, batch, fixed=None, schedule="gpipe"):
                 if batch % (dp * mb):
                     continue
                 for zero in (0, 1, 2, 3):
-                    if fixed.get("zero", zero) != zero or (zero and dp == 1) or (zero >= 2 and pp > 1):
-                        continue  # ZeRO-2/3 shard what pipelining keeps per microbatch: not combined
+                    if fixed.get("zero", zero) != zero or (zero and dp == 1) or (zero == 2 and pp > 1):
+                        continue  # ZeRO-2 shards what pipelining accumulates per microbatch
                     for rc in (False, True):
                         for sp in ((False, True) if tp > 1 else (False,)):
                             if fixed.get("recompute", rc) == rc and fixed.get("sp", sp) == sp:
