@@ -8,6 +8,8 @@ before TF starts). Prints one `PROBE {...}` JSON line.
                                                    # 10 fit steps, split vs unsplit
     python tests/pipeline_probe.py placement K M           # devices of variables and of ops
     python tests/pipeline_probe.py tensor_placement K M t=T  # where each shard's ops ran
+    python tests/pipeline_probe.py zero3 K M [recompute] [t=T] [sp] [schedule=1f1b] [reuse_reads]
+                                                   # one replica's ZeRO-3 gradients vs plain's
 """
 import json
 import os
@@ -118,6 +120,27 @@ def losses(k, m, t=1, optimizer="sgd", sp=False):
             **({"sp_vs_tensor": diff("pipeline", "tensor")} if sp else {})}
 
 
+def zero3_grads(k, m, recompute=False, t=1, schedule="gpipe", sp=False):
+    """One replica's ZeRO-3 gradients (tfdist.zero3: each block run with its gathered weights
+    under a custom gradient, the tied head's read gathered where it is read) against the same
+    pipeline's plain gradients. (One replica: no collective; what is checked is that every
+    weight's gradient reaches it through the gathers, stage recomputation included.)"""
+    from tfdist import zero, zero3
+    x, y = batch()
+    out = []
+    for sharded in (False, True):
+        _, piped = models(k, m, recompute, t, schedule, sp)
+        piped.compile(optimizer="sgd", loss=loss_fn())
+        sources = zero3.shard(piped, zero.local()).sources() if sharded \
+            else list(piped.trainable_weights)
+        loss, got = tf.function(lambda: piped.compute_gradients(x, y, variables=sources))()
+        grads = dict(zip(map(id, sources), got))
+        out.append((float(loss), state.by_name(piped, [grads[id(v)] for v in
+                                                       piped.trainable_weights])))
+    return {"loss_diff": abs(out[0][0] - out[1][0]), "max_grad_diff": max_abs_diff(
+        out[0][1], out[1][1]), "n": len(out[1][1])}
+
+
 def placement(k, m):
     _, piped = models(k, m)
     piped.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss_fn())
@@ -206,6 +229,14 @@ if __name__ == "__main__":
                 p[:, r * p.shape[1] // len(devices):(r + 1) * p.shape[1] // len(devices)]
                 for r, p in enumerate(parts)]
         result = losses(k, m, t, sp="sp" in words)
+    elif what == "zero3":
+        if "reuse_reads" in words:  # a test's companion: a lazy read reused across microbatches
+            from tfdist import zero3
+            init = zero3.Gathering.__init__
+            zero3.Gathering.__init__ = lambda self, params, mapping=None, reuse=True: init(
+                self, params, mapping, True)
+        result = zero3_grads(k, m, "recompute" in words, t, options.get("schedule", "gpipe"),
+                             "sp" in words)
     elif what == "tensor_placement":
         result = tensor_placement(k, m, t)
     else:

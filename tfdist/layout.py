@@ -148,10 +148,6 @@ class Layout:
         if self.zero and plugin.zero_collectives is None:
             raise UsageError(f"strategy {name} cannot shard the optimizer (zero.stage={self.zero}); "
                              f"use horovod or multi_worker_mirrored, or set zero.stage=0")
-        if self.zero == 3 and self.split:
-            raise UsageError(f"zero.stage=3 does not yet run with pipeline stages or tensor "
-                             f"parallelism (pipeline.stages={self.pp}, tensor.parallel={self.tp}); "
-                             f"set both to 1, or use zero.stage=2")
         if self.zero and self.overlap == "on":
             raise UsageError(f"strategy.overlap=on cannot be combined with zero.stage={self.zero} "
                              f"under {name}: ZeRO reduce-scatters every gradient at once after "

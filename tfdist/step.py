@@ -92,7 +92,8 @@ class TrainStep:
         #    by this replica's own weights, reduce-scattered by the backward pass.
         variables = self.params.sources() if self.params else model.trainable_weights
         if self.layout.split:  # the pipeline's schedule; tf.gradients, placed stage by stage
-            loss, grads = model.compute_gradients(x, y, scale=optimizer.scale_loss)
+            loss, grads = model.compute_gradients(x, y, scale=optimizer.scale_loss,
+                                                  variables=variables)
         else:
             with tf.GradientTape() as tape:
                 y_pred = model(x, training=True)

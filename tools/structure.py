@@ -33,7 +33,7 @@ LAYERS = [
     ("runtime", ["cluster.py", "lock.py", "preemption.py", "profiling.py", "optimizers.py",
                  "host.py", "data/", "compat/"]),
     ("models", ["models/"]),
-    ("layout", ["layout.py", "zero.py", "zero3.py"]),
+    ("layout", ["layout.py", "zero.py", "zero3.py", "zero3_scope.py"]),
     ("callbacks", ["callbacks/"]),
     ("strategies", ["strategies/"]),
     ("step", ["step.py"]),

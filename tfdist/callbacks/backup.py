@@ -83,11 +83,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         # state lives in Keras SeedGenerators, listed here so they are saved too.
         # Under ZeRO each process's slots go to its own shard (tfdist.zero), not the checkpoint.
         # Under ZeRO-3 (tfdist.zero3) each process's weights go to its shard too: it holds no others.
+        # (A tensor-parallel weight is its shards, shown as one: they have one owner.)
         params = zero3.of(model)
+        parts = lambda v: getattr(v, "shards", [v])  # noqa: E731
         held = {k: v for k, v in state.weights(model).items()
-                if params is None or compat.has_storage(v)}
+                if params is None or all(compat.has_storage(s) for s in parts(v))}
         self._shard_weights = {} if params is None else {
-            k: v for k, v in held.items() if id(v) in params.owner}
+            k: v for k, v in held.items() if id(parts(v)[0]) in params.owner}
         self._parts = dict(weights={k: v for k, v in held.items() if k not in self._shard_weights},
                            step=self.step, epoch=self.epoch,
                            rng=[v.value for v in model.variables if "seed_generator" in v.path])

@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from tfdist import compat
 from tfdist.models import arithmetic
 from tfdist.models import tensor_parallel as tp
 from tfdist.models.gpt import GPT
@@ -87,6 +88,12 @@ def default_devices(n):
         if len(found) >= n:
             return [d.name for d in found[:n]]
     raise ValueError(f"{n} devices wanted; split the CPU first (tfdist.layout.configure_logical_cpus)")
+
+
+def _backend(variable):
+    """The TF variable behind a Keras variable (a TF variable: itself), also inside a Keras
+    stateless scope (which would give the value it maps the variable to)."""
+    return compat.storage(variable) if isinstance(variable, keras.Variable) else variable
 
 
 def _with_device(grad, variable):
@@ -152,11 +159,8 @@ class Pipeline(keras.Model):
                 and x.shape[1] % len(devices) == 0  # (else, as generate() may: whole)
             if split:
                 x = tp.scatter_sequence(x, devices)
-            for i in self.stage_blocks[s]:
-                if self.tensor_parallel > 1:
-                    x = tp.parallel_block(g.blocks[i], x, training, devices)
-                else:
-                    x = g.blocks[i](x, training=training)
+            for i in self.stage_blocks[s]:  # (tensor parallel: `tp.parallel_block`)
+                x = g.blocks[i](x, training=training)
             if split:
                 x = tp.gather_sequence(x, self.homes[s])
             return g.head(x) if s == self.stages - 1 else x
@@ -201,30 +205,29 @@ class Pipeline(keras.Model):
         g.built = True
 
     # -- training: the gradients of a batch (tfdist.step runs the rest of the step) -------------
-    def compute_gradients(self, x, y, scale=lambda loss: loss):
-        """(mean loss, gradients of the trainable weights) of batch (x, y) in M microbatches.
-        Graph mode only (inside a tf.function, as Keras runs `train_step`)."""
+    def compute_gradients(self, x, y, scale=lambda loss: loss, variables=None):
+        """(mean loss, gradients of `variables`: default the trainable weights) of batch (x, y)
+        in M microbatches. Graph mode only (inside a tf.function, as Keras runs `train_step`)."""
+        variables = [_backend(v) for v in variables or self.trainable_weights]
         if self.schedule == "1f1b":
-            return self._one_forward_one_backward(x, y, scale)
+            return self._one_forward_one_backward(x, y, scale, variables)
         m = self.microbatches
         xs, ys = tf.split(x, m), tf.split(y, m)
         losses = [self.compute_loss(xi, yi, self(xi, training=True), training=True)
                   for xi, yi in zip(xs, ys)]
         loss = tf.add_n(losses) / m
         # tf.gradients, not GradientTape: it places each backward op with its forward op.
-        variables = [v.value for v in self.trainable_weights]
         grads = tf.gradients(scale(loss), variables)
         return loss, [_with_device(g, v) for g, v in zip(grads, variables)]
 
-    def _one_forward_one_backward(self, x, y, scale):
+    def _one_forward_one_backward(self, x, y, scale, variables):
         """Megatron-LM's 1F1B schedule (Narayanan et al. 2021, fig. 4) in one graph: each
         microbatch's gradient is its own `tf.gradients`, and control dependencies make stage s
         start the forward of microbatch j only after it has finished the backward of microbatch
         j - (K - s). So stage s holds at most K - s microbatches' activations (GPipe: all M), and
         the gradients are GPipe's: the same sum, accumulated microbatch by microbatch."""
         m, k = self.microbatches, self.stages
-        variables = [v.value for v in self.trainable_weights]
-        stage_vars = [[i for i, v in enumerate(self.trainable_weights) if self.stage_of(v) == s]
+        stage_vars = [[i for i, v in enumerate(variables) if self.stage_of(v) == s]
                       for s in range(k)]
         var_stage = {i: s for s in range(k) for i in stage_vars[s]}
         done = []  # done[j][s]: stage s finished microbatch j's backward
@@ -281,9 +284,9 @@ class Pipeline(keras.Model):
                 + f"{', recomputed' if self.recompute else ''}: " + "; ".join(parts))
 
     def device_of(self, variable):
-        """(stage, shard) of the device holding `variable` (a Keras variable of this model), read
-        from the variable itself."""
-        device = tf.DeviceSpec.from_string(variable.value.device)
+        """(stage, shard) of the device holding `variable` (a variable of this model, Keras's or
+        its backend's), read from the variable itself."""
+        device = tf.DeviceSpec.from_string(_backend(variable).device)
         for s, row in enumerate(self.stage_devices):
             for r, d in enumerate(row):
                 want = tf.DeviceSpec.from_string(d)
@@ -314,8 +317,9 @@ class Pipeline(keras.Model):
             arch.activation_bytes_per_layer(tokens, precision, tp=float("inf"))  # unsplit part
         per_param = sum(arithmetic.state_bytes_per_param(precision, optimizer_slots))
         params = {}
-        for v in self.trainable_weights:
-            params[self.device_of(v)] = params.get(self.device_of(v), 0) + int(np.prod(v.shape))
+        for v in self.trainable_weights:  # the ones stored here (ZeRO-3: this replica's)
+            if compat.has_storage(v):
+                params[self.device_of(v)] = params.get(self.device_of(v), 0) + int(np.prod(v.shape))
         out = []
         for s in range(self.stages):
             n = len(self.stage_blocks[s])

@@ -114,13 +114,12 @@ def optimizer_state(optimizer, model):
 
 def _joined(layer, what, parts):
     whole = layer.whole()[what]
-    return type(whole)(parts, whole.join, whole.split)
+    return type(whole)(parts, whole.join, whole.split, whole.shape)
 
 
 def shapes(model):
     """{name: shape} of the unsplit weights: what a checkpoint must match to be restored."""
-    return {name: [int(d) for d in (v.shape if isinstance(v, keras.Variable) else _value(v).shape)]
-            for name, v in sorted(weights(model).items())}
+    return {name: [int(d) for d in v.shape] for name, v in sorted(weights(model).items())}
 
 
 def _value(v):

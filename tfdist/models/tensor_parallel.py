@@ -76,9 +76,9 @@ class _Whole(compat.Tensors):
     """t shard variables shown to tf.train.Checkpoint as the one tensor the unsplit layer holds
     (as a variable's value), so a checkpoint restores into any t."""
 
-    def __init__(self, shards, join, split):
+    def __init__(self, shards, join, split, shape):
         super().__init__()
-        self.shards, self.join, self.split = list(shards), join, split
+        self.shards, self.join, self.split, self.shape = list(shards), join, split, tuple(shape)
 
     def value(self):
         return self.join([tf.convert_to_tensor(s) for s in self.shards])
@@ -153,10 +153,12 @@ class ShardedDense(keras.layers.Layer):
 
     def whole(self):
         """{"kernel": ..., "bias": ...} as the unsplit Dense's variables, for checkpoints."""
-        out = {"kernel": _Whole(self.kernels, self.join_shards, self.split_whole)}
+        n_in = self.kernels[0].shape[0] * (self.t if self.split == "row" else 1)
+        out = {"kernel": _Whole(self.kernels, self.join_shards, self.split_whole,
+                                (n_in, self.units))}
         if self.use_bias:
             out["bias"] = _Whole(self.biases, lambda s: self.join_shards(s, False),
-                                 lambda w: self.split_whole(w, False))
+                                 lambda w: self.split_whole(w, False), (self.units,))
         return out
 
     # -- compute ----------------------------------------------------------------------------------
@@ -201,7 +203,9 @@ def _swap(parent, attr, split, devices, groups=1):
 
 def shard_blocks(gpt, block_devices, layout):
     """Replaces the Dense layers of each (unbuilt) block i with ShardedDense layers over
-    `block_devices[i]`, as `layout` (`megatron_layout`) says."""
+    `block_devices[i]`, as `layout` (`megatron_layout`) says, and makes the block's call
+    `parallel_block` on them: the block is called as a layer still (`block(x, training=...)`),
+    so what wraps a layer's call (ZeRO-3's gather, tfdist.zero3) wraps it too."""
     for block, devices in zip(gpt.blocks, block_devices):
         for parent, attr, path in ((block.attn, "c_attn", "attn/c_attn"),
                                    (block.attn, "c_proj", "attn/c_proj"),
@@ -209,6 +213,13 @@ def shard_blocks(gpt, block_devices, layout):
             axes = layout[f"{block.name}/{path}/kernel"].axes
             split = "column" if axes == (None, AXIS) else "row"
             _swap(parent, attr, split, devices, groups=3 if attr == "c_attn" else 1)
+        block.call = _parallel_call(block, devices)
+
+
+def _parallel_call(block, devices):
+    def call(x, training=False):
+        return parallel_block(block, x, training, devices)
+    return call
 
 
 def _sum(parts, device):

@@ -145,14 +145,21 @@ class MultiWorkerMirrored(Strategy):
                              f"{self.num_replicas} replicas on {self.num_workers} workers); start "
                              f"one worker per device, or set zero.stage=0")
         n, strategy = self.num_workers, self.tf_strategy
-        group = dict(group_size=n, group_key=_ZERO_GROUP, ordering_token=[])
 
         def key(name, default):  # a named collective (ZeRO-3: one per unit and use) has its own
             return default if name is None else 1000 + zlib.crc32(name.encode()) % (1 << 30)
 
+        def group(x):
+            """The group of the device `x` is on: TF's groups are of devices, and ZeRO-3's
+            gathers run on each pipeline stage's device ("joining a group that is already full"
+            when two devices of a worker shared one key)."""
+            device = tf.DeviceSpec.from_string(x.device or "")
+            index = device.device_index or 0 if device.device_type else 0
+            return dict(group_size=n, group_key=_ZERO_GROUP + index, ordering_token=[])
+
         def reduce_scatter(flat, name=None):
             chunks = tf.raw_ops.CollectiveAllToAllV2(input=tf.reshape(flat, [n, -1]),
-                                                     instance_key=key(name, 1), **group)
+                                                     instance_key=key(name, 1), **group(flat))
             return tf.reduce_sum(chunks, 0)
 
         def assign(variable, value):  # each local copy of a mirrored variable, this worker only
@@ -162,9 +169,9 @@ class MultiWorkerMirrored(Strategy):
         return Collectives(
             self.worker_index, n, reduce_scatter,
             lambda flat, name=None: tf.raw_ops.CollectiveGatherV2(
-                input=flat, instance_key=key(name, 2), **group),
+                input=flat, instance_key=key(name, 2), **group(flat)),
             lambda x: tf.raw_ops.CollectiveReduceV2(input=x, instance_key=3, merge_op="Add",
-                                                    final_op="Id", **group),
+                                                    final_op="Id", **group(x)),
             assign, lambda: compat.local_variables(strategy))
 
     def describe(self):
