@@ -62,14 +62,15 @@ from tfdist.errors import UsageError
 GATHER = True
 
 Collectives = collections.namedtuple(
-    "Collectives", "rank size reduce_scatter all_gather sum assign slot_scope",
-    defaults=(contextlib.nullcontext,))
+    "Collectives", "rank size reduce_scatter all_gather sum assign slot_scope ragged",
+    defaults=(contextlib.nullcontext, False))
 Collectives.__doc__ = """What a strategy gives ZeRO: this replica's `rank` of `size`;
 `reduce_scatter(flat, name=None)`: this replica's 1/size of the flat buffer reduced over the
 replicas (the strategy's op); `all_gather(flat, name=None)`: every replica's flat buffer, in rank
 order, concatenated (`name`: the same on every replica, unique in a graph; ZeRO-3 names each);
 `sum(scalar)`: the scalar summed over the replicas; `assign(variable, value)` from a replica;
-`slot_scope()`: the context in which this replica's own slots are created."""
+`slot_scope()`: the context in which this replica's own slots are created; `ragged`: whether
+`all_gather` takes buffers of different lengths (ZeRO-3 then sends its shares unpadded)."""
 
 
 def local():

@@ -207,14 +207,21 @@ class Parameters:
         replica alone."""
         s, c = unit.sharding, self.collectives
         tensors = dict(zip(s.of[c.rank], mine))
-        flat = s.flat(tensors, c.rank, zero)
+        if c.ragged:  # unpadded shares (each ends with the anchor's value: none is empty)
+            flat = tf.concat([tf.reshape(tf.cast(tensors[i], tf.float32), [-1]) for i in
+                              s.of[c.rank]] + [tf.reshape(zero, [1])], 0)
+            lengths = [load + 1 for load in s.loads]
+        else:
+            flat = s.flat(tensors, c.rank, zero)
+            lengths = [s.segment] * c.size
         every = c.all_gather(flat, self._name(tag, unit)) if c.size > 1 and GATHER else None
-        out = [None] * len(unit.variables)
+        out, start = [None] * len(unit.variables), 0
         for r in range(c.size):
             if every is not None:
-                share = every[r * s.segment:(r + 1) * s.segment]
+                share = every[start:start + lengths[r]]
             else:  # (GATHER False: zeros for the others' weights)
-                share = flat if r == c.rank else tf.zeros([s.segment], tf.float32)
+                share = flat if r == c.rank else tf.zeros([lengths[r]], tf.float32)
+            start += lengths[r]
             for i, value in s.unflat(share, r):
                 out[i] = value
         return out

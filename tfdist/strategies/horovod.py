@@ -186,7 +186,8 @@ class Horovod(Strategy):
 
     def zero_collectives(self):
         """ZeRO's collectives: Horovod's reducescatter (averaging, as its allreduce here),
-        allgather, and a summing allreduce, under fixed names (in a graph, ranks meet by name)."""
+        allgather (of buffers of any length: ragged), and a summing allreduce, under fixed names
+        (in a graph, ranks meet by name)."""
         from tfdist.zero import Collectives
         hvd = self.hvd
         return Collectives(
@@ -196,7 +197,7 @@ class Horovod(Strategy):
             lambda x, name=None: hvd.allgather(x, name=name or "tfdist_zero_allgather",
                                                ignore_name_scope=True),
             lambda x: hvd.allreduce(x, op=hvd.Sum, name="tfdist_zero_norm", ignore_name_scope=True),
-            lambda variable, value: variable.assign(value))
+            lambda variable, value: variable.assign(value), ragged=True)
 
     def reduce_gradients(self, grads_and_vars):
         """The gradient all-reduce Keras calls before every update: a grouped Horovod average per
