@@ -255,10 +255,9 @@ def test_a_dataset_horovod_cannot_split_is_one_line(tmp_path, case, needle):
     assert p.returncode != 0
     errors = [line for line in (p.stdout + p.stderr).splitlines()
               if line.startswith("[r") and "tfdist: error:" in line]
-    # Each rank raises it; rank 0's exit makes horovodrun end the other, which on a busy machine
-    # may not have printed yet (seen once in a full suite: only the Gloo error of the closed link).
+    # Each rank raises it; the first rank's exit makes horovodrun end the other, which on a busy
+    # machine may not have printed yet (seen in full suites: rank 0 alone, and rank 1 alone).
     assert 1 <= len(errors) <= 2 and all(needle in e for e in errors), p.stdout[-3000:]
-    assert any(e.startswith("[r0]") for e in errors), p.stdout[-3000:]
     assert "Traceback" not in "\n".join(l for l in p.stdout.splitlines() if l.startswith("[r"))
 
 

@@ -22,7 +22,7 @@ class Gathering(keras.StatelessScope):
     `reuse=False`), and in which assignments are recorded (`updated`) for `apply_updates` to make
     after it. A value it lacks is looked up in the Gathering scope it is inside."""
 
-    _open = threading.local()  # .scopes: the Gathering scopes this thread entered, innermost last
+    entered = threading.local()  # .scopes: the Gathering scopes this thread entered, innermost last
 
     def __init__(self, params, mapping=None, reuse=True):
         super().__init__(mapping or [], initialize_variables=False)
@@ -30,13 +30,13 @@ class Gathering(keras.StatelessScope):
         self.parent, self.reuse = None, reuse
 
     def __enter__(self):
-        scopes = Gathering._open.__dict__.setdefault("scopes", [])
+        scopes = Gathering.entered.__dict__.setdefault("scopes", [])
         self.parent = scopes[-1] if scopes else None
         scopes.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        Gathering._open.scopes.remove(self)
+        Gathering.entered.scopes.remove(self)
         return super().__exit__(*exc)
 
     def add_update(self, update):

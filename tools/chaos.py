@@ -22,6 +22,10 @@ the run completes (exit 0), the counted steps equal the planned steps, the runs 
 workers exceed them by no more than the steps that were in flight (TF's coordinator re-runs a
 closure whose worker died: at least once), and no gap between two progress reports exceeds 60 s.
 
+--fault=kill_in_write (asynchronous backups): the chief is SIGKILLed while a background write
+is in flight, seen from its files; the run must resume from the backup before it
+(`write_trials`; chaos-write-<strategy>.json).
+
 --fault=sigterm (preemption; also --strategy=single): the worker gets SIGTERM while the step
 runs. Every process backs up that step and exits 75 (tfdist/preemption.py); the launcher restarts
 the group (a single process is run again), and the run resumes at that step. Backups are written
@@ -89,7 +93,7 @@ def main():
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                     help="ZeRO stage, synchronous strategies (each replica backs up its optimizer "
                          "shard; stage 3: and its weights)")
-    ap.add_argument("--fault", default="kill", choices=["kill", "sigterm"],
+    ap.add_argument("--fault", default="kill", choices=["kill", "sigterm", "kill_in_write"],
                     help="kill: SIGKILL after a step; sigterm: preemption during a step (the run "
                          "backs up that step and exits 75)")
     ap.add_argument("--out", default=None, help="default bench_results/chaos.json (chaos-ps.json, "
@@ -101,6 +105,7 @@ def main():
     mwms = args.strategy == "multi_worker_mirrored"
     args.out = args.out or os.path.join(ROOT, "bench_results", (
         f"chaos-sigterm-{args.strategy}.json" if args.fault == "sigterm" else
+        f"chaos-write-{args.strategy}.json" if args.fault == "kill_in_write" else
         (f"chaos-zero{'3' * (args.zero == 3)}-mwms.json" if args.zero else "chaos.json") if mwms
         else f"chaos-zero{'3' * (args.zero == 3)}.json" if args.zero else "chaos-horovod.json"))
     if args.steps < 4 or args.steps % 10 or args.workers < 1 or args.trials < 1:
@@ -111,6 +116,8 @@ def main():
                  "backup.every_steps": 1, "strategy.name": args.strategy, "zero.stage": args.zero}
     if args.fault == "sigterm":  # backups at epoch ends only: the signal's backup is the one used
         overrides["backup.every_steps"] = 0
+    if args.fault == "kill_in_write":  # slow writes (tools/faulty_train.py --slow-write)
+        overrides["backup.every_steps"] = 5
     if args.strategy == "single":
         args.workers = 1
     if args.data_dir:
@@ -126,6 +133,8 @@ def main():
 
     rng = random.Random(args.seed)
     rows = []
+    if args.fault == "kill_in_write":
+        return report(args, *write_trials(args, overrides, plan, tmp, reference, rng))
     for trial in range(args.trials):
         worker, step = trial % args.workers, rng.randint(1, args.steps - 1)  # chief, then others
         d = os.path.join(tmp, f"trial{trial}")
@@ -157,6 +166,61 @@ def main():
                        r["planned_steps"], r["max_abs_weight_diff"], r["seconds"],
                        "yes" if r["ok"] else "NO") for r in rows]
     report(args, table, rows)
+
+
+def write_trials(args, overrides, plan, tmp, reference, rng):
+    """--fault=kill_in_write: each trial SIGKILLs the chief (which writes the checkpoint) while
+    the background write of a backup after a random step is in flight, seen from its files on
+    disk (`harness.write_in_flight`: the step's data files there, the index naming an earlier
+    step; the driver's writes pause 1 s between them, a slow disk). The launcher restarts the
+    group; a trial passes when the run resumes from the backup committed before the kill, ends
+    after exactly one restart, logs every step once, and ends bitwise equal to the reference."""
+    from tools.harness import write_in_flight
+    rows = []
+    for trial in range(args.trials):
+        d, target = os.path.join(tmp, f"trial{trial}"), rng.randint(6, args.steps - 5)
+        killed = {}
+
+        def watch():
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and not killed:
+                step = write_in_flight(os.path.join(d, "backup"))
+                if step and step >= target:
+                    pids = [int(line.split()[1]) for line in open(
+                        os.path.join(d, "executed_steps.txt")) if line.split()[0] == "0"]
+                    os.kill(pids[-1], signal.SIGKILL)  # the chief, of this (first) attempt
+                    index = open(os.path.join(d, "backup", "checkpoint")).read()
+                    killed.update(in_flight=step, committed=int(
+                        index.split('model_checkpoint_path: "ckpt-')[1].split('"')[0]))
+                time.sleep(0.02)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        p, seconds = launch(d, overrides, args.workers, "--slow-write", "1")
+        watcher.join(5)
+        restarts = p.stdout.count("tfdist launch: started") - 1
+        logged = [r["step"] for r in metrics(d)["steps"]] if p.returncode == 0 else []
+        diff = None
+        if p.returncode == 0:
+            diff = max(float(abs(a - b).max()) for a, b in zip(final_weights(d), reference))
+        resumed = bool(killed) and (f"resuming from {d}/backup at step {killed['committed']} of "
+                                    f"{args.steps}") in p.stdout
+        once = logged == list(range(1, args.steps + 1))
+        ok = p.returncode == 0 and restarts == 1 and resumed and once and diff == 0.0
+        rows.append({"trial": trial, "fault": args.fault, "killed_worker": 0,
+                     "write_in_flight": killed.get("in_flight"),
+                     "committed_before": killed.get("committed"), "exit": p.returncode,
+                     "restarts": restarts, "resumed_at_committed": resumed,
+                     "every_step_logged_once": once, "max_abs_weight_diff": diff,
+                     "seconds": round(seconds, 1), "ok": ok})
+        if not ok:
+            print(p.stdout[-3000:], p.stderr[-2000:], sep="\n")
+        print(f"trial {trial}: {'ok' if ok else 'FAILED'}", flush=True)
+    head = ("trial", "write in flight", "resumed at", "exit", "restarts", "steps once",
+            "max |dw|", "s", "ok")
+    table = [head] + [(r["trial"], r["write_in_flight"], r["committed_before"], r["exit"],
+                       r["restarts"], r["every_step_logged_once"], r["max_abs_weight_diff"],
+                       r["seconds"], "yes" if r["ok"] else "NO") for r in rows]
+    return table, rows
 
 
 def report(args, table, rows):

@@ -211,6 +211,10 @@ def zero_rows(h, model, bench_dir, name, z):
     cluster, lay = Cluster(h.dev, 2, intra_bw=bw, inter_bw=bw), planned(2 * per, 2, microbatch=per)
     o = dataclasses.replace(FP32, overlap=True, comm_cpu_bw=bw, core_share=1 / h.contention)
     o = dataclasses.replace(o, efficiency=fit_efficiency(model, cluster, lay, plain["step_s"], o))
+    saturated = (f"the fit saturates: plain's step ({plain['step_s']:.3f} s) is faster than the "
+                 f"model's compute at 100 % of bench.json's matmul peak plus its all-reduce at "
+                 f"allreduce.json's rate (this run was on a faster day than those; make bench "
+                 f"and make bench-allreduce remeasure them)") if o.efficiency > 0.999 else None
     rows = []
     for r in z["rows"][1:]:
         if r["stage"] == 3:  # its regather and recompute are not modelled yet (issue 34)
@@ -219,7 +223,8 @@ def zero_rows(h, model, bench_dir, name, z):
         rows.append(judged({"figure": f"{name}: {r['variant']} step vs plain, {z['strategy']}",
                             "measured": r["time_vs_plain"], "predicted": t / plain["step_s"],
                             "note": f"sent {r['sent_vs_plain']:.2f}x, optimizer bytes {r['optimizer_vs_plain']:.2f}x "
-                                    f"plain's (modelled: 1.00x, 0.50x); ZeRO's flat-buffer copies not modelled"}))
+                                    f"plain's (modelled: 1.00x, 0.50x); ZeRO's flat-buffer copies not modelled"},
+                            saturated))
     return rows
 
 
