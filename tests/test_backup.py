@@ -17,7 +17,7 @@ from tfdist import callbacks as cb
 from tfdist.errors import EXIT_PREEMPTED, UsageError
 from tfdist.lock import LOCK_NAME
 from tfdist.models.gpt import GPT
-from tests.helpers import (DRIVER, ROOT, assert_usage_error, driver, executed_steps,
+from tests.helpers import (DRIVER, ROOT, assert_usage_error, driver, executed_steps, harness,
                            final_weights, tree_digest, wait_until)
 
 STEPS, PER_EPOCH = 30, 10
@@ -201,7 +201,11 @@ def test_every_backup_damaged_is_one_line_and_deletes_nothing(tmp_path, data_dir
     assert not (run / LOCK_NAME).exists()  # taken over by the refused run, which removed it)
 
 
-def test_a_save_into_a_full_filesystem_is_one_line_and_keeps_the_previous_backup(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_into_a_full_filesystem_is_one_line_and_keeps_the_previous_backup(tmp_path,
+                                                                                 asynchronous):
+    """Synchronous: the save raises. Asynchronous: the background write fails, and the next
+    save or the wait for it (the end of the run, a preemption) raises: training stops there."""
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a small tmpfs (the full filesystem)")
     m = _built()
@@ -217,7 +221,7 @@ def test_a_save_into_a_full_filesystem_is_one_line_and_keeps_the_previous_backup
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={(size * 3 // 2 + 8191) // 4096 * 4096}",
                     "tfdist-test-full", str(full)], check=True, timeout=30)
     try:
-        b = cb.BackupAndRestore(str(full / "backup"))
+        b = cb.BackupAndRestore(str(full / "backup"), asynchronous=asynchronous)
         b.set_model(m)
         b.step.assign(1)
         b.save()
@@ -225,6 +229,7 @@ def test_a_save_into_a_full_filesystem_is_one_line_and_keeps_the_previous_backup
         with pytest.raises(UsageError, match=r"could not write the backup of step 2 into .*"
                                              r"the backup of step 1 is intact") as e:
             b.save()
+            b.wait()  # (asynchronous: the write's failure)
         assert "\n" not in str(e.value)
         assert not [f for f in os.listdir(full / "backup") if f.startswith("ckpt-2")]
         assert cb.BackupAndRestore(str(full / "backup")).restore(_built()) == 1
@@ -262,6 +267,81 @@ def test_sigterm_backs_up_the_step_in_progress_and_the_run_resumes_there(tmp_pat
     _, result = driver(tmp_path, o)
     assert result["steps_run"] == STEPS - at
     assert len(executed_steps(tmp_path)) == STEPS  # none lost, none twice
+    for a, b in zip(final_weights(tmp_path), reference[4]):
+        np.testing.assert_array_equal(a, b)
+
+
+def fault_in_a_write(workdir, o, sig, after_step, timeout=300):
+    """Runs the driver with slow backup writes (--slow-write: data files, a 2 s pause, the
+    commit) and sends `sig` while the write of a step >= `after_step` is in flight, seen on disk
+    (`harness.write_in_flight`). Returns (exit status, stderr, that step)."""
+    backup, seen = workdir / "backup", []
+    p = subprocess.Popen(harness.driver_argv(str(workdir), o, "--slow-write", "2"), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        wait_until(lambda: seen.append(harness.write_in_flight(backup)) or
+                   (seen[-1] or 0) >= after_step, timeout, "a backup write in flight", proc=p)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return p.returncode, err, seen[-1]
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_background_write_resumes_from_the_backup_before(tmp_path, data_dir,
+                                                                        reference):
+    """Asynchronous backups (the default): SIGKILL while a write is in flight leaves the backup
+    before it the newest intact one; the restart resumes there and ends bitwise equal."""
+    o = overrides(data_dir, **{"backup.every_steps": 4})
+    status, err, step = fault_in_a_write(tmp_path, o, signal.SIGKILL, after_step=12)
+    assert status == -9, err[-2000:]
+    before = int(tf.train.latest_checkpoint(str(tmp_path / "backup")).rsplit("-", 1)[1])
+    assert step - 4 <= before < step  # (every 4 steps, and at epoch ends)
+    assert (tmp_path / "backup" / f"ckpt-{step}.index").exists()  # written, not committed
+    p, result = driver(tmp_path, o)
+    assert f"at step {before} of {STEPS}" in p.stdout, p.stdout[-2000:]
+    assert result["steps_run"] == STEPS - before
+    for a, b in zip(final_weights(tmp_path), reference[4]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_without_the_snapshot_a_kill_during_a_write_resumes_from_later_values(tmp_path, data_dir,
+                                                                             reference):
+    """Companion: the background writes saving the live variables instead of their values at
+    the save. Training runs on until the next save waits for the write, so the backup named
+    ckpt-N holds a later step's state, and the run resumes there, not at N."""
+    o = overrides(data_dir, **{"backup.every_steps": 4})
+    argv = harness.driver_argv
+    harness.driver_argv = lambda *a: argv(*a, "--skip-freeze")
+    try:
+        status, err, _ = fault_in_a_write(tmp_path, o, signal.SIGKILL, after_step=12)
+    finally:
+        harness.driver_argv = argv
+    assert status == -9, err[-2000:]
+    before = int(tf.train.latest_checkpoint(str(tmp_path / "backup")).rsplit("-", 1)[1])
+    p, _ = driver(tmp_path, o)
+    assert f"at step {before} of {STEPS}" not in p.stdout, p.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_background_write_backs_up_the_step_in_progress(tmp_path, data_dir,
+                                                                         reference):
+    """Preemption while a write is in flight: the run waits for it, then writes the step in
+    progress, within the grace period, and exits 75; the rerun resumes at that step."""
+    o = overrides(data_dir, **{"backup.every_steps": 4})
+    status, err, step = fault_in_a_write(tmp_path, o, signal.SIGTERM, after_step=8)
+    assert status == EXIT_PREEMPTED, err[-2000:]
+    at = int(err.split("preempted (SIGTERM) at step ")[1].split(":")[0])
+    assert at >= step and f"at step {at}: backup written" in err
+    assert tf.train.latest_checkpoint(str(tmp_path / "backup")).endswith(f"ckpt-{at}")
+    p, result = driver(tmp_path, o)
+    assert f"at step {at} of {STEPS}" in p.stdout, p.stdout[-2000:]
     for a, b in zip(final_weights(tmp_path), reference[4]):
         np.testing.assert_array_equal(a, b)
 

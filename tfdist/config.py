@@ -112,6 +112,9 @@ def default_config():
     c.backup.every_steps = 50
     c.backup.keep = 2
     c.backup.delete_on_success = True
+    # Written in the background: the state is read into host memory, then written while
+    # training goes on (one write in flight; the end of a run and a preemption wait for it).
+    c.backup.asynchronous = True
     # Preemption (tfdist/preemption.py): on these signals the run finishes its step, writes a
     # backup within grace_secs and exits with status 75 ("resume me").
     c.backup.preemption_signals = "TERM,USR1"
@@ -194,6 +197,7 @@ _RULES = {
     "zero.stage": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
+    "backup.asynchronous": (lambda v: isinstance(v, bool), "True or False"),
     "backup.preemption_signals": (
         lambda v: all(n.strip().upper() in _SIGNALS for n in v.split(",") if n.strip()),
         "comma-separated signal names such as TERM,USR1 (\"\": none)"),

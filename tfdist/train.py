@@ -120,8 +120,12 @@ class Hooks:
         """Called with each training input pipeline's `Windows` and `InputContext`."""
 
     def save_checkpoint(self, manager, step):
-        """Writes backup `step` with its `tf.train.CheckpointManager`."""
+        """Writes backup `step` with its `tf.train.CheckpointManager` (in the background thread
+        when backups are asynchronous)."""
         manager.save(checkpoint_number=step)
+
+    def on_backup(self, backup):
+        """Called with the run's `tfdist.callbacks.BackupAndRestore` once it is made."""
 
 
 def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks=None):
@@ -228,10 +232,12 @@ def _resume(c, workdir, held, overwrite, strategy, data, model, hooks):
         backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps, keep=c.backup.keep,
         delete_on_success=False, is_chief=strategy.is_chief,
         save_checkpoint=hooks.save_checkpoint, barrier=strategy.barrier,
+        asynchronous=c.backup.asynchronous,
         worker_index=strategy.worker_index, collective=strategy.collective_checkpoints,
         signature={"model": c.model.to_dict(), "data": {
             "store": data.manifest["source"], "fingerprint": data.fingerprint, "seed": c.seed,
             "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps}})
+    hooks.on_backup(backup)
     # (the backup holds the unsplit GPT's names: it restores into any layout)
     # With --overwrite the chief deletes the old backup; the other workers must not read it
     # meanwhile. Every worker starts at step 0 then (the chief's deletion precedes its first step,
@@ -279,7 +285,7 @@ def _callbacks(c, workdir, held, strategy, backup, log, start, extra_callbacks):
     if c.backup.enabled and c.backup.preemption_signals.strip():
         def save_now():  # every process calls it, after the same step
             log.flush()
-            backup.save()
+            backup.save(wait=True)  # (after the write in flight: within the grace period)
             strategy.barrier()  # none exits (and has a launcher stop the rest) before all saved
             return int(backup.step.numpy())
         callbacks.append(held.enter_context(Preemption(
@@ -301,6 +307,8 @@ def _finish(c, workdir, layout, strategy, model, backup, log, start, say):
                 f"estimated peak {row['total_bytes'] / 2**20:,.1f} MiB; measured peak "
                 + (f"{measured / 2**20:,.1f} MiB ({row['measured_scope']})" if measured is not None
                    else "not available (TF keeps no memory stats for this device)"))
+    if c.backup.enabled:
+        say(f"tfdist: {backup.describe()}")
     last_eval = (log.history["evals"] or [{}])[-1]
     result = {"steps_run": log.step - start, "final_step": log.step,
               "val_loss": last_eval.get("loss"), "val_bits_per_byte": last_eval.get("bits_per_byte"),

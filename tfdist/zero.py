@@ -49,6 +49,7 @@ import collections
 import contextlib
 import json
 import os
+import time
 
 import keras
 import numpy as np
@@ -303,6 +304,20 @@ def manifests(backup_dir, step):
                             f"of replica(s) {missing or 'all'} in {d}; restore that directory, "
                             f"or remove the backup to start over"))
     return found
+
+
+def wait_for_shards(backup_dir, step, timeout):
+    """Returns once every replica's shard of step `step` is on disk (its manifest, written
+    last); TimeoutError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return manifests(backup_dir, step)
+        except DamagedShards as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {step}'s shards are incomplete after {timeout:.0f} s: "
+                                   f"{e.short}") from None
+            time.sleep(0.05)
 
 
 def restore_slots(backup_dir, step, slots, weights=None):

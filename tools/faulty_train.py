@@ -10,6 +10,11 @@ Prints one `DRIVER_RESULT {...}` JSON line at the end. Every executed step appen
 `<worker index> <pid> <loss>` to WORKDIR/executed_steps.txt, so a caller can count the steps that
 really ran, across restarts.
 
+--slow-write S: each backup's write (the chief's checkpoint) writes its data files, pauses S
+  seconds, then writes them again and commits (names them in the index): a slow disk, so that a
+  fault can land while a write is in flight (tools/harness.write_in_flight sees it on disk).
+--skip-freeze: asynchronous backups write the live variables, not their values at the save
+  (tfdist.callbacks.snapshot.FREEZE), to show that the kill-during-a-write test can fail.
 --kill-at-step K: SIGKILL this process right after its K-th step (after that step's backup, if
   any). Under `tfdist launch` only worker --kill-worker does it, and only in the first attempt
   (TFDIST_RESTART_COUNT=0), so the restarted group runs to the end. Under Horovod, where only
@@ -46,6 +51,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -72,6 +78,8 @@ def main():
     ap.add_argument("--skip-zero3-gather", action="store_true")
     ap.add_argument("--skip-zero3-reduce", action="store_true")
     ap.add_argument("--kill-before-model-save", action="store_true")
+    ap.add_argument("--slow-write", type=float, default=0.0)
+    ap.add_argument("--skip-freeze", action="store_true")
     ap.add_argument("--signal-at-step", type=int, default=0)
     ap.add_argument("--signal", default="TERM")
     args = ap.parse_args()
@@ -83,6 +91,7 @@ def main():
     from tfdist import cluster
     from tfdist import config as config_lib
     from tfdist import zero, zero3
+    from tfdist.callbacks import snapshot
     from tfdist.train import Hooks, train
 
     spec = cluster.from_environment()
@@ -117,13 +126,20 @@ def main():
         def on_input(self, windows, input_context):
             contexts.append((windows, input_context))
 
+        def on_backup(self, backup):
+            backups.append(backup)
+
         def save_checkpoint(self, manager, step):
             saves[0] += 1
             if saves[0] == args.kill_in_save:  # the data files, not the index: then die
                 manager.checkpoint.write(os.path.join(manager.directory, f"ckpt-{step}"))
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.slow_write:  # a slow disk: the data files, a pause, then the commit
+                manager.checkpoint.write(os.path.join(manager.directory, f"ckpt-{step}"))
+                time.sleep(args.slow_write)
             manager.save(checkpoint_number=step)
 
+    snapshot.FREEZE = not args.skip_freeze
     zero.GATHER = not args.skip_zero_gather
     zero3.GATHER, zero3.REDUCE = not args.skip_zero3_gather, not args.skip_zero3_reduce
     c = importlib.import_module(args.config).get_config()
@@ -149,6 +165,8 @@ def main():
 
         def on_train_batch_end(self, batch, logs=None):
             self.n += 1
+            if args.kill_at_step == self.n and first_attempt and backups:  # every process:
+                backups[0].wait()  # step n's backup on disk before the kill (asynchronous saves)
             if sync_ranks:  # every rank is past step n's backup (rank 0 writes it) before a kill
                 hvd.allreduce(tf.constant(0.0), name="faulty_train_sync")
             steps_file.write(f"{worker} {os.getpid()} {logs['loss']!r}\n")
@@ -162,7 +180,8 @@ def main():
             if kill_here and self.n == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    contexts, saves = [], [0]  # (Windows, InputContext) of the training pipeline; saves so far
+    contexts, saves, backups = [], [0], []  # (Windows, InputContext) of the training pipeline;
+    # saves so far; the run's backup
     record = Record()
     result = train(c, args.workdir, verbose=0, extra_callbacks=[record], hooks=Faults())
     if args.dump_weights:

@@ -137,3 +137,21 @@ def max_diff(a, b):
     import numpy as np
     assert len(a) == len(b)
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def write_in_flight(backup_dir):
+    """The step of a backup being written, read from the files: its `ckpt-N.index` is on disk
+    while the `checkpoint` index names an earlier step (or none). None when no write is seen."""
+    import re
+    try:
+        names = os.listdir(backup_dir)
+    except FileNotFoundError:
+        return None
+    committed = 0
+    if "checkpoint" in names:
+        with open(os.path.join(backup_dir, "checkpoint")) as f:
+            found = re.search(r'^model_checkpoint_path: "ckpt-(\d+)"', f.read(), re.M)
+        committed = int(found.group(1)) if found else 0
+    steps = [int(m.group(1)) for m in map(re.compile(r"ckpt-(\d+)\.index$").match, names) if m]
+    newer = [n for n in steps if n > committed]
+    return max(newer) if newer else None

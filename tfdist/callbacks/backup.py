@@ -3,13 +3,16 @@
 Used by `tfdist train`; the example is in `tfdist/callbacks/__init__.py`.
 """
 import os
+import statistics
 import sys
+import time
 
 import keras
 import tensorflow as tf
 
 from tfdist import compat, zero, zero3
 from tfdist.callbacks.log import read_json, steps_in, write_json_atomic
+from tfdist.callbacks.snapshot import Snapshot, Writer
 from tfdist.errors import UsageError
 from tfdist.models import state
 
@@ -46,10 +49,17 @@ class BackupAndRestore(keras.callbacks.Callback):
       its own copy of the variables) the others write nothing.
     """
 
+    #: Seconds a write may take (the chief, asynchronous: until every replica's shard is on
+    #: disk); beyond it the save fails in one line.
+    WRITE_TIMEOUT = 600.0
+
     def __init__(self, backup_dir, *, every_steps=0, total_steps=None, keep=2,
                  delete_on_success=True, signature=None, is_chief=True, worker_index=0,
-                 collective=True, save_checkpoint=None, barrier=None):
+                 collective=True, save_checkpoint=None, barrier=None, asynchronous=False):
         super().__init__()
+        self.asynchronous = asynchronous
+        self._writer, self._snapshot, self._in_flight = Writer(), None, None
+        self.stalls = []  # seconds each save kept its caller (training) waiting
         # (manager, step) -> writes the checkpoint; a test driver's hook may fail inside it
         self.save_checkpoint = save_checkpoint or (lambda m, step: m.save(checkpoint_number=step))
         self.backup_dir, self.every_steps, self.total_steps = backup_dir, every_steps, total_steps
@@ -98,6 +108,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._zero = getattr(model.optimizer, "tfdist_zero", None)
         self._slots, rest = zero.split_slots(model.optimizer, self._opt)
         self._ckpt = tf.train.Checkpoint(optimizer=rest, **self._parts)
+        # What a save writes: the checkpoint's parts, and this replica's ZeRO shard.
+        self._state = dict(optimizer=rest, parts=self._parts, slots=self._slots,
+                           shard_weights=self._shard_weights)
 
     def backups(self):
         """The backups on disk, newest first: those the checkpoint index names (a save killed
@@ -174,17 +187,60 @@ class BackupAndRestore(keras.callbacks.Callback):
         elif slots:  # a backup without ZeRO holds every slot
             tf.train.Checkpoint(optimizer=slots).read(path).assert_existing_objects_matched()
 
-    def save(self):
-        """Saves now (every worker must call this under a synchronous multi-worker strategy).
+    def save(self, wait=False):
+        """Saves the state of now (every worker must call this under a synchronous multi-worker
+        strategy). Asynchronous: the state is read into host memory (`snapshot.Snapshot`) and
+        a background thread writes it while training goes on; at most one write is in flight
+        (this waits for the one before), and `wait=True` returns once it is on disk.
 
-        A save that fails (a full disk, a lost mount) is a `UsageError` in one line: this step's
-        partial files are removed and the previous backup stays as it was."""
-        step = int(self.step.numpy())
-        if step == self._last_saved:
-            return
+        A save that fails (a full disk, a lost mount) is a `UsageError` in one line (raised by
+        the next save or `wait()` when asynchronous): this step's partial files are removed and
+        the previous backup stays as it was."""
+        step, start = int(self.step.numpy()), time.perf_counter()
+        if step != self._in_flight and step != self._last_saved:
+            self.wait()
+            if self.asynchronous:
+                if self._snapshot is None:
+                    self._snapshot = Snapshot(self._state)
+                frozen = self._snapshot.freeze()
+                self._in_flight = step
+                self._writer.start(lambda: self._write_or_fail(step, frozen, background=True),
+                                   what=f"step {step}")
+            else:
+                self._write_or_fail(step, self._state, background=False)
+            self.stalls.append(time.perf_counter() - start)
+        if wait:
+            self.wait()
+
+    def wait(self):
+        """Returns once no write is in flight; raises the failed write's `UsageError`."""
         try:
-            self._save(step)
-        except (tf.errors.OpError, OSError) as e:
+            self._writer.wait(self.WRITE_TIMEOUT)
+        except TimeoutError as e:
+            raise UsageError(f"{e} into {self.backup_dir}; check the disk") from None
+        finally:
+            if not self._writer.busy:
+                self._in_flight = None
+
+    def describe(self):
+        """One line: the saves, how long each blocked training, the host memory they held."""
+        if not self.stalls:
+            return "backups: none written"
+        how = "in the background" if self.asynchronous else "synchronously"
+        return (f"backups: {len(self.stalls)} written {how}; training blocked "
+                f"{statistics.median(self.stalls):.3f} s per save (median; longest "
+                f"{max(self.stalls):.3f} s)" + (f"; host copy {self.host_bytes / 2**20:,.1f} MiB"
+                                                if self.asynchronous else ""))
+
+    @property
+    def host_bytes(self):
+        """Host memory of one frozen copy of the state (asynchronous saves; 0 before the first)."""
+        return self._snapshot.nbytes if self._snapshot is not None else 0
+
+    def _write_or_fail(self, step, state, background):
+        try:
+            self._write(step, state, background)
+        except (tf.errors.OpError, OSError, TimeoutError) as e:
             self._discard(step)
             before = (f"the backup of step {self._last_saved} is intact" if self._last_saved > 0
                       else "there is no earlier backup")
@@ -193,22 +249,35 @@ class BackupAndRestore(keras.callbacks.Callback):
                              f"then run the same command to resume") from None
         self._last_saved = step
 
-    def _save(self, step):
-        if self._zero is not None:  # every shard on disk before the index can name this step
+    def _write(self, step, state, background):
+        """Writes `state` (the live variables, or their frozen values in the background) as
+        backup `step`: this replica's ZeRO shard, then (the chief, once every shard is on disk)
+        the checkpoint and the index that names it, the commit."""
+        if self._zero is not None:
             c = self._zero.collectives
-            zero.save_shard(self.backup_dir, step, self._slots, c.rank, c.size, self._shard_weights)
-            self.barrier()
-        if not (self.is_chief or self.collective):
-            return
-        if self._manager is None:
-            self._manager = tf.train.CheckpointManager(self._ckpt, self._write_dir,
-                                                       max_to_keep=self.keep)
+            zero.save_shard(self.backup_dir, step, state["slots"], c.rank, c.size,
+                            state["shard_weights"])
+            if not background:
+                self.barrier()
+            elif self.is_chief:  # (the others' writers are not in step with this thread)
+                zero.wait_for_shards(self.backup_dir, step, self.WRITE_TIMEOUT)
+        if not (self.is_chief or (self.collective and not background)):
+            return  # (frozen values need no collective: the chief alone writes them)
+        if background:  # a checkpoint of the frozen values has the live one's keys
+            manager = tf.train.CheckpointManager(tf.train.Checkpoint(
+                optimizer=state["optimizer"], **state["parts"]), self._write_dir,
+                max_to_keep=self.keep)
+        else:
+            if self._manager is None:
+                self._manager = tf.train.CheckpointManager(self._ckpt, self._write_dir,
+                                                           max_to_keep=self.keep)
+            manager = self._manager
         if self.is_chief and not tf.io.gfile.exists(self._meta_path):
             tf.io.gfile.makedirs(self.backup_dir)
             write_json_atomic(self._meta_path, self._metadata(self.model))
-        self.save_checkpoint(self._manager, step)
+        self.save_checkpoint(manager, step)
         if self._zero is not None and self.is_chief:
-            zero.prune(self.backup_dir, min(_step_of(p) for p in self._manager.checkpoints))
+            zero.prune(self.backup_dir, min(_step_of(p) for p in manager.checkpoints))
         if not self.is_chief:
             tf.io.gfile.rmtree(self._write_dir)
             self._manager = None
@@ -223,6 +292,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def remove(self):
         """Deletes the backup (the chief; `tfdist train` calls it once the model is saved)."""
+        self.wait()
         if self.is_chief:
             remove(self.backup_dir)
 
@@ -245,6 +315,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save()
 
     def on_train_end(self, logs=None):
+        self.wait()  # the last backup on disk before the run ends
         done = self.total_steps is not None and int(self.step.numpy()) >= self.total_steps
         if done and self.delete_on_success:
             self.remove()
