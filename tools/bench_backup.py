@@ -11,8 +11,9 @@ asynchronous saves also the time until the write is on disk, and the host memory
 Training (`tfdist train`, one process; and `tfdist launch --strategy=horovod`, 2 processes with
 ZeRO-1): --steps steps with a backup every 10, synchronous or asynchronous, against the same run
 without backups, in interleaved rounds. The overhead is the mean wall time per step (the log's
-step end times, the first step aside) over the run without backups', minus 1. gpt2 trains
-sequences of --gpt2_tokens tokens (its checkpoint is the full 124M model's either way).
+step end times, the first step aside) over the run without backups', minus 1; --batch
+sequences per process, and gpt2's of --gpt2_tokens tokens (its checkpoint is the full 124M
+model's either way).
 
 Prints a table and writes bench_results/backup.json.
 """
@@ -33,9 +34,10 @@ from tools import harness  # noqa: E402
 
 _MODELS = flags.DEFINE_list("models", ["gpt_mini", "gpt2"], "Configs under configs/.")
 _SAVES = flags.DEFINE_integer("saves", 4, "Stall: saves per mode (the first aside).")
-_STEPS = flags.DEFINE_integer("steps", 31, "Training: steps per run (a backup every 10).")
+_STEPS = flags.DEFINE_integer("steps", 21, "Training: steps per run (a backup every 10).")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Training: interleaved rounds of the variants.")
 _GPT2_TOKENS = flags.DEFINE_integer("gpt2_tokens", 128, "Training: gpt2's sequence length.")
+_BATCH = flags.DEFINE_integer("batch", 2, "Training: sequences per process and step.")
 _PROCESSES = flags.DEFINE_list("processes", ["1", "2"], "Training: 1 (single), 2 (Horovod, "
                                "ZeRO-1).")
 _SKIP_TRAINING = flags.DEFINE_bool("skip_training", False, "Stall only.")
@@ -90,9 +92,10 @@ def training(name, processes, variant, workdir):
              "--config.train.warmup_steps=1", "--config.train.intra_op_threads=1",
              "--config.train.inter_op_threads=1", "--config.backup.every_steps=10",
              f"--config.backup.enabled={variant != 'none'}",
-             f"--config.backup.asynchronous={variant == 'async'}"]
+             f"--config.backup.asynchronous={variant == 'async'}",
+             f"--config.train.batch_size={_BATCH.value * processes}"]
     if name == "gpt2":
-        extra += [f"--config.model.block_size={_GPT2_TOKENS.value}", "--config.train.batch_size=2"]
+        extra += [f"--config.model.block_size={_GPT2_TOKENS.value}"]
     if processes == 1:
         cmd = harness.tfdist_argv("train", *extra, "--strategy=single")
     else:

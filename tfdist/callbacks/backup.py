@@ -39,6 +39,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     * A kill during a save leaves the previous checkpoint usable: TF writes the new files first and
       then atomically replaces the `checkpoint` index that names the latest one. A save that fails
       (a full disk) removes its own partial files and raises a one-line `UsageError`.
+    * `asynchronous=True` (`tfdist train`'s default): a save reads the state into host memory
+      (`tfdist.callbacks.snapshot`) and returns; one background thread writes it while training
+      goes on. The next save, `wait()`, the end of training and a preemption wait for it; a
+      failed write raises there. The chief writes the index once every ZeRO shard is on disk.
     * The last step's backup is written at the end of the last epoch, after its validation, so a
       run killed after it has nothing left but to save the model.
     * After the run reaches `total_steps` the backup is removed (unless `delete_on_success=False`;
