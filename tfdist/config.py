@@ -112,9 +112,7 @@ def default_config():
     c.backup.every_steps = 50
     c.backup.keep = 2
     c.backup.delete_on_success = True
-    # Written in the background: the state is read into host memory, then written while
-    # training goes on (one write in flight; the end of a run and a preemption wait for it).
-    c.backup.asynchronous = True
+    c.backup.asynchronous = True  # written in the background while training goes on
     # Preemption (tfdist/preemption.py): on these signals the run finishes its step, writes a
     # backup within grace_secs and exits with status 75 ("resume me").
     c.backup.preemption_signals = "TERM,USR1"

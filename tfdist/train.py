@@ -86,7 +86,6 @@ def prepare(c, workdir, overwrite=False):
 class Hooks:
     """The points where a test driver may change a run on purpose (`tools/faulty_train.py`
     injects faults and leaves out corrections through them). The defaults change nothing.
-
     Example:
 
         class NoBroadcast(Hooks):
@@ -120,8 +119,7 @@ class Hooks:
         """Called with each training input pipeline's `Windows` and `InputContext`."""
 
     def save_checkpoint(self, manager, step):
-        """Writes backup `step` with its `tf.train.CheckpointManager` (in the background thread
-        when backups are asynchronous)."""
+        """Writes backup `step` with its `tf.train.CheckpointManager` (maybe in the background)."""
         manager.save(checkpoint_number=step)
 
     def on_backup(self, backup):
@@ -237,8 +235,7 @@ def _resume(c, workdir, held, overwrite, strategy, data, model, hooks):
         signature={"model": c.model.to_dict(), "data": {
             "store": data.manifest["source"], "fingerprint": data.fingerprint, "seed": c.seed,
             "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps}})
-    hooks.on_backup(backup)
-    # (the backup holds the unsplit GPT's names: it restores into any layout)
+    hooks.on_backup(backup)  # (it holds the unsplit GPT's names: it restores into any layout)
     # With --overwrite the chief deletes the old backup; the other workers must not read it
     # meanwhile. Every worker starts at step 0 then (the chief's deletion precedes its first step,
     # which no worker can finish without it).
