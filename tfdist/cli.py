@@ -12,7 +12,7 @@ from absl import app, flags, logging
 
 from tfdist import cluster
 from tfdist.console import NOISE, pass_on_stderr, quiet_tensorflow_import, verbose  # noqa: F401
-from tfdist.errors import EXIT_PEER_LOST, PeerLost, UsageError
+from tfdist.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, PeerLost, UsageError
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show TensorFlow's start-up messages (also: "
                              "TFDIST_VERBOSE=1).")
@@ -94,6 +94,10 @@ def run(main, argv, tensorflow=True):
             os._exit(EXIT_PEER_LOST)
         except SystemExit as e:  # (a preempted run's 75)
             cluster.report_exit(e.code)
+            if e.code == EXIT_PREEMPTED:  # its backup is written: no teardown, during which
+                sys.stdout.flush()       # Python has put TERM's default back (srun's TERM
+                sys.stderr.flush()       # to the tasks still exiting made them 143)
+                os._exit(EXIT_PREEMPTED)
             raise
 
     app.run(guarded, argv=argv, flags_parser=_parse_flags)
