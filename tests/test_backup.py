@@ -271,13 +271,13 @@ def test_sigterm_backs_up_the_step_in_progress_and_the_run_resumes_there(tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
-def fault_in_a_write(workdir, o, sig, after_step, timeout=300):
-    """Runs the driver with slow backup writes (--slow-write: data files, a 2 s pause, the
-    commit) and sends `sig` while the write of a step >= `after_step` is in flight, seen on disk
-    (`harness.write_in_flight`). Returns (exit status, stderr, that step)."""
+def fault_in_a_write(workdir, o, sig, after_step, *extra, timeout=300):
+    """Runs the driver (with `extra` flags) with slow backup writes (--slow-write: data files, a
+    2 s pause, the commit) and sends `sig` while the write of a step >= `after_step` is in
+    flight, seen on disk (`harness.write_in_flight`). Returns (exit status, stderr, that step)."""
     backup, seen = workdir / "backup", []
-    p = subprocess.Popen(harness.driver_argv(str(workdir), o, "--slow-write", "2"), cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    p = subprocess.Popen(harness.driver_argv(str(workdir), o, "--slow-write", "2", *extra),
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
         wait_until(lambda: seen.append(harness.write_in_flight(backup)) or
@@ -317,12 +317,7 @@ def test_without_the_snapshot_a_kill_during_a_write_resumes_from_later_values(tm
     the save. Training runs on until the next save waits for the write, so the backup named
     ckpt-N holds a later step's state, and the run resumes there, not at N."""
     o = overrides(data_dir, **{"backup.every_steps": 4})
-    argv = harness.driver_argv
-    harness.driver_argv = lambda *a: argv(*a, "--skip-freeze")
-    try:
-        status, err, _ = fault_in_a_write(tmp_path, o, signal.SIGKILL, after_step=12)
-    finally:
-        harness.driver_argv = argv
+    status, err, _ = fault_in_a_write(tmp_path, o, signal.SIGKILL, 12, "--skip-freeze")
     assert status == -9, err[-2000:]
     before = int(tf.train.latest_checkpoint(str(tmp_path / "backup")).rsplit("-", 1)[1])
     p, _ = driver(tmp_path, o)

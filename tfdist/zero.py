@@ -120,16 +120,21 @@ class Sharding:
         self.segment = max(self.loads) if self.loads else 0  # elements per replica, padded
         self.imbalance = self.segment / max(1.0, sum(self.loads) / n)
 
-    def flat(self, tensors, r, zero=None):
+    def flat(self, tensors, r, zero=None, ragged=False):
         """Replica r's segment: its variables' tensors (one per variable; those of the others
         are not read), flattened, float32, zero-padded to the segment length (with `zero`, a
-        scalar tensor, when given: ZeRO-3 pads from a runtime value, `tfdist.zero3`)."""
+        scalar tensor, when given: ZeRO-3 pads from a runtime value, `tfdist.zero3`). `ragged`:
+        unpadded, ending with one `zero` instead (`length(r, ragged)` long)."""
         parts = [tf.reshape(tf.cast(tensors[i], tf.float32), [-1]) for i in self.of[r]]
-        pad = self.segment - self.loads[r]
+        pad = self.length(r, ragged) - self.loads[r]
         if zero is not None:
             return tf.concat(parts + [tf.fill([pad], zero)], 0)
         return tf.concat(parts + [tf.zeros([pad], tf.float32)], 0) if pad or not parts else \
             tf.concat(parts, 0)
+
+    def length(self, r, ragged=False):
+        """The elements of replica r's `flat` segment."""
+        return self.loads[r] + 1 if ragged else self.segment
 
     def unflat(self, flat, r):
         """[(variable index, value)] of replica r's segment `flat`."""

@@ -207,13 +207,9 @@ class Parameters:
         replica alone."""
         s, c = unit.sharding, self.collectives
         tensors = dict(zip(s.of[c.rank], mine))
-        if c.ragged:  # unpadded shares (each ends with the anchor's value: none is empty)
-            flat = tf.concat([tf.reshape(tf.cast(tensors[i], tf.float32), [-1]) for i in
-                              s.of[c.rank]] + [tf.reshape(zero, [1])], 0)
-            lengths = [load + 1 for load in s.loads]
-        else:
-            flat = s.flat(tensors, c.rank, zero)
-            lengths = [s.segment] * c.size
+        # (ragged: unpadded shares, each ending with the anchor's value, so that none is empty)
+        flat = s.flat(tensors, c.rank, zero, ragged=c.ragged)
+        lengths = [s.length(r, c.ragged) for r in range(c.size)]
         every = c.all_gather(flat, self._name(tag, unit)) if c.size > 1 and GATHER else None
         out, start = [None] * len(unit.variables), 0
         for r in range(c.size):

@@ -175,7 +175,7 @@ def write_trials(args, overrides, plan, tmp, reference, rng):
     step; the driver's writes pause 1 s between them, a slow disk). The launcher restarts the
     group; a trial passes when the run resumes from the backup committed before the kill, ends
     after exactly one restart, logs every step once, and ends bitwise equal to the reference."""
-    from tools.harness import write_in_flight
+    from tools.harness import committed_step, write_in_flight
     rows = []
     for trial in range(args.trials):
         d, target = os.path.join(tmp, f"trial{trial}"), rng.randint(6, args.steps - 5)
@@ -189,9 +189,8 @@ def write_trials(args, overrides, plan, tmp, reference, rng):
                     pids = [int(line.split()[1]) for line in open(
                         os.path.join(d, "executed_steps.txt")) if line.split()[0] == "0"]
                     os.kill(pids[-1], signal.SIGKILL)  # the chief, of this (first) attempt
-                    index = open(os.path.join(d, "backup", "checkpoint")).read()
-                    killed.update(in_flight=step, committed=int(
-                        index.split('model_checkpoint_path: "ckpt-')[1].split('"')[0]))
+                    killed.update(in_flight=step,
+                                  committed=committed_step(os.path.join(d, "backup")))
                 time.sleep(0.02)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()

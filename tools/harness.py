@@ -139,6 +139,17 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
+def committed_step(backup_dir):
+    """The step the `checkpoint` index of `backup_dir` names as the latest (0: none yet)."""
+    import re
+    try:
+        with open(os.path.join(backup_dir, "checkpoint")) as f:
+            found = re.search(r'^model_checkpoint_path: "ckpt-(\d+)"', f.read(), re.M)
+    except FileNotFoundError:
+        return 0
+    return int(found.group(1)) if found else 0
+
+
 def write_in_flight(backup_dir):
     """The step of a backup being written, read from the files: its `ckpt-N.index` is on disk
     while the `checkpoint` index names an earlier step (or none). None when no write is seen."""
@@ -147,11 +158,7 @@ def write_in_flight(backup_dir):
         names = os.listdir(backup_dir)
     except FileNotFoundError:
         return None
-    committed = 0
-    if "checkpoint" in names:
-        with open(os.path.join(backup_dir, "checkpoint")) as f:
-            found = re.search(r'^model_checkpoint_path: "ckpt-(\d+)"', f.read(), re.M)
-        committed = int(found.group(1)) if found else 0
+    committed = committed_step(backup_dir)
     steps = [int(m.group(1)) for m in map(re.compile(r"ckpt-(\d+)\.index$").match, names) if m]
     newer = [n for n in steps if n > committed]
     return max(newer) if newer else None
