@@ -18,6 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from tfdist import cli, strategies  # (the registry: the plugins' options join the config schema)
+from tfdist.errors import UsageError
 from tfdist.lock import WorkdirLock
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +54,6 @@ def resolve_config():
 def prepare_workdir(workdir, backup_dir, overwrite):
     """Refuses to clobber a finished run unless --overwrite; a run with a backup is resumed."""
     import tensorflow as tf
-    from tfdist.errors import UsageError
 
     finished = tf.io.gfile.exists(os.path.join(workdir, "model.keras"))
     has_backup = tf.io.gfile.exists(backup_dir) and tf.train.latest_checkpoint(backup_dir)
@@ -77,7 +77,15 @@ def prepare(c, workdir, overwrite=False):
     from tfdist.data import open_store
     from tfdist.layout import Layout
 
-    Layout.from_config(c, strategies.get_class(c.strategy.name))
+    plugin = strategies.get_class(c.strategy.name)
+    Layout.from_config(c, plugin)
+    sizes = [int(n) for n in os.environ.get("TFDIST_ELASTIC_SIZES", "").split(",") if n]
+    for n in sizes:  # an elastic launch: every size it may run at (one replica per worker)
+        try:
+            Layout.from_config(c, plugin, replicas=n)
+        except UsageError as e:
+            raise UsageError(f"an elastic job may run on {n} worker(s) (--min_workers="
+                             f"{sizes[0]} .. --max_workers={sizes[-1]}): {e}") from None
     model_vocab(c, open_store(c.data))
     with WorkdirLock(workdir):  # a run on it now: refused here, before any worker starts
         prepare_workdir(workdir, c.backup.dir or os.path.join(workdir, "backup"), overwrite)
@@ -247,7 +255,9 @@ def _resume(c, workdir, held, overwrite, strategy, data, model, hooks):
                          initial_step=start, total_steps=t.steps, is_chief=strategy.is_chief,
                          log_every_steps=t.log_every_steps,
                          flush_every_steps=c.backup.every_steps if c.backup.enabled else 0,
-                         val_bytes_per_token=data.split("val").bytes_per_token)
+                         val_bytes_per_token=data.split("val").bytes_per_token,
+                         batch={"global_batch": t.batch_size,
+                                "replicas": strategy.num_replicas})
     if strategy.is_chief:
         save_tokenizer(data, workdir)
     return backup, log, start

@@ -111,8 +111,9 @@ class TrainingLog(keras.callbacks.Callback):
 
     def __init__(self, workdir, *, tokens_per_step, initial_step=0, total_steps=None,
                  is_chief=True, log_every_steps=1, tensorboard=True, plot=True,
-                 val_bytes_per_token=None, flush_every_steps=0):
+                 val_bytes_per_token=None, flush_every_steps=0, batch=None):
         super().__init__()
+        self.batch = batch  # {"global_batch": rows, "replicas": n}: logged with every step
         self.workdir, self.tokens_per_step = workdir, tokens_per_step
         self.step, self.total_steps, self.is_chief = initial_step, total_steps, is_chief
         self.log_every_steps, self.plot = log_every_steps, plot
@@ -144,7 +145,7 @@ class TrainingLog(keras.callbacks.Callback):
         lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         record = {"step": self.step, "loss": float(logs.get("loss", np.nan)), "lr": lr,
                   "step_time": dt / n, "tokens_per_sec": n * self.tokens_per_step / dt,
-                  "time": round(time.time(), 3)}
+                  "time": round(time.time(), 3), **(self.batch or {})}
         for key, value in logs.items():  # a strategy's own per-step facts
             if key.startswith(EXTRA_LOG_PREFIX) and key != STEPS_KEY:
                 record[key[len(EXTRA_LOG_PREFIX):]] = np.asarray(value).tolist()

@@ -5,6 +5,8 @@
     tfdist launch --strategy=horovod --workers 2 -- --config=configs/gpt_nano.py
     tfdist launch --workers 2 -- python my_keras_program.py --its --flags
     tfdist launch --hosts=node1,node2 --workers 2 -- --config=configs/gpt_nano.py  # one per host
+    tfdist launch --workers 2 --min_workers 1 --max_workers 3 --discovery="cat hosts.txt" \
+        -- --config=configs/gpt_nano.py    # elastic: tfdist/launch/elastic.py
 
 See `tfdist/launch/local.py` for what it does, and its exit status.
 """
@@ -37,6 +39,42 @@ _HOSTS = flags.DEFINE_list("hosts", None, "Hosts (names or addresses) to run the
 _PORT = flags.DEFINE_integer("port", DEFAULT_PORT, "With --hosts: the first port of the tasks on each host.")
 _LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write each process's output to "
                                "<worker_logs>/<name>.log (w0, w1, ..., c0, ps0).")
+
+
+_MIN = flags.DEFINE_integer("min_workers", None, "Elastic (tfdist/launch/elastic.py): the fewest "
+                            "workers the job trains on; hosts that fail and are not back within "
+                            "--rejoin_timeout are dropped down to it.")
+_MAX = flags.DEFINE_integer("max_workers", None, "Elastic: the most workers (default --workers); "
+                            "hosts that appear are added up to it.")
+_DISCOVERY = flags.DEFINE_string("discovery", None, "Elastic: a shell command printing the hosts "
+                                 "there now, one `host:slots` per line (Horovod's "
+                                 "--host-discovery-script convention). Default: --hosts.")
+_REJOIN = flags.DEFINE_float("rejoin_timeout", 30.0, "Elastic: seconds a failed group's hosts "
+                             "have to be there again before they are dropped.")
+_INTERVAL = flags.DEFINE_float("discovery_interval", 5.0, "Elastic: seconds between looks for "
+                               "new hosts.")
+
+
+def _elastic(n, strategy, spec, rest):
+    """(min, max) workers when the job is elastic, else None; UsageError for a range that
+    cannot run."""
+    if _MIN.value is None and _MAX.value is None and _DISCOVERY.value is None:
+        return None
+    if spec.elastic is not None:
+        raise UsageError(f"strategy {strategy} does not resize (--min_workers, --max_workers, "
+                         f"--discovery): {spec.elastic}")
+    low, high = _MIN.value or n, _MAX.value or max(n, _MIN.value or n)
+    if low > n:
+        raise UsageError(f"--min_workers ({low}) is above --workers ({n}): the job starts with "
+                         f"--workers and shrinks down to --min_workers")
+    if not 1 <= low <= n <= high <= 64:
+        raise UsageError(f"need 1 <= --min_workers <= --workers <= --max_workers <= 64, got "
+                         f"{low} <= {n} <= {high}")
+    if _REJOIN.value <= 0 or _INTERVAL.value <= 0:
+        raise UsageError("--rejoin_timeout and --discovery_interval must be > 0 seconds")
+    if _DISCOVERY.value is not None and not _DISCOVERY.value.strip():
+        raise UsageError("--discovery is empty: give a command printing host:slots lines")
+    return low, high
 
 
 def _train_argv(args, strategy):
@@ -90,6 +128,7 @@ def main(argv):
                          f"{', '.join(launchable)}")
     if "ps" in spec.roles and not 1 <= _PS.value <= 16:
         raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
+    elastic = _elastic(n, strategy, spec, rest)
     if _MAX_RESTARTS.value < 0 or _BACKOFF.value < 0:
         raise UsageError("--max_restarts and --backoff must be >= 0")
     hosts = [h.strip() for h in _HOSTS.value or [] if h.strip()] or None
@@ -107,7 +146,8 @@ def main(argv):
         if any(a.startswith("--strategy") for a in rest):
             raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
         cli.quiet_tensorflow_import()  # once here: the prepare step's fork has it, and is quick
-        code = _prepare([*rest, f"--strategy={strategy}"], env)
+        sizes = ",".join(map(str, range(elastic[0], elastic[1] + 1))) if elastic else ""
+        code = _prepare([*rest, f"--strategy={strategy}"], {**env, "TFDIST_ELASTIC_SIZES": sizes})
         if code:
             sys.exit(2 if code == 2 else 1)
         worker_args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
@@ -120,16 +160,24 @@ def main(argv):
     server_argv = ([sys.executable, "-m", spec.server_module, strategy]
                    if spec.server_module and not rest[0].startswith("-") else None)
 
+    common = dict(max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value, env=env,
+                  log_dir=_LOG_DIR.value, port=_PORT.value)
+    if elastic:
+        from tfdist.launch.elastic import ElasticSupervisor, Membership
+        membership = Membership(hosts=hosts, discovery=_DISCOVERY.value, max_workers=elastic[1],
+                                port=_PORT.value)
+        code = ElasticSupervisor(argv, membership, workers=n, min_workers=elastic[0],
+                                 rejoin_timeout=_REJOIN.value, interval=_INTERVAL.value,
+                                 wrapper=spec.wrapper, **common).run()
+        sys.exit(code)
     counts = {"chief": 1, "worker": n, "ps": _PS.value}
     if spec.wrapper:  # one process (e.g. horovodrun) that starts and stops the ranks itself
         argv, roles = spec.wrapper(n, argv, hosts), [("worker", 0)]
     else:
         roles = [(role, i) for role in spec.roles for i in range(counts[role])]
     code = Supervisor(argv, roles, restart_alone=spec.restart_alone, servers=spec.servers,
-                      max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value,
-                      env=env, log_dir=_LOG_DIR.value, tf_config=not spec.wrapper,
-                      server_argv=server_argv, hosts=None if spec.wrapper else hosts,
-                      port=_PORT.value).run()
+                      tf_config=not spec.wrapper, server_argv=server_argv,
+                      hosts=None if spec.wrapper else hosts, **common).run()
     sys.exit(code)
 
 

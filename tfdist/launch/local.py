@@ -44,15 +44,10 @@ heartbeats for 10 s) exits 69 (`tfdist.errors.EXIT_PEER_LOST`), and the group re
 its backup like after any failure; a restarted group waits at start-up for every host, at most
 TFDIST_JOIN_TIMEOUT seconds (180), after which each worker is stopped and the group restarted.
 
-Listening only on 127.0.0.1: TF's gRPC server binds every interface whatever TF_CONFIG says
-(tensorflow/tensorflow#2925). `--bind=loopback` (the default) therefore preloads
-`loopback_bind.c`, which the system C compiler builds once into ~/.cache/tfdist. It turns the
-workers' wildcard binds into 127.0.0.1 binds. `--bind=all` leaves TF's behaviour alone.
+Listening only on 127.0.0.1: `tfdist.launch.bind`.
 """
-import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -63,11 +58,12 @@ import time
 
 from tfdist import cluster as cluster_lib
 from tfdist.errors import EXIT_PREEMPTED, UsageError
+from tfdist.launch.bind import loopback_shim  # noqa: F401  (tfdist.launch.local's, for callers)
 from tfdist.launch.hosts import DEFAULT_PORT, Host, passed_on, send
 from tfdist.launch.output import Output
 
 MAX_BACKOFF = 60.0
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESIZE = "resize"  # what `Supervisor._wait` returns when an elastic group is to be resized
 
 def free_ports(n):
     """n distinct ports free on 127.0.0.1 right now."""
@@ -107,33 +103,6 @@ def task_of(pid):
         return task["type"], task["index"]
     except (OSError, KeyError, ValueError):
         return None
-
-
-def loopback_shim():
-    """Path of the compiled loopback-bind shim, built on first use (cached by source hash)."""
-    src = os.path.join(_REPO, "launchers", "loopback_bind.c")
-    if not os.path.exists(src):
-        raise UsageError(f"--bind=loopback needs {src} (tfdist's repository checkout); "
-                         f"pass --bind=all (workers then listen on every interface)")
-    with open(src, "rb") as f:
-        digest = hashlib.sha1(f.read()).hexdigest()[:12]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tfdist")
-    so = os.path.join(cache, f"loopback_bind-{digest}.so")
-    if os.path.exists(so):
-        return so
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise UsageError("--bind=loopback needs a C compiler (cc) once, to build its bind shim; "
-                         "install gcc, or pass --bind=all (workers then listen on every interface)")
-    os.makedirs(cache, exist_ok=True)
-    tmp = f"{so}.{os.getpid()}.tmp"
-    p = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", tmp, src, "-ldl"],
-                       capture_output=True, text=True)
-    if p.returncode:
-        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UsageError(f"building {src} with {cc} failed ({last}); pass --bind=all to do without")
-    os.replace(tmp, so)
-    return so
 
 
 def describe_exit(code):
@@ -293,6 +262,8 @@ class Supervisor:
                         if c not in (None, 0) and k != chief:
                             self.say(f"{k[0]} {k[1]} {describe_exit(c)} after the chief had finished")
                     return None
+            if chief_done is None and self._resize_wanted():
+                return RESIZE
             failed = [(k, self._own_status(c)) for k, c in codes.items() if c not in (None, 0)]
             if failed and chief_done is None:
                 (role, index), code = failed[0]
@@ -316,6 +287,23 @@ class Supervisor:
         exits = set(cluster_lib.reported_exits(self.exit_dir).values())
         return next((c for c in (2, EXIT_PREEMPTED) if c in exits), code)
 
+    # -- what an elastic launcher (tfdist.launch.elastic) changes; fixed membership here ---------
+    def _place(self):
+        """Before each start: the group's size and places."""
+
+    def _resize_wanted(self):
+        """While the group runs (every 0.1 s): whether to stop it at a step boundary, to resize."""
+        return False
+
+    def _stop_to_resize(self, procs):
+        """Stops the group after `_resize_wanted`; RESIZE, or what `_wait` would have returned."""
+        raise NotImplementedError
+
+    def _shrink(self, failure):
+        """After a failed group: None for the usual restart; True when it goes on at another
+        size without counting a restart; False when it cannot go on."""
+        return None
+
     def _on_signal(self, signum, frame):
         self.stop_signal = signum
         self._wake.set()
@@ -333,11 +321,14 @@ class Supervisor:
 
     def _run(self):
         while True:
+            self._place()
             cluster, procs, pumps = self._start()
             failure = self._wait(cluster, procs, pumps)
             preempted = self.stop_signal in (signal.SIGTERM, signal.SIGUSR1)
             if preempted:  # passed on: each worker backs up its step and exits 75
                 self._stop(list(procs.values()), grace=self.preemption_grace, sig=self.stop_signal)
+            elif failure == RESIZE:
+                failure = self._stop_to_resize(procs)
             elif failure or self.stop_signal:
                 self._stop(list(procs.values()))
             for t, log in pumps:
@@ -357,6 +348,8 @@ class Supervisor:
                         f"{os.path.basename(self.argv[0])} finished")
                 self.say(f"done: {what}" + (f" after {self.restarts} restart(s)" if self.restarts else ""))
                 return 0
+            if failure == RESIZE:
+                continue
             (role, index), code = failure
             if code == EXIT_PREEMPTED:  # a worker was preempted on its own, and backed up: resume
                 self.preemptions += 1
@@ -366,6 +359,11 @@ class Supervisor:
             if code == 2:
                 self.say(f"{role} {index} exited with status 2 (bad usage); not restarting")
                 return 2
+            shrunk = self._shrink(failure)
+            if shrunk is not None:
+                if shrunk:
+                    continue
+                return 1
             if self.restarts >= self.max_restarts:
                 print(f"tfdist: error: {role} {index} {describe_exit(code)}; gave up after "
                       f"{self.restarts} restart(s) (--max_restarts={self.max_restarts})",

@@ -59,12 +59,15 @@ class Launch:
     one), or None. `server_module`: a
     module that serves (`python -m <it> <strategy>`: `tfdist.launch.serve`), run on the `servers`
     when the launched command is a user's own program, so that it runs on the chief only.
+    `elastic`: None if the group can change size while the job runs (`tfdist.launch.elastic`),
+    else what this strategy does instead, said when asked to resize.
     """
     roles: tuple = ("worker",)
     restart_alone: tuple = ()
     servers: tuple = ()
     wrapper: object = None
     server_module: str = None
+    elastic: str = "it runs a fixed group"
 
 
 class Strategy(KerasProgram):

@@ -100,7 +100,7 @@ class Horovod(Strategy):
         **buckets.OPTIONS,
     }
     # One horovodrun, which starts and stops the ranks itself; any failure restarts it.
-    launch = Launch(wrapper=horovodrun_argv)
+    launch = Launch(wrapper=horovodrun_argv, elastic=None)
     process_wide = True  # a rank's every model trains under it
 
     def __init__(self, compression="none", lr_scaling="none", bucket_mb=buckets.BUCKET_MB,

@@ -28,7 +28,7 @@ class MultiWorkerMirrored(Strategy):
     options = {"cross_device_ops": ("auto", lambda v: v in _IMPLEMENTATIONS,
                                     "one of " + ", ".join(_IMPLEMENTATIONS)),
                **buckets.OPTIONS}
-    launch = Launch()  # N workers with TF_CONFIG; any failure restarts the group
+    launch = Launch(elastic=None)  # N workers with TF_CONFIG; any failure restarts the group
     shards_user_models = True  # tfdist.strategies.get("multi_worker_mirrored", zero=3)
 
     @classmethod

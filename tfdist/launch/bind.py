@@ -1,0 +1,42 @@
+"""The bind shim of `tfdist launch --bind=loopback`.
+
+Listening only on 127.0.0.1: TF's gRPC server binds every interface whatever TF_CONFIG says
+(tensorflow/tensorflow#2925). `--bind=loopback` (the default) therefore preloads
+`loopback_bind.c`, which the system C compiler builds once into ~/.cache/tfdist. It turns the
+workers' wildcard binds into 127.0.0.1 binds. `--bind=all` leaves TF's behaviour alone.
+"""
+import hashlib
+import os
+import shutil
+import subprocess
+
+from tfdist.errors import UsageError
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def loopback_shim():
+    """Path of the compiled loopback-bind shim, built on first use (cached by source hash)."""
+    src = os.path.join(_REPO, "launchers", "loopback_bind.c")
+    if not os.path.exists(src):
+        raise UsageError(f"--bind=loopback needs {src} (tfdist's repository checkout); "
+                         f"pass --bind=all (workers then listen on every interface)")
+    with open(src, "rb") as f:
+        digest = hashlib.sha1(f.read()).hexdigest()[:12]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tfdist")
+    so = os.path.join(cache, f"loopback_bind-{digest}.so")
+    if os.path.exists(so):
+        return so
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise UsageError("--bind=loopback needs a C compiler (cc) once, to build its bind shim; "
+                         "install gcc, or pass --bind=all (workers then listen on every interface)")
+    os.makedirs(cache, exist_ok=True)
+    tmp = f"{so}.{os.getpid()}.tmp"
+    p = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", tmp, src, "-ldl"],
+                       capture_output=True, text=True)
+    if p.returncode:
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"building {src} with {cc} failed ({last}); pass --bind=all to do without")
+    os.replace(tmp, so)
+    return so

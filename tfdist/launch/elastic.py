@@ -1,0 +1,287 @@
+"""Elastic `tfdist launch`: the group's size follows the hosts that are there.
+
+    tfdist launch --strategy=horovod --workers=2 --min_workers=1 --max_workers=3 \\
+        --discovery="cat hosts.txt" -- --config=configs/gpt_nano.py
+
+Which hosts are there:
+
+* `--discovery=CMD` is run (`sh -c`, at most 10 s) at the start and every `--discovery_interval`
+  seconds. It prints one host per line, `host:slots` or `host` (one slot): Horovod's
+  `--host-discovery-script` convention. A command that fails or prints anything else is said in
+  one line, and the hosts it printed last stay. Without it, the `--hosts` list (or this machine)
+  offers the `--max_workers` slots round robin.
+* A host is there when it is offered and answers: a TCP connection to its first task port
+  (`--port`) is accepted or refused within 2 s. A refusal is an answer; a dead host, or a cut
+  link, gives none. This machine's own addresses always answer.
+
+What changes the size, always at a step boundary and from a consistent state:
+
+* **Shrinking.** When the group fails it is stopped, as without elasticity, and each of its hosts
+  has `--rejoin_timeout` seconds to be there again. If all are, this is the usual restart (counted
+  against `--max_restarts`). Those that are not are dropped, and the group starts again at once
+  on the rest, from the newest backup, without counting a restart. Below `--min_workers` the job
+  ends (exit 1). Progress lost: the steps since the newest backup.
+* **Growing.** When the hosts offer more slots than the group has (up to `--max_workers`), the
+  group is asked to stop after its step in progress: the processes get SIGUSR1, agree after the
+  step (`tfdist.preemption`), back that step up and exit 75. The group starts again at the new
+  size from that backup: no step is lost.
+
+The global batch is the same at every size: `tfdist train`'s `train.batch_size` is the global
+batch, each of N replicas reads its N-th of the same rows (`tfdist.data.pipeline`), and the step
+count and learning-rate schedule follow the global step. The launcher checks before starting
+that every size from `--min_workers` to `--max_workers` splits the batch. Resizes are not
+counted as restarts; each is said in one line, and every logged step in metrics.json carries
+its `replicas`.
+
+The launcher itself is the job's one controller, as horovodrun's driver is: losing its host ends
+the job (resume it with the same command, from the newest backup).
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+from tfdist.errors import EXIT_PREEMPTED, UsageError
+from tfdist.launch.hosts import Host
+from tfdist.launch.local import RESIZE, Supervisor, children
+
+_LINE = re.compile(r"^([A-Za-z0-9._-]+)(?::(\d+))?$")
+
+
+def parse_hosts(text):
+    """[(host, slots)] of a discovery command's output; ValueError (naming the line) otherwise.
+
+        >>> parse_hosts("10.0.0.1:2\\nnode-b\\n")
+        [('10.0.0.1', 2), ('node-b', 1)]
+    """
+    hosts = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        m = _LINE.match(line)
+        if not m or (m.group(2) is not None and int(m.group(2)) < 1):
+            raise ValueError(f"'{line[:60]}' is not host or host:slots")
+        hosts.append((m.group(1), int(m.group(2) or 1)))
+    return hosts
+
+
+class Membership:
+    """The hosts offered (by `discovery` or `hosts`) that answer, as worker slots.
+
+        >>> m = Membership(hosts=["127.0.0.1"], max_workers=2, port=12345, say=print)
+        >>> m.offer()
+        ['127.0.0.1', '127.0.0.1']
+    """
+
+    PROBE_TIMEOUT = 2.0
+    DISCOVERY_TIMEOUT = 10.0
+
+    def __init__(self, *, hosts=None, discovery=None, max_workers, port, say=print):
+        self.discovery, self.max_workers, self.port, self.say = discovery, max_workers, port, say
+        names, counts = hosts or ["127.0.0.1"], {}
+        for k in range(max_workers):  # round robin, as --hosts places a fixed group
+            counts[names[k % len(names)]] = counts.get(names[k % len(names)], 0) + 1
+        self.offered = list(counts.items())
+        self._lock = threading.Lock()  # (the launcher's loop and its watcher both ask)
+        self._hosts = {}
+        self._said = None
+
+    def host(self, name):
+        if name not in self._hosts:
+            self._hosts[name] = Host(name)
+        return self._hosts[name]
+
+    def _discover(self):
+        """Runs the discovery command; keeps the hosts it offered last if it fails."""
+        try:
+            p = subprocess.run(["sh", "-c", self.discovery], capture_output=True, text=True,
+                               timeout=self.DISCOVERY_TIMEOUT, stdin=subprocess.DEVNULL)
+            if p.returncode:
+                last = (p.stderr.strip().splitlines() or ["no output on stderr"])[-1]
+                raise ValueError(f"exited with status {p.returncode} ({last[:100]})")
+            hosts = parse_hosts(p.stdout)
+            for name, _ in hosts:
+                self.host(name)  # resolvable
+        except (ValueError, UsageError, OSError, subprocess.TimeoutExpired) as e:
+            why = (f"took over {self.DISCOVERY_TIMEOUT:g} s" if isinstance(e, subprocess.TimeoutExpired)
+                   else str(e).replace("--hosts: ", ""))
+            if why != self._said:  # once per distinct failure, not every interval
+                self.say(f"--discovery={self.discovery!r} failed: {why}; keeping the hosts it "
+                         f"printed last ({self.describe(self.offered) or 'none'})")
+            self._said = why
+            return
+        self._said = None
+        self.offered = hosts
+
+    def answers(self, name):
+        host = self.host(name)
+        if host.local:
+            return True
+        try:
+            socket.create_connection((host.address, self.port), timeout=self.PROBE_TIMEOUT).close()
+            return True
+        except ConnectionRefusedError:
+            return True  # the host is up; nothing listens there now
+        except OSError:
+            return False
+
+    def offer(self):
+        """One host name per worker slot there now, at most `max_workers`."""
+        with self._lock:
+            if self.discovery:
+                self._discover()
+            slots = [name for name, n in self.offered if self.answers(name) for _ in range(n)]
+            return slots[:self.max_workers]
+
+    @staticmethod
+    def describe(hosts):
+        if hosts and isinstance(hosts[0], str):
+            hosts = [(h, hosts.count(h)) for h in dict.fromkeys(hosts)]
+        return ", ".join(f"{h}:{n}" for h, n in hosts)
+
+
+class ElasticSupervisor(Supervisor):
+    """A `Supervisor` whose group has between `min_workers` and `max_workers` workers, placed on
+    the slots `membership` offers (see the module doc). `program` is what each worker runs;
+    `wrapper(n, program, hosts)`, if given, the one process that starts n ranks (horovodrun)."""
+
+    def __init__(self, program, membership, *, workers, min_workers, rejoin_timeout, interval,
+                 wrapper=None, **kwargs):
+        super().__init__(program, [("worker", 0)], tf_config=wrapper is None, **kwargs)
+        self.program, self.membership, self.wrapper = program, membership, wrapper
+        membership.say = self.say
+        self.start_workers, self.min_workers = workers, min_workers
+        self.rejoin_timeout, self.interval = rejoin_timeout, interval
+        self.workers = None  # the host of each worker of the group
+        self.resizes = []  # (from, to) sizes
+        self._grow = threading.Event()
+        self._watching = None
+
+    def _place(self):
+        if self.workers is None:  # the first start: the hosts there, within the bound
+            offer = self._await(lambda o: len(o) >= self.min_workers)
+            if len(offer) < self.min_workers:
+                raise UsageError(f"only {len(offer)} worker slot(s) answer "
+                                 f"({self.membership.describe(offer) or 'none'}) after "
+                                 f"{self.rejoin_timeout:g} s; --min_workers is {self.min_workers}")
+            self.workers = offer[:max(self.start_workers, self.min_workers)]
+        n = len(self.workers)
+        remote = [h for h in self.workers if not self.membership.host(h).local]
+        self.n, self.hosts = n, ([self.membership.host(h) for h in self.workers] if remote else None)
+        if self.wrapper:
+            self.argv = self.wrapper(n, self.program, self.workers if remote else None)
+            self.roles, self.hosts = [("worker", 0)], None
+        else:
+            self.roles = [("worker", i) for i in range(n)]
+        self.say(f"elastic: {n} worker(s) on {self.membership.describe(self.workers)} "
+                 f"(between {self.min_workers} and {self.membership.max_workers})")
+        self._grow.clear()
+        if self._watching is None:
+            self._watching = threading.Thread(target=self._watch, daemon=True)
+            self._watching.start()
+
+    def _await(self, ready):
+        """The offer, polled every second until `ready(offer)` or `rejoin_timeout`."""
+        deadline = time.monotonic() + self.rejoin_timeout
+        offer = self.membership.offer()
+        while not ready(offer) and time.monotonic() < deadline and not self.stop_signal:
+            self._wake.wait(1.0)
+            offer = self.membership.offer()
+        return offer
+
+    def _watch(self):
+        """Every `interval` s: more slots offered than the group has asks for a resize."""
+        while not self.stop_signal:
+            time.sleep(self.interval)
+            workers = self.workers
+            if workers and not self._grow.is_set() and len(self.membership.offer()) > len(workers):
+                self._grow.set()
+
+    def _resize_wanted(self):
+        return self._grow.is_set()
+
+    def _stop_to_resize(self, procs):
+        """SIGUSR1 to the processes: they back up the step in progress and exit 75."""
+        ranks = None
+        grown = self.membership.offer()
+        self.say(f"elastic: {self.membership.describe(grown)} offered; stopping the group after "
+                 f"its step in progress to grow from {self.n} to {len(grown)} worker(s)")
+        if self.wrapper:  # the ranks on this machine (horovodrun forwards no signal)
+            ranks = [pid for pid in _descendants(procs["worker", 0].pid) if _is_rank(pid)]
+            for pid in ranks:
+                _kill(pid, signal.SIGUSR1)
+            if ranks:
+                self._wait_all(procs.values(), self.preemption_grace)
+            else:
+                self.say("elastic: no rank runs on this machine to signal; the group restarts "
+                         "from its newest backup")
+            self._stop(list(procs.values()))
+        else:
+            self._stop(list(procs.values()), grace=self.preemption_grace, sig=signal.SIGUSR1)
+        code = self._own_status(procs[self.roles[0]].returncode)
+        if code == 0:
+            return None  # it finished meanwhile
+        if code != EXIT_PREEMPTED and not (self.wrapper and not ranks):
+            return self.roles[0], code
+        self.resizes.append((self.n, len(grown)))
+        self.say(f"elastic: the group backed up its step; growing to {len(grown)} worker(s)")
+        self.workers = grown
+        return RESIZE
+
+    def _wait_all(self, procs, timeout):
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return
+
+    def _shrink(self, failure):
+        group = list(self.workers)
+
+        def back(offer):
+            return all(offer.count(h) >= group.count(h) for h in set(group))
+        offer = self._await(back)
+        if back(offer):
+            return None  # every host is there again: the usual restart
+        gone = [h if group.count(h) == 1 else f"{group.count(h) - offer.count(h)} of {h}'s "
+                f"{group.count(h)} slots" for h in dict.fromkeys(group) if offer.count(h) < group.count(h)]
+        if len(offer) < self.min_workers:
+            self.say(f"error: {', '.join(gone)} not back within --rejoin_timeout="
+                     f"{self.rejoin_timeout:g} s, and {len(offer)} worker slot(s) are below "
+                     f"--min_workers={self.min_workers}; giving up")
+            return False
+        self.resizes.append((len(group), len(offer)))
+        self.say(f"elastic: {', '.join(gone)} not back within {self.rejoin_timeout:g} s: dropped; "
+                 f"going on with {len(offer)} worker(s) from the newest backup (not counted as a "
+                 f"restart)")
+        self.workers = offer
+        return True
+
+
+def _descendants(pid):
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def _is_rank(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"\0HOROVOD_RANK=" in b"\0" + f.read()
+    except OSError:
+        return False
+
+
+def _kill(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
