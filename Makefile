@@ -7,7 +7,7 @@ HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-peer bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-backup bench-data test-long chaos chaos-write \
-        chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition plan-validate plan-measured clean cluster-tools
+        chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition chaos-elastic plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
 
@@ -209,3 +209,9 @@ chaos-partition: $(HOROVOD) cluster-tools
 	$(BIN)/python tools/chaos_partition.py --strategy=multi_worker_mirrored
 	$(BIN)/python tools/chaos_partition.py --strategy=horovod
 	$(BIN)/python tools/chaos_partition.py --strategy=parameter_server
+
+# Elastic: a host killed and cut off for good mid-run (the job goes on at 1), then a new host
+# offered (it grows back to 2); 5 trials per strategy, 3 network-namespace hosts (root).
+chaos-elastic: $(HOROVOD) cluster-tools
+	$(BIN)/python tools/chaos_elastic.py --strategy=multi_worker_mirrored --trials=5
+	$(BIN)/python tools/chaos_elastic.py --strategy=horovod --trials=5

@@ -51,12 +51,18 @@ def resolve_config():
     return config_lib.validate(c)
 
 
+def finished(workdir, backup_dir):
+    """Whether `workdir` holds a finished run: its model.keras, and no backup left to resume."""
+    import tensorflow as tf
+
+    return (tf.io.gfile.exists(os.path.join(workdir, "model.keras")) and not
+            (tf.io.gfile.exists(backup_dir) and tf.train.latest_checkpoint(backup_dir)))
+
+
 def prepare_workdir(workdir, backup_dir, overwrite):
     """Refuses to clobber a finished run unless --overwrite; a run with a backup is resumed."""
     import tensorflow as tf
 
-    finished = tf.io.gfile.exists(os.path.join(workdir, "model.keras"))
-    has_backup = tf.io.gfile.exists(backup_dir) and tf.train.latest_checkpoint(backup_dir)
     if overwrite:
         for name in _OUTPUTS:
             p = os.path.join(workdir, name)
@@ -66,7 +72,7 @@ def prepare_workdir(workdir, backup_dir, overwrite):
                 tf.io.gfile.remove(p)
         if tf.io.gfile.exists(backup_dir):
             tf.io.gfile.rmtree(backup_dir)
-    elif finished and not has_backup:
+    elif finished(workdir, backup_dir):
         raise UsageError(f"{workdir} already holds a finished run (model.keras); pass --overwrite "
                          f"to replace it or choose another --workdir")
 
@@ -398,6 +404,12 @@ def main(argv):
     if _PREPARE_ONLY.value:
         prepare(c, workdir, overwrite=_OVERWRITE.value)
         print(f"tfdist: prepared {workdir} (dataset ready, config checked)")
+        return
+    backup_dir = c.backup.dir or os.path.join(workdir, "backup")
+    if os.environ.get("TFDIST_RESTART_COUNT", "0") != "0" and finished(workdir, backup_dir):
+        # A launcher's restart of a group that had finished (it was stopped on its way out,
+        # e.g. to resize): nothing is left to run.
+        print(f"tfdist: {workdir} holds the finished run (model.keras); nothing left to resume")
         return
     train(c, workdir, overwrite=_OVERWRITE.value)
 

@@ -54,9 +54,9 @@ def logged_steps(work):
         return []
 
 
-def uninterrupted(work, data_dir, strategy, steps=STEPS):
+def uninterrupted(work, data_dir, strategy, steps=STEPS, flags=None):
     """The reference: the same run on this machine's loopback (`tfdist launch`), never cut."""
-    p = subprocess.run(launch_argv(train_flags(work, data_dir, steps), strategy=strategy,
+    p = subprocess.run(launch_argv(flags or train_flags(work, data_dir, steps), strategy=strategy,
                                    max_restarts=0), cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
     if p.returncode:
@@ -242,7 +242,7 @@ def report(rows, head, cells, strategy, out, **facts):
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     with open(out, "w") as f:
-        json.dump({"strategy": strategy, **facts, "bound_s": PARTITION_BOUND, "link": "1gbit",
+        json.dump({"strategy": strategy, "bound_s": PARTITION_BOUND, "link": "1gbit", **facts,
                    "commit": commit, "trials": rows}, f, indent=1)
     print(f"wrote {out}")
     return 0 if passed == len(rows) else 1

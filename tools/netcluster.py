@@ -136,11 +136,7 @@ class NetCluster:
             except subprocess.TimeoutExpired:
                 pass
         for ns in self.created:  # what they started there (e.g. through `ssh`), by PID
-            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            self._kill_in(ns)
         for ns in reversed(self.created):
             _ip("netns", "del", ns, check=False)
         self.created = []
@@ -197,6 +193,21 @@ class NetCluster:
             if v is not None:
                 self.links[i][k] = v
         self._shape(i, **self.links[i])
+
+    @staticmethod
+    def _kill_in(ns):
+        pids = [int(pid) for pid in _ip("netns", "pids", ns, check=False).stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def kill(self, i):
+        """SIGKILLs every process on host i (in its namespace: what the cluster's processes
+        started there), as a host that dies. Returns their PIDs."""
+        return self._kill_in(self.ns(i))
 
     def partition(self, i):
         """Host i's cable drops everything, both ways, without an error to the sender."""

@@ -11,7 +11,7 @@ Which hosts are there:
   one line, and the hosts it printed last stay. Without it, the `--hosts` list (or this machine)
   offers the `--max_workers` slots round robin.
 * A host is there when it is offered and answers: a TCP connection to its first task port
-  (`--port`) is accepted or refused within 2 s. A refusal is an answer; a dead host, or a cut
+  (`--port`) is accepted or refused within 1 s. A refusal is an answer; a dead host, or a cut
   link, gives none. This machine's own addresses always answer.
 
 What changes the size, always at a step boundary and from a consistent state:
@@ -77,7 +77,7 @@ class Membership:
         ['127.0.0.1', '127.0.0.1']
     """
 
-    PROBE_TIMEOUT = 2.0
+    PROBE_TIMEOUT = 1.0
     DISCOVERY_TIMEOUT = 10.0
 
     def __init__(self, *, hosts=None, discovery=None, max_workers, port, say=print):
@@ -154,12 +154,13 @@ class ElasticSupervisor(Supervisor):
         super().__init__(program, [("worker", 0)], tf_config=wrapper is None, **kwargs)
         self.program, self.membership, self.wrapper = program, membership, wrapper
         membership.say = self.say
+        self.base_env = dict(self.env)
         self.start_workers, self.min_workers = workers, min_workers
         self.rejoin_timeout, self.interval = rejoin_timeout, interval
         self.workers = None  # the host of each worker of the group
         self.resizes = []  # (from, to) sizes
         self._grow = threading.Event()
-        self._watching = None
+        self._watching, self._offered = None, []
 
     def _place(self):
         if self.workers is None:  # the first start: the hosts there, within the bound
@@ -174,6 +175,10 @@ class ElasticSupervisor(Supervisor):
         self.n, self.hosts = n, ([self.membership.host(h) for h in self.workers] if remote else None)
         if self.wrapper:
             self.argv = self.wrapper(n, self.program, self.workers if remote else None)
+            # horovodrun across hosts binds its own servers (on the interface the hosts share),
+            # so the loopback bind shim is for a group on this machine only (as in cli.py)
+            preload = self.base_env.get("LD_PRELOAD", "").split()
+            self.env["LD_PRELOAD"] = " ".join(x for x in preload if not (remote and "loopback_bind" in x))
             self.roles, self.hosts = [("worker", 0)], None
         else:
             self.roles = [("worker", i) for i in range(n)]
@@ -198,16 +203,17 @@ class ElasticSupervisor(Supervisor):
         while not self.stop_signal:
             time.sleep(self.interval)
             workers = self.workers
-            if workers and not self._grow.is_set() and len(self.membership.offer()) > len(workers):
-                self._grow.set()
+            if workers and not self._grow.is_set():
+                self._offered = self.membership.offer()
+                if len(self._offered) > len(workers):
+                    self._grow.set()
 
     def _resize_wanted(self):
         return self._grow.is_set()
 
     def _stop_to_resize(self, procs):
         """SIGUSR1 to the processes: they back up the step in progress and exit 75."""
-        ranks = None
-        grown = self.membership.offer()
+        ranks, grown = None, self._offered
         self.say(f"elastic: {self.membership.describe(grown)} offered; stopping the group after "
                  f"its step in progress to grow from {self.n} to {len(grown)} worker(s)")
         if self.wrapper:  # the ranks on this machine (horovodrun forwards no signal)
@@ -225,7 +231,10 @@ class ElasticSupervisor(Supervisor):
         code = self._own_status(procs[self.roles[0]].returncode)
         if code == 0:
             return None  # it finished meanwhile
-        if code != EXIT_PREEMPTED and not (self.wrapper and not ranks):
+        # A process not yet (or no longer) training dies of the signal: a restart costs nothing
+        # then (tfdist train's restarted group finds a finished run and exits 0).
+        by_signal = code in (-signal.SIGUSR1, 128 + signal.SIGUSR1)
+        if code != EXIT_PREEMPTED and not by_signal and not (self.wrapper and not ranks):
             return self.roles[0], code
         self.resizes.append((self.n, len(grown)))
         self.say(f"elastic: the group backed up its step; growing to {len(grown)} worker(s)")
