@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo test test-fast bench bench-peer bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-backup bench-data test-long chaos chaos-write \
+        bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-backup bench-elastic bench-data test-long chaos chaos-write \
         chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition chaos-elastic plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
@@ -128,6 +128,11 @@ chaos-write: $(HOROVOD)
 # overhead of a backup every 10 steps (gpt_mini and gpt2 124M; 1 process, 2 with ZeRO-1).
 bench-backup: $(HOROVOD)
 	$(BIN)/python tools/bench_backup.py
+
+# What a resize of an elastic job costs (gpt_mini, 2 -> 1 -> 2 workers, with ZeRO-1 and without):
+# progress lost and time to resume.
+bench-elastic: $(STAMP)
+	$(BIN)/python tools/bench_elastic.py
 
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
 # On shaped links between tools/netcluster.py's hosts (root), at 1 and 10 Gbit/s: allreduce bus

@@ -74,6 +74,17 @@ class Layout:
         return layout
 
     @classmethod
+    def check_sizes(cls, c, plugin, workers):
+        """UsageError (one line) if config `c` cannot run on some number of workers in `workers`
+        (an elastic job's sizes; one replica per worker)."""
+        for n in workers:
+            try:
+                cls.from_config(c, plugin, replicas=n)
+            except UsageError as e:
+                raise UsageError(f"an elastic job may run on {n} worker(s) (--min_workers="
+                                 f"{workers[0]} .. --max_workers={workers[-1]}): {e}") from None
+
+    @classmethod
     def planned(cls, batch, dp, tp=1, pp=1, microbatch=0, zero=0, recompute=False,
                 schedule="gpipe", sp=False):
         """The layout `tfdist plan` prices: `batch` sequences per optimizer update, in pieces of

@@ -1,4 +1,5 @@
-"""One run per workdir: `tfdist train` holds `<workdir>/.tfdist-lock` while it runs.
+"""The workdir: one run per workdir (`tfdist train` holds `<workdir>/.tfdist-lock` while it
+runs), and whether it holds a finished run (`finished`, `prepare_workdir`).
 
     >>> import tempfile
     >>> from tfdist.lock import WorkdirLock
@@ -106,3 +107,32 @@ class WorkdirLock:
 
     def get_config(self):
         return {"workdir": self.workdir}
+
+
+_OUTPUTS = ("model.keras", "metrics.json", "loss.png", "tensorboard", "backup", "tokenizer")
+
+
+def finished(workdir, backup_dir):
+    """Whether `workdir` holds a finished run: its model.keras, and no backup left to resume."""
+    import tensorflow as tf
+
+    return (tf.io.gfile.exists(os.path.join(workdir, "model.keras")) and not
+            (tf.io.gfile.exists(backup_dir) and tf.train.latest_checkpoint(backup_dir)))
+
+
+def prepare_workdir(workdir, backup_dir, overwrite):
+    """Refuses to clobber a finished run unless --overwrite; a run with a backup is resumed."""
+    import tensorflow as tf
+
+    if overwrite:
+        for name in _OUTPUTS:
+            p = os.path.join(workdir, name)
+            if tf.io.gfile.isdir(p):
+                tf.io.gfile.rmtree(p)
+            elif tf.io.gfile.exists(p):
+                tf.io.gfile.remove(p)
+        if tf.io.gfile.exists(backup_dir):
+            tf.io.gfile.rmtree(backup_dir)
+    elif finished(workdir, backup_dir):
+        raise UsageError(f"{workdir} already holds a finished run (model.keras); pass --overwrite "
+                         f"to replace it or choose another --workdir")

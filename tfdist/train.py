@@ -18,8 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from tfdist import cli, strategies  # (the registry: the plugins' options join the config schema)
-from tfdist.errors import UsageError
-from tfdist.lock import WorkdirLock
+from tfdist.lock import WorkdirLock, finished, prepare_workdir
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = cli.define_config_flag(
@@ -35,7 +34,6 @@ _PREPARE_ONLY = flags.DEFINE_bool(
     "--overwrite), then exit without training. `tfdist launch` runs this once before it starts "
     "the workers.")
 
-_OUTPUTS = ("model.keras", "metrics.json", "loss.png", "tensorboard", "backup", "tokenizer")
 
 
 def resolve_config():
@@ -51,32 +49,6 @@ def resolve_config():
     return config_lib.validate(c)
 
 
-def finished(workdir, backup_dir):
-    """Whether `workdir` holds a finished run: its model.keras, and no backup left to resume."""
-    import tensorflow as tf
-
-    return (tf.io.gfile.exists(os.path.join(workdir, "model.keras")) and not
-            (tf.io.gfile.exists(backup_dir) and tf.train.latest_checkpoint(backup_dir)))
-
-
-def prepare_workdir(workdir, backup_dir, overwrite):
-    """Refuses to clobber a finished run unless --overwrite; a run with a backup is resumed."""
-    import tensorflow as tf
-
-    if overwrite:
-        for name in _OUTPUTS:
-            p = os.path.join(workdir, name)
-            if tf.io.gfile.isdir(p):
-                tf.io.gfile.rmtree(p)
-            elif tf.io.gfile.exists(p):
-                tf.io.gfile.remove(p)
-        if tf.io.gfile.exists(backup_dir):
-            tf.io.gfile.rmtree(backup_dir)
-    elif finished(workdir, backup_dir):
-        raise UsageError(f"{workdir} already holds a finished run (model.keras); pass --overwrite "
-                         f"to replace it or choose another --workdir")
-
-
 def prepare(c, workdir, overwrite=False):
     """What must happen once per run, before any worker starts: the config, the strategy name and
     the layout are checked, the dataset is prepared, and `--overwrite` clears the workdir."""
@@ -86,12 +58,7 @@ def prepare(c, workdir, overwrite=False):
     plugin = strategies.get_class(c.strategy.name)
     Layout.from_config(c, plugin)
     sizes = [int(n) for n in os.environ.get("TFDIST_ELASTIC_SIZES", "").split(",") if n]
-    for n in sizes:  # an elastic launch: every size it may run at (one replica per worker)
-        try:
-            Layout.from_config(c, plugin, replicas=n)
-        except UsageError as e:
-            raise UsageError(f"an elastic job may run on {n} worker(s) (--min_workers="
-                             f"{sizes[0]} .. --max_workers={sizes[-1]}): {e}") from None
+    Layout.check_sizes(c, plugin, sizes)  # an elastic launch: every size it may run at
     model_vocab(c, open_store(c.data))
     with WorkdirLock(workdir):  # a run on it now: refused here, before any worker starts
         prepare_workdir(workdir, c.backup.dir or os.path.join(workdir, "backup"), overwrite)

@@ -8,8 +8,8 @@ Which hosts are there:
 * `--discovery=CMD` is run (`sh -c`, at most 10 s) at the start and every `--discovery_interval`
   seconds. It prints one host per line, `host:slots` or `host` (one slot): Horovod's
   `--host-discovery-script` convention. A command that fails or prints anything else is said in
-  one line, and the hosts it printed last stay. Without it, the `--hosts` list (or this machine)
-  offers the `--max_workers` slots round robin.
+  one line, and the hosts it printed last stay (at the start: `--hosts`, or none). Without it,
+  the `--hosts` list (or this machine) offers the `--max_workers` slots round robin.
 * A host is there when it is offered and answers: a TCP connection to its first task port
   (`--port`) is accepted or refused within 1 s. A refusal is an answer; a dead host, or a cut
   link, gives none. This machine's own addresses always answer.
@@ -36,6 +36,7 @@ its `replicas`.
 The launcher itself is the job's one controller, as horovodrun's driver is: losing its host ends
 the job (resume it with the same command, from the newest backup).
 """
+import itertools
 import os
 import re
 import signal
@@ -85,7 +86,7 @@ class Membership:
         names, counts = hosts or ["127.0.0.1"], {}
         for k in range(max_workers):  # round robin, as --hosts places a fixed group
             counts[names[k % len(names)]] = counts.get(names[k % len(names)], 0) + 1
-        self.offered = list(counts.items())
+        self.offered = [] if discovery and not hosts else list(counts.items())
         self._lock = threading.Lock()  # (the launcher's loop and its watcher both ask)
         self._hosts = {}
         self._said = None
@@ -130,12 +131,13 @@ class Membership:
             return False
 
     def offer(self):
-        """One host name per worker slot there now, at most `max_workers`."""
+        """One host name per worker slot there now, the hosts in turn, at most `max_workers`."""
         with self._lock:
             if self.discovery:
                 self._discover()
-            slots = [name for name, n in self.offered if self.answers(name) for _ in range(n)]
-            return slots[:self.max_workers]
+            there = [[name] * n for name, n in self.offered if self.answers(name)]
+            slots = [name for turn in itertools.zip_longest(*there) for name in turn if name]
+            return slots[:self.max_workers]  # round robin: the first N spread over the hosts
 
     @staticmethod
     def describe(hosts):

@@ -42,10 +42,8 @@ class ParameterServer(Strategy):
     # A chief (the coordinator), workers and ps tasks. A dead worker is restarted alone and
     # rejoins (asynchronous training goes on without it); the servers run until stopped.
     launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"),
-                    server_module="tfdist.launch.serve",
-                    elastic="it already trains on with the workers it has: the coordinator runs a "
-                            "lost worker's steps on the others, and the launcher restarts that "
-                            "worker alone, which rejoins")
+                    server_module="tfdist.launch.serve", elastic="it already trains on with the "
+                    "workers it has (a lost worker's steps run on the others; it is restarted alone)")
     options = {
         "keepalive_secs": (5.0, lambda v: v == 0 or 1 <= v <= 3600,
                            "0 (off) or a number of seconds in [1, 3600]: gRPC keepalive pings "

@@ -1,0 +1,145 @@
+"""Elastic `tfdist launch` (tfdist/launch/elastic.py): a host lost for good, the job going on on
+the rest; a host offered, the job growing back; the global batch the same at every size.
+
+The trials across hosts use tools/netcluster.py's network namespaces (root; skipped with the
+reason otherwise) and tools/chaos_elastic.py's trial, which `make chaos-elastic` runs 5 times
+per strategy.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+from tfdist.launch.elastic import Membership, parse_hosts
+from tools import chaos_elastic
+from tools.chaos_elastic import BATCH, elastic_trial, rows, train_flags, verdict
+from tools.chaos_partition import uninterrupted
+from tools.netcluster import NetCluster
+
+
+def _netns_missing():
+    import shutil
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    for tool in ("ip", "tc", "iptables"):
+        if not shutil.which(tool):
+            return f"needs {tool} (make cluster-tools installs iptables; ip and tc: iproute2)"
+    return None
+
+
+# -- which hosts are there --------------------------------------------------------------------------
+def test_discovery_output_is_host_or_host_slots():
+    assert parse_hosts("a:2\n\n10.0.0.3\n") == [("a", 2), ("10.0.0.3", 1)]
+    for bad in ("a:0", "a:x", "a b", "host:2:3", "<html>"):
+        with pytest.raises(ValueError, match="is not host or host:slots"):
+            parse_hosts(bad)
+
+
+def test_a_failing_or_garbled_discovery_is_one_line_and_keeps_the_hosts(tmp_path):
+    hosts, said = tmp_path / "hosts", []
+    hosts.write_text("127.0.0.1:2\n")
+    m = Membership(discovery=f"cat {hosts}", max_workers=3, port=12345, say=said.append)
+    assert m.offer() == ["127.0.0.1", "127.0.0.1"] and said == []
+    hosts.write_text("127.0.0.1:2\nSegmentation fault (core dumped)\n")
+    assert m.offer() == ["127.0.0.1", "127.0.0.1"]
+    assert said == [f"--discovery='cat {hosts}' failed: 'Segmentation fault (core dumped)' is not "
+                    f"host or host:slots; keeping the hosts it printed last (127.0.0.1:2)"]
+    assert m.offer() == ["127.0.0.1", "127.0.0.1"] and len(said) == 1  # said once, not each time
+    os.remove(hosts)
+    assert m.offer() == ["127.0.0.1", "127.0.0.1"] and len(said) == 2
+    assert "failed: exited with status 1 (cat: " in said[1] and said[1].endswith("(127.0.0.1:2)")
+    hosts.write_text("127.0.0.1:5\nno-such-host.invalid\n")
+    assert m.offer() == ["127.0.0.1", "127.0.0.1"] and "cannot resolve host 'no-such-host." in said[2]
+    hosts.write_text("127.0.0.1:5\n")
+    assert m.offer() == ["127.0.0.1"] * 3  # at most --max_workers
+
+
+@pytest.mark.skipif(_netns_missing() is not None, reason=str(_netns_missing()))
+def test_a_host_is_there_while_it_answers():
+    """From host 0: host 1 answers (nothing listens on the port: refused, which is an answer);
+    cut off, it does not (no answer within the probe's 1 s); healed, it is there again."""
+    probe = ("import sys; from tfdist.launch.elastic import Membership; "
+             "print(Membership(hosts=sys.argv[1:], max_workers=4, port=9).offer())")
+    with NetCluster(2) as net:
+        def offer():
+            p = net.run(0, [sys.executable, "-c", probe, net.address(0), net.address(1)], cwd=ROOT)
+            assert p.returncode == 0, p.stderr
+            return p.stdout.strip()
+        both = str([net.address(0), net.address(1)] * 2)
+        assert offer() == both
+        net.partition(1)
+        assert offer() == str([net.address(0)] * 2)
+        net.heal(1)
+        assert offer() == both
+
+
+# -- bad input: one line, exit 2 ---------------------------------------------------------------------
+def _launch(*flags, rest=("--config=configs/gpt_nano.py",), timeout=120):
+    return subprocess.run([sys.executable, "-m", "tfdist", "launch", *flags, "--", *rest], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--workers=2", "--min_workers=3"],
+     "tfdist: error: --min_workers (3) is above --workers (2): the job starts with --workers and "
+     "shrinks down to --min_workers"),
+    (["--workers=3", "--max_workers=2", "--min_workers=1"],
+     "tfdist: error: need 1 <= --min_workers <= --workers <= --max_workers <= 64, got 1 <= 3 <= 2"),
+    (["--strategy=parameter_server", "--workers=2", "--min_workers=1"],
+     "tfdist: error: strategy parameter_server does not resize (--min_workers, --max_workers, "
+     "--discovery): it already trains on with the workers it has (a lost worker's steps run on "
+     "the others; it is restarted alone)"),
+    (["--workers=2", "--min_workers=1", "--discovery= "],
+     "tfdist: error: --discovery is empty: give a command printing host:slots lines"),
+])
+def test_an_elastic_range_that_cannot_run_is_one_line(flags, line):
+    p = _launch(*flags)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines()[-1] == line, p.stderr
+    assert "Traceback" not in p.stderr and "started" not in p.stdout
+
+
+def test_a_batch_some_allowed_size_cannot_split_is_one_line(tmp_path, data_dir):
+    p = _launch("--workers=2", "--min_workers=1", "--max_workers=3",
+                rest=["--config=configs/gpt_nano.py", f"--workdir={tmp_path / 'run'}",
+                      f"--config.data.data_dir={data_dir}", "--config.train.batch_size=16"])
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        "tfdist: error: an elastic job may run on 3 worker(s) (--min_workers=1 .. --max_workers=3): "
+        "train.batch_size (16) must be divisible by the 3 replicas of strategy multi_worker_mirrored")
+    assert "Traceback" not in p.stderr and not os.path.exists(tmp_path / "run" / "backup")
+
+
+# -- across hosts: shrink, then grow ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory, data_dir):
+    """The trials' run on this machine's loopback at 2 workers, never interrupted: the losses
+    every resized run must match."""
+    work = tmp_path_factory.mktemp("elastic-reference")
+    uninterrupted(work, data_dir, "multi_worker_mirrored", flags=train_flags(work, data_dir))
+    return [r["loss"] for r in rows(work)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_netns_missing() is not None, reason=str(_netns_missing()))
+@pytest.mark.parametrize("strategy", ["multi_worker_mirrored",
+                                      pytest.param("horovod", marks=pytest.mark.horovod)])
+def test_a_lost_host_is_dropped_and_a_new_one_joins(tmp_path, data_dir, two_workers, strategy):
+    """3 hosts; the job starts on hosts 0 and 1. At step 14 every process on host 1 is SIGKILLed
+    and its link cut for good (it stays in the discovery output): within 60 s the job trains on
+    host 0 alone, from its newest backup. At step 50 host 2 is offered: it joins within 100
+    steps. The run ends at step 200 with every step logged once, each with the global batch of
+    16, and every loss equal to the uninterrupted 2-worker run's within 1e-5."""
+    with NetCluster(3, rate="1gbit") as net:
+        r = elastic_trial(net, tmp_path / "run", data_dir, strategy, at_step=14)
+    checks, diff = verdict(r, two_workers)
+    out = r["output"]
+    assert all(checks.values()), (checks, diff, r["continued_s"], out[-5000:])
+    assert f"{net.address(1)} not back within 10 s: dropped; going on with 1 worker(s)" in out
+    assert "grow from 1 to 2 worker(s)" in out and "Traceback" not in out
+    sizes = [x["replicas"] for x in r["rows"]]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
+    assert r["resumed_at"][0] <= r["cut_at"] and r["resumed_at"][0] % chaos_elastic.EVERY == 0
+    assert {x["global_batch"] for x in r["rows"]} == {BATCH}
