@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, wait_until
 from tfdist.launch.elastic import Membership, parse_hosts
 from tools import chaos_elastic
 from tools.chaos_elastic import BATCH, elastic_trial, rows, train_flags, verdict
@@ -143,3 +143,27 @@ def test_a_lost_host_is_dropped_and_a_new_one_joins(tmp_path, data_dir, two_work
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
     assert r["resumed_at"][0] <= r["cut_at"] and r["resumed_at"][0] % chaos_elastic.EVERY == 0
     assert {x["global_batch"] for x in r["rows"]} == {BATCH}
+
+
+@pytest.mark.slow
+@pytest.mark.long  # the companion of the trial above: what the same fault does without elasticity
+@pytest.mark.skipif(_netns_missing() is not None, reason=str(_netns_missing()))
+def test_without_elasticity_a_host_lost_for_good_ends_the_job(tmp_path, data_dir):
+    """The same fault under a fixed `tfdist launch --hosts`: the restarted group waits for host 1
+    (TFDIST_JOIN_TIMEOUT, here 20 s), restarts again, and gives up (exit 1): the trial's checks
+    fail without the elastic launcher."""
+    work = tmp_path / "run"
+    with NetCluster(2, rate="1gbit") as net:
+        env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"],
+               "TFDIST_JOIN_TIMEOUT": "20"}
+        p = net.popen(0, [sys.executable, "-m", "tfdist", "launch",
+                          f"--hosts={net.address(0)},{net.address(1)}", "--workers=2",
+                          "--max_restarts=1", "--backoff=1", "--", *train_flags(work, data_dir)],
+                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_until(lambda: len(rows(work)) >= 14, 300, "step 14", proc=p)
+        net.kill(1)
+        net.partition(1)
+        out, _ = p.communicate(timeout=600)
+    assert p.returncode == 1, out[-3000:]
+    assert "gave up after 1 restart(s)" in out
+    assert len(rows(work)) < chaos_elastic.STEPS

@@ -196,7 +196,7 @@ class ElasticSupervisor(Supervisor):
         deadline = time.monotonic() + self.rejoin_timeout
         offer = self.membership.offer()
         while not ready(offer) and time.monotonic() < deadline and not self.stop_signal:
-            self._wake.wait(1.0)
+            self.wake.wait(1.0)
             offer = self.membership.offer()
         return offer
 
@@ -227,10 +227,10 @@ class ElasticSupervisor(Supervisor):
             else:
                 self.say("elastic: no rank runs on this machine to signal; the group restarts "
                          "from its newest backup")
-            self._stop(list(procs.values()))
+            self.stop_tasks(list(procs.values()))
         else:
-            self._stop(list(procs.values()), grace=self.preemption_grace, sig=signal.SIGUSR1)
-        code = self._own_status(procs[self.roles[0]].returncode)
+            self.stop_tasks(list(procs.values()), grace=self.preemption_grace, sig=signal.SIGUSR1)
+        code = self.own_status(procs[self.roles[0]].returncode)
         if code == 0:
             return None  # it finished meanwhile
         # A process not yet (or no longer) training dies of the signal: a restart costs nothing

@@ -149,7 +149,7 @@ class Supervisor:
         self.log_dir = log_dir
         self.out = output or Output()
         self.stop_signal = None
-        self._wake = threading.Event()
+        self.wake = threading.Event()
         self.restarts = 0
         self.preemptions = 0  # group restarts after a worker's exit 75: not counted in restarts
         self.exit_dir = None  # where the processes record their own exit status (run)
@@ -222,7 +222,7 @@ class Supervisor:
                  f"(pids {', '.join(str(p.pid) for p in procs.values())})")
         return cluster, procs, pumps
 
-    def _stop(self, procs, grace=10.0, sig=signal.SIGTERM):
+    def stop_tasks(self, procs, grace=10.0, sig=signal.SIGTERM):
         """`sig` to every process still running, SIGKILL after `grace` seconds. Ours, by PID (a
         task on another host: its pid there, through ssh)."""
         for p in procs:
@@ -257,14 +257,14 @@ class Supervisor:
                     if others and not self.servers:
                         self.say(f"stopping the workers still running {grace:g} s after the "
                                  f"chief finished")
-                    self._stop([procs[k] for k in others])
+                    self.stop_tasks([procs[k] for k in others])
                     for k, c in codes.items():
                         if c not in (None, 0) and k != chief:
                             self.say(f"{k[0]} {k[1]} {describe_exit(c)} after the chief had finished")
                     return None
             if chief_done is None and self._resize_wanted():
                 return RESIZE
-            failed = [(k, self._own_status(c)) for k, c in codes.items() if c not in (None, 0)]
+            failed = [(k, self.own_status(c)) for k, c in codes.items() if c not in (None, 0)]
             if failed and chief_done is None:
                 (role, index), code = failed[0]
                 if role not in self.restart_alone or code == 2:
@@ -276,9 +276,9 @@ class Supervisor:
                          f"{cluster[role][index]} (restart {self.restarts} of {self.max_restarts})")
                 procs[role, index], pump = self._spawn(cluster, role, index)
                 pumps.append(pump)
-            self._wake.wait(0.1)
+            self.wake.wait(0.1)
 
-    def _own_status(self, code):
+    def own_status(self, code):
         """A failed process's status as its ranks gave it: horovodrun (and mpirun) exit 1 when
         any rank fails, so a rank's 2 (bad input) or 75 (preempted), recorded in `exit_dir`
         (`tfdist.cluster.report_exit`), stands for the whole group's."""
@@ -306,7 +306,7 @@ class Supervisor:
 
     def _on_signal(self, signum, frame):
         self.stop_signal = signum
-        self._wake.set()
+        self.wake.set()
 
     def run(self):
         """Runs the group to completion. Returns the exit status (see the module doc)."""
@@ -326,16 +326,16 @@ class Supervisor:
             failure = self._wait(cluster, procs, pumps)
             preempted = self.stop_signal in (signal.SIGTERM, signal.SIGUSR1)
             if preempted:  # passed on: each worker backs up its step and exits 75
-                self._stop(list(procs.values()), grace=self.preemption_grace, sig=self.stop_signal)
+                self.stop_tasks(list(procs.values()), grace=self.preemption_grace, sig=self.stop_signal)
             elif failure == RESIZE:
                 failure = self._stop_to_resize(procs)
             elif failure or self.stop_signal:
-                self._stop(list(procs.values()))
+                self.stop_tasks(list(procs.values()))
             for t, log in pumps:
                 t.join(timeout=5)
                 if log:
                     log.close()
-            if preempted and self._own_status(procs[self.roles[0]].returncode) == EXIT_PREEMPTED:
+            if preempted and self.own_status(procs[self.roles[0]].returncode) == EXIT_PREEMPTED:
                 self.say(f"preempted ({signal.Signals(self.stop_signal).name}): the workers backed "
                          f"up their step; exit {EXIT_PREEMPTED} (run the same command to resume)")
                 return EXIT_PREEMPTED
@@ -373,7 +373,7 @@ class Supervisor:
             self.restarts += 1
             self.say(f"{role} {index} {describe_exit(code)}; stopped the others; restart "
                      f"{self.restarts} of {self.max_restarts} in {delay:g} s")
-            self._wake.clear()
-            self._wake.wait(delay)
+            self.wake.clear()
+            self.wake.wait(delay)
             if self.stop_signal:
                 return 128 + self.stop_signal

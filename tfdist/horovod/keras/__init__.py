@@ -131,3 +131,4 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
 
 
 from tfdist.horovod.keras import callbacks  # noqa: E402,F401  (hvd.callbacks.*; uses the above)
+from tfdist.horovod.keras import elastic  # noqa: E402,F401  (hvd.elastic.*)
