@@ -16,17 +16,7 @@ from tfdist.launch.elastic import Membership, parse_hosts
 from tools import chaos_elastic
 from tools.chaos_elastic import BATCH, elastic_trial, rows, train_flags, verdict
 from tools.chaos_partition import uninterrupted
-from tools.netcluster import NetCluster
-
-
-def _netns_missing():
-    import shutil
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    for tool in ("ip", "tc", "iptables"):
-        if not shutil.which(tool):
-            return f"needs {tool} (make cluster-tools installs iptables; ip and tc: iproute2)"
-    return None
+from tools.netcluster import NetCluster, missing
 
 
 # -- which hosts are there --------------------------------------------------------------------------
@@ -56,7 +46,7 @@ def test_a_failing_or_garbled_discovery_is_one_line_and_keeps_the_hosts(tmp_path
     assert m.offer() == ["127.0.0.1"] * 3  # at most --max_workers
 
 
-@pytest.mark.skipif(_netns_missing() is not None, reason=str(_netns_missing()))
+@pytest.mark.skipif(missing() is not None, reason=str(missing()))
 def test_a_host_is_there_while_it_answers():
     """From host 0: host 1 answers (nothing listens on the port: refused, which is an answer);
     cut off, it does not (no answer within the probe's 1 s); healed, it is there again."""
@@ -123,7 +113,7 @@ def two_workers(tmp_path_factory, data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_netns_missing() is not None, reason=str(_netns_missing()))
+@pytest.mark.skipif(missing() is not None, reason=str(missing()))
 @pytest.mark.parametrize("strategy", ["multi_worker_mirrored",
                                       pytest.param("horovod", marks=pytest.mark.horovod)])
 def test_a_lost_host_is_dropped_and_a_new_one_joins(tmp_path, data_dir, two_workers, strategy):
@@ -138,7 +128,9 @@ def test_a_lost_host_is_dropped_and_a_new_one_joins(tmp_path, data_dir, two_work
     out = r["output"]
     assert all(checks.values()), (checks, diff, r["continued_s"], out[-5000:])
     assert f"{net.address(1)} not back within 10 s: dropped; going on with 1 worker(s)" in out
-    assert "grow from 1 to 2 worker(s)" in out and "Traceback" not in out
+    assert "grow from 1 to 2 worker(s)" in out
+    # no traceback but horovodrun's own, when it ends on its rank's death
+    assert out.count("Traceback") == out.count("sys.exit(run_commandline())"), out[-5000:]
     sizes = [x["replicas"] for x in r["rows"]]
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
     assert r["resumed_at"][0] <= r["cut_at"] and r["resumed_at"][0] % chaos_elastic.EVERY == 0
@@ -147,7 +139,7 @@ def test_a_lost_host_is_dropped_and_a_new_one_joins(tmp_path, data_dir, two_work
 
 @pytest.mark.slow
 @pytest.mark.long  # the companion of the trial above: what the same fault does without elasticity
-@pytest.mark.skipif(_netns_missing() is not None, reason=str(_netns_missing()))
+@pytest.mark.skipif(missing() is not None, reason=str(missing()))
 def test_without_elasticity_a_host_lost_for_good_ends_the_job(tmp_path, data_dir):
     """The same fault under a fixed `tfdist launch --hosts`: the restarted group waits for host 1
     (TFDIST_JOIN_TIMEOUT, here 20 s), restarts again, and gives up (exit 1): the trial's checks

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import ROOT
 from tests.test_horovod_keras import HOROVOD, TFDIST, program
-from tfdist.launch.local import children
+from tfdist.launch.local import descendants
 
 pytestmark = [pytest.mark.horovod, pytest.mark.slow]
 TIMEOUT = 300  # seconds for a whole run; every wait below is bounded by it
@@ -60,12 +60,7 @@ class Elastic:
 
     def rank_on(self, host):
         """The PID of the worker horovodrun started for `host` (ours: its descendant)."""
-        todo, found = [self.p.pid], []
-        while todo:
-            kids = children(todo.pop())
-            todo += kids
-            found += kids
-        for pid in found:
+        for pid in descendants(self.p.pid):
             try:
                 with open(f"/proc/{pid}/environ", "rb") as f:
                     env = f.read().split(b"\0")

@@ -20,19 +20,10 @@ from tests.helpers import SINGLE_STEPS as STEPS
 from tools.chaos_partition import (PARTITION_BOUND, PS_EPOCH, PS_LAUNCH, PS_STEPS,
                                    logged_steps, partition_trial, ps_flags, ps_verdict,
                                    train_flags, uninterrupted)
-from tools.netcluster import NetCluster, leftovers, namespaces, root_links
+from tools.netcluster import NetCluster, leftovers, missing, namespaces, root_links
 
 
-def _missing():
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    for tool in ("ip", "tc", "iptables"):
-        if not shutil.which(tool):
-            return f"needs {tool} (make cluster-tools installs iptables; ip and tc: iproute2)"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 PORT = 12345  # every host has its own address space: one port for all
 
 
@@ -273,7 +264,7 @@ def test_horovod_gloo_across_two_hosts_equals_single(tmp_path, data_dir, single)
     assert "horovod: rank 0 of 2, ring-allreduce (gloo)" in out, out[-3000:]
 
 
-def _mpi_missing():
+def _mpimissing():
     if not shutil.which("mpirun"):
         return "needs Open MPI's mpirun (make cluster-tools installs openmpi-bin)"
     p = subprocess.run([sys.executable, "-c", "import horovod.tensorflow as h; print(h.mpi_built())"],
@@ -287,8 +278,8 @@ def _mpi_missing():
 @pytest.mark.horovod
 @pytest.mark.long  # time: the Gloo case shows Horovod across hosts in make test
 def test_horovod_mpi_across_two_hosts_equals_single(tmp_path, data_dir, single):
-    if _mpi_missing():
-        pytest.skip(_mpi_missing())
+    if _mpimissing():
+        pytest.skip(_mpimissing())
 
     from tfdist.launch.local import loopback_shim
 

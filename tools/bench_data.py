@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tfdist.launch.local import children, task_of  # noqa: E402
+from tfdist.launch.local import descendants, task_of  # noqa: E402
 
 _MEMORY = flags.DEFINE_bool("memory", False, "Peak RSS per process, big store vs small store.")
 _INPUT = flags.DEFINE_bool("input", False, "Input cost in the step, and reader windows/s.")
@@ -78,15 +78,6 @@ def make_store(directory, n_tokens):
                          tokenizer={"kind": "byte", "vocab_size": 256, "eot": None})
     print(f"wrote {directory}: {n_tokens:,} tokens in {time.perf_counter() - t0:.0f} s")
     return directory
-
-
-def descendants(pid):
-    out, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop())
-        out += kids
-        todo += kids
-    return out
 
 
 def vm_hwm_mib(pid):

@@ -19,7 +19,6 @@ command that prints a file.
 
 Prints a table and writes bench_results/elastic.json.
 """
-import json
 import os
 import re
 import signal
@@ -35,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tfdist.launch.local import children, task_of  # noqa: E402
+from tfdist.launch.local import descendants, task_of  # noqa: E402
 from tools import bench_common, harness  # noqa: E402
 
 _ZERO = flags.DEFINE_list("zero", ["0", "1"], "ZeRO stages to measure.")
@@ -55,16 +54,8 @@ def rows(work):
         return []
 
 
-def _descendants(pid):
-    found, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop())
-        found, todo = found + kids, todo + kids
-    return found
-
-
 def _worker_1(pid, strategy):
-    for q in _descendants(pid):
+    for q in descendants(pid):
         try:
             with open(f"/proc/{q}/environ", "rb") as f:
                 env = f.read()

@@ -45,6 +45,16 @@ def _ip(*args, check=True):
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
 
 
+def missing():
+    """Why a cluster cannot be made here (None if it can): root, iproute2 and iptables."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    for tool in ("ip", "tc", "iptables"):
+        if not shutil.which(tool):
+            return f"needs {tool} (make cluster-tools installs iptables; ip and tc: iproute2)"
+    return None
+
+
 def namespaces():
     """Names of the machine's network namespaces (`ip netns list`)."""
     return [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]

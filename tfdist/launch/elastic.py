@@ -47,7 +47,7 @@ import time
 
 from tfdist.errors import EXIT_PREEMPTED, UsageError
 from tfdist.launch.hosts import Host
-from tfdist.launch.local import RESIZE, Supervisor, children
+from tfdist.launch.local import RESIZE, Supervisor, descendants
 
 _LINE = re.compile(r"^([A-Za-z0-9._-]+)(?::(\d+))?$")
 
@@ -219,7 +219,7 @@ class ElasticSupervisor(Supervisor):
         self.say(f"elastic: {self.membership.describe(grown)} offered; stopping the group after "
                  f"its step in progress to grow from {self.n} to {len(grown)} worker(s)")
         if self.wrapper:  # the ranks on this machine (horovodrun forwards no signal)
-            ranks = [pid for pid in _descendants(procs["worker", 0].pid) if _is_rank(pid)]
+            ranks = [pid for pid in descendants(procs["worker", 0].pid) if _is_rank(pid)]
             for pid in ranks:
                 _kill(pid, signal.SIGUSR1)
             if ranks:
@@ -272,15 +272,6 @@ class ElasticSupervisor(Supervisor):
                  f"restart)")
         self.workers = offer
         return True
-
-
-def _descendants(pid):
-    found, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop())
-        found += kids
-        todo += kids
-    return found
 
 
 def _is_rank(pid):

@@ -57,7 +57,7 @@ import threading
 import time
 
 from tfdist import cluster as cluster_lib
-from tfdist.errors import EXIT_PREEMPTED, UsageError
+from tfdist.errors import EXIT_PREEMPTED
 from tfdist.launch.bind import loopback_shim  # noqa: F401  (tfdist.launch.local's, for callers)
 from tfdist.launch.hosts import DEFAULT_PORT, Host, passed_on, send
 from tfdist.launch.output import Output
@@ -91,6 +91,15 @@ def children(pid):
             except (OSError, IndexError, ValueError):
                 pass
     return kids
+
+
+def descendants(pid):
+    """PIDs of every process below process `pid` (children, theirs, ...)."""
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found, todo = found + kids, todo + kids
+    return found
 
 
 def task_of(pid):

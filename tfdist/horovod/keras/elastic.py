@@ -24,7 +24,7 @@ worker notification service, `State.commit`, `check_host_updates`, reset callbac
   (`TypeError: 'list' object is not callable`, horovod/horovod#4290), and broadcast Keras 3
   variables with `broadcast_variables` (`'Variable' object has no attribute 'ref'`). Here the
   model's and optimizer's variables are copied in memory at each commit, restored on a failure,
-  and broadcast from rank 0 at each sync (`tfdist.horovod.keras.broadcast_variables`). The
+  and broadcast from rank 0 at each sync (the plugin's `broadcast_variables`). The
   optimizer is built at construction, so that a rank that joins later holds the same variables
   as rank 0 (otherwise the broadcast mismatches and hangs, horovod/horovod#2652). Horovod's
   `TensorFlowState` also broadcasts in its constructor in eager mode, a collective no running
@@ -58,6 +58,9 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 from horovod.tensorflow.elastic import _reset
 from horovod.tensorflow.functions import broadcast_object
 from horovod.tensorflow.mpi_ops import rank
+import horovod.tensorflow as _hvd
+
+from tfdist.strategies import horovod as _plugin
 
 
 def _is_horovod_failure(error):
@@ -81,9 +84,8 @@ def run(func):
     return run_fn(wrapper, _reset)
 
 
-def _broadcast_variables(variables, root_rank):
-    from tfdist.horovod import keras as hvd_keras  # at call time: this module is imported by it
-    hvd_keras.broadcast_variables(variables, root_rank=root_rank)
+def _broadcast_variables(variables, root_rank):  # (as tfdist.horovod.keras.broadcast_variables)
+    _plugin.broadcast_variables(_hvd, variables, root_rank)
 
 
 def _tensor(v):  # the TF variable of a Keras 3 variable
