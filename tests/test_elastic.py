@@ -8,6 +8,7 @@ per strategy.
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -159,3 +160,49 @@ def test_without_elasticity_a_host_lost_for_good_ends_the_job(tmp_path, data_dir
     assert p.returncode == 1, out[-3000:]
     assert "gave up after 1 restart(s)" in out
     assert len(rows(work)) < chaos_elastic.STEPS
+
+
+# -- Slurm: a job whose node is lost ----------------------------------------------------------------
+def _slurm_missing():
+    from tools.slurm_local import missing as slurm_missing
+    return missing() or slurm_missing()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_slurm_missing() is not None, reason=str(_slurm_missing()))
+def test_a_slurm_job_whose_node_is_lost_goes_on_on_the_other(tmp_path, data_dir, two_workers):
+    """A real Slurm of 2 nodes (tools/slurm_local.py, each node a network namespace with its own
+    slurmd). launchers/slurm/tfdist-elastic.sbatch (`--no-kill`) runs the elastic launcher on node
+    h0, one worker per node. At step 14 node h1 dies: its slurmd and its worker SIGKILLed, its
+    link cut for good. Slurm marks it down and keeps the job; the job trains on h0 alone within
+    60 s and completes (exit 0), every step once, the losses those of 2 workers within 1e-5."""
+    from tools.slurm_local import LocalSlurm
+    work, out = tmp_path / "run", tmp_path / "job.out"
+    script = os.path.join(ROOT, "launchers", "slurm", "tfdist-elastic.sbatch")
+    with NetCluster(2, rate="1gbit") as net, LocalSlurm(cpus=2, net=net) as slurm:
+        env = {**os.environ, **slurm.env, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"],
+               "TFDIST_DIR": ROOT, "PYTHON": sys.executable, "REJOIN_TIMEOUT": "10",
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("TF_CONFIG", None)
+        p = net.popen(0, ["sbatch", "--wait", "--nodelist=h0,h1", f"--output={out}", script,
+                          *train_flags(work, data_dir)], env=env, cwd=ROOT,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_until(lambda: len(rows(work)) >= 14, 300, "step 14", proc=p)
+        net.kill(1)  # node h1 dies: its slurmd, and the worker running there
+        net.partition(1)
+        killed = time.monotonic()
+        wait_until(lambda: any(r["replicas"] == 1 for r in rows(work)), 120, "a step on 1 worker",
+                   proc=p)
+        continued = time.monotonic() - killed
+        p.communicate(timeout=600)
+        state = net.run(0, ["sinfo", "-h", "-N", "-n", "h1", "-o", "%T"], env=env).stdout.strip()
+    text = out.read_text() if out.exists() else ""
+    assert p.returncode == 0, text[-5000:]
+    assert state.startswith("down"), state  # Slurm saw the node lost, and kept the job
+    assert continued <= chaos_elastic.CONTINUE_BOUND, continued
+    assert f"{net.address(1)} not back within 10 s: dropped; going on with 1 worker(s)" in text
+    logged = rows(work)
+    assert [x["step"] for x in logged] == list(range(1, chaos_elastic.STEPS + 1))
+    assert logged[0]["replicas"] == 2 and logged[-1]["replicas"] == 1
+    assert {x["global_batch"] for x in logged} == {BATCH}
+    assert max(abs(a["loss"] - b) for a, b in zip(logged, two_workers)) <= chaos_elastic.TOLERANCE

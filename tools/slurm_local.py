@@ -1,9 +1,20 @@
-"""A real Slurm on this machine, for tests: Debian's slurm-wlm as one node, started and stopped.
+"""A real Slurm on this machine, for tests: Debian's slurm-wlm as one node, or as one node per
+host of a tools/netcluster.py cluster, started and stopped.
 
     .venv/bin/python tools/slurm_local.py check     # (root) up, `srun -n 2 hostname`, down
 
     with LocalSlurm(cpus=2) as slurm:               # slurm.env: SLURM_CONF for sbatch/srun/...
         subprocess.run(["sbatch", "--wait", ...], env={**os.environ, **slurm.env})
+
+    with NetCluster(2) as net, LocalSlurm(net=net) as slurm:   # nodes h0, h1: a node per host
+        net.run(0, ["srun", "-N", "2", "hostname"], env={**os.environ, **slurm.env})
+
+With a cluster, slurmctld runs on host 0 (`SlurmctldHost=<this host>(<host 0's address>)`) and
+node hi is a slurmd on host i (`slurmd -N hi`, `NodeAddr=<host i's address>`), started with
+`nsenter --net` so that it keeps the machine's /sys/fs/cgroup (`ip netns exec` mounts a sysfs of
+its own, where slurmd's cgroup plugin fails). The client commands run on host 0. Killing a
+host's processes (`net.kill(i)`) and cutting its link loses that node: slurmctld marks it down
+after `SlurmdTimeout` (10 s).
 
 It needs root and Debian's `slurm-wlm` and `munge` (`make cluster-tools` installs them). The
 set-up is the one measured in shared/DESIGN.md: a munge key (made if missing), `munged`, then
@@ -40,8 +51,8 @@ def missing():
 class LocalSlurm:
     """One-node Slurm (see the module doc). `env` holds SLURM_CONF for the client commands."""
 
-    def __init__(self, cpus=2, port=16817):
-        self.cpus, self.port = cpus, port
+    def __init__(self, cpus=2, port=16817, net=None):
+        self.cpus, self.port, self.net = cpus, port, net
         self.host = socket.gethostname().split(".")[0]
         self.dir = None
         self.procs = {}
@@ -55,12 +66,19 @@ class LocalSlurm:
         if why:
             raise RuntimeError(why)
         self.dir = tempfile.mkdtemp(prefix="tfdist-slurm-")
-        for sub in ("state", "spool"):
+        nodes = [f"h{i}" for i in range(self.net.n)] if self.net else [self.host]
+        for sub in ("state", *(f"spool-{n}" for n in nodes)):
             os.makedirs(os.path.join(self.dir, sub))
         conf = os.path.join(self.dir, "slurm.conf")
+        if self.net:  # the controller on host 0; node hi on host i, at its address
+            where = f"({self.net.address(0)})"
+            lines = [f"NodeName={n} NodeAddr={self.net.address(i)} CPUs={self.cpus} State=UNKNOWN"
+                     for i, n in enumerate(nodes)]
+        else:
+            where, lines = "", [f"NodeName={self.host} CPUs={self.cpus} State=UNKNOWN"]
         with open(conf, "w") as f:
             f.write(f"""ClusterName=tfdist
-SlurmctldHost={self.host}
+SlurmctldHost={self.host}{where}
 SlurmctldPort={self.port}
 SlurmdPort={self.port + 1}
 SlurmUser=root
@@ -71,34 +89,38 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 StateSaveLocation={self.dir}/state
-SlurmdSpoolDir={self.dir}/spool
+SlurmdSpoolDir={self.dir}/spool-%n
 SlurmctldPidFile={self.dir}/slurmctld.pid
-SlurmdPidFile={self.dir}/slurmd.pid
+SlurmdPidFile={self.dir}/slurmd-%n.pid
 SlurmctldLogFile={self.dir}/slurmctld.log
-SlurmdLogFile={self.dir}/slurmd.log
+SlurmdLogFile={self.dir}/slurmd-%n.log
 ReturnToService=2
 MpiDefault=none
 JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 KillWait=10
-NodeName={self.host} CPUs={self.cpus} State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+SlurmdTimeout=10
+{chr(10).join(lines)}
+PartitionName=debug Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """)
         self.env = {"SLURM_CONF": conf}
         try:
             self._munge()
             env = {**os.environ, **self.env}
-            self.procs["slurmctld"] = subprocess.Popen(
-                ["slurmctld", "-D", "-f", conf], env=env, stdout=subprocess.DEVNULL,
-                stderr=subprocess.STDOUT)
-            self.procs["slurmd"] = subprocess.Popen(
-                ["slurmd", "-D", "-f", conf], env=env, stdout=subprocess.DEVNULL,
-                stderr=subprocess.STDOUT)
+            quiet = dict(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            self.procs["slurmctld"] = subprocess.Popen(self.on(0, ["slurmctld", "-D", "-f", conf]),
+                                                       **quiet)
+            for i, n in enumerate(nodes):  # `nsenter --net` keeps /sys/fs/cgroup (`ip netns
+                self.procs[f"slurmd-{n}"] = subprocess.Popen(  # exec` mounts a sysfs of its own)
+                    ([*self.on(i, [], enter=True)] if self.net else []) +
+                    ["slurmd", "-D", *(["-N", n] if self.net else []), "-f", conf], **quiet)
             deadline = time.monotonic() + timeout
             while True:
-                p = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
-                                   text=True, timeout=30)
-                if p.returncode == 0 and p.stdout.strip() in ("idle", "mixed", "allocated"):
+                p = subprocess.run(self.on(0, ["sinfo", "-h", "-N", "-o", "%T"]), env=env,
+                                   capture_output=True, text=True, timeout=30)
+                states = p.stdout.split()
+                if p.returncode == 0 and len(states) == len(nodes) and set(states) <= {
+                        "idle", "mixed", "allocated"}:
                     break
                 dead = [n for n, q in self.procs.items() if q.poll() is not None]
                 if dead or time.monotonic() > deadline:
@@ -110,6 +132,15 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
             self.down()
             raise
         return self
+
+    def on(self, i, argv, enter=False):
+        """`argv` on node i: in host i's namespace with a NetCluster (`enter`: nsenter, which
+        keeps this mount namespace), else here."""
+        if not self.net:
+            return argv
+        if enter:
+            return ["nsenter", f"--net=/run/netns/{self.net.ns(i)}", *argv]
+        return self.net.command(i, argv)
 
     def _munge(self):
         """munged with the machine's key (made, as Debian's postinst would, when missing)."""
@@ -128,15 +159,15 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
 
     def log(self):
         out = []
-        for name in ("slurmctld.log", "slurmd.log"):
-            path = os.path.join(self.dir or "", name)
-            if os.path.exists(path):
+        for name in sorted(os.listdir(self.dir or ".")) if self.dir else []:
+            path = os.path.join(self.dir, name)
+            if name.endswith(".log"):
                 with open(path) as f:
                     out.append(f"--- {name}\n" + f.read()[-3000:])
         return "\n".join(out)
 
     def down(self):
-        for name in ("slurmd", "slurmctld"):
+        for name in sorted(self.procs, reverse=True):  # the slurmds, then slurmctld
             p = self.procs.pop(name, None)
             if p is not None and p.poll() is None:
                 p.terminate()
