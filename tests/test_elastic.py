@@ -224,7 +224,7 @@ def test_a_slurm_job_whose_node_is_lost_goes_on_on_the_other(tmp_path, data_dir,
     """A real Slurm of 2 nodes (tools/slurm_local.py, each node a network namespace with its own
     slurmd). launchers/slurm/tfdist-elastic.sbatch (`--no-kill`) runs the elastic launcher on node
     h0, one worker per node. At step 14 node h1 dies: its slurmd and its worker SIGKILLed, its
-    link cut for good. Slurm marks it down and keeps the job; the job trains on h0 alone within
+    link cut for good. Slurm sees it not responding; the job trains on h0 alone within
     60 s and completes (exit 0), every step once, the losses those of 2 workers within 1e-5."""
     r = _slurm_node_lost(tmp_path, data_dir)
     text, state, continued, work = r["text"], r["state"], r["continued"], r["work"]
