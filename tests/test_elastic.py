@@ -104,6 +104,19 @@ def test_a_batch_some_allowed_size_cannot_split_is_one_line(tmp_path, data_dir):
     assert "Traceback" not in p.stderr and not os.path.exists(tmp_path / "run" / "backup")
 
 
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_a_learning_rate_scaled_by_the_workers_is_refused_when_elastic(tmp_path, data_dir):
+    p = _launch("--strategy=horovod", "--workers=2", "--min_workers=1",
+                rest=["--config=configs/gpt_nano.py", f"--workdir={tmp_path / 'run'}",
+                      f"--config.data.data_dir={data_dir}", "--config.strategy.lr_scaling=linear"])
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        "tfdist: error: strategy.lr_scaling=linear scales the learning rate by the number of "
+        "workers, which an elastic job changes; set it to none (the global batch, and so the "
+        "rate, stay the same)")
+
+
 # -- across hosts: shrink, then grow ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory, data_dir):

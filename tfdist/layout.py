@@ -77,6 +77,10 @@ class Layout:
     def check_sizes(cls, c, plugin, workers):
         """UsageError (one line) if config `c` cannot run on some number of workers in `workers`
         (an elastic job's sizes; one replica per worker)."""
+        if len(workers) > 1 and c.strategy.get("lr_scaling", "none") != "none":
+            raise UsageError(f"strategy.lr_scaling={c.strategy.lr_scaling} scales the learning "
+                             f"rate by the number of workers, which an elastic job changes; set "
+                             f"it to none (the global batch, and so the rate, stay the same)")
         for n in workers:
             try:
                 cls.from_config(c, plugin, replicas=n)
