@@ -7,7 +7,8 @@ Keras 3 and with a small model. Its import line alone decides which Horovod Kera
 
 Each epoch's end prints `EPOCH {json}` (epoch, size, loss) and the end `RESULT {json}` (the
 epochs, the size, a digest of the final weights), with the rank's own prefix from horovodrun.
-BATCH_SLEEP (seconds, default 0.1) slows each batch, so a test can act within an epoch.
+BATCH_SLEEP (seconds, default 0.1) slows each batch, so a test can act within an epoch; EPOCHS
+(default 10) sets the length.
 """
 import hashlib
 import json
@@ -22,7 +23,8 @@ import tfdist.horovod.keras as hvd  # the Horovod Keras API
 
 hvd.init()
 
-EPOCHS, STEPS, BATCH = 10, 24, 16  # steps of an epoch at size 1
+EPOCHS = int(os.environ.get("EPOCHS", 10))
+STEPS, BATCH = 24, 16  # steps of an epoch at size 1
 SLEEP = float(os.environ.get("BATCH_SLEEP", 0.1))
 
 rng = np.random.default_rng(0)  # the same data on every rank: y = x w + 0.5 (+ noise)

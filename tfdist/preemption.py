@@ -44,6 +44,7 @@ import threading
 
 import keras
 
+from tfdist import early
 from tfdist.errors import EXIT_PREEMPTED
 
 
@@ -79,6 +80,9 @@ class Preemption(keras.callbacks.Callback):
         for name in self.signals:
             number = getattr(signal, "SIG" + name)
             self._previous[number] = signal.signal(number, self._on_signal)
+        for number in early.take():  # came while the process started (tfdist.early)
+            if signal.Signals(number).name[3:] in self.signals:
+                self._on_signal(number, None)
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -17,7 +17,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from tfdist import cli, strategies  # (the registry: the plugins' options join the config schema)
+from tfdist import cli, early, strategies  # (the registry: the plugins' options join the schema)
 from tfdist.lock import WorkdirLock, finished, prepare_workdir
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -382,6 +382,7 @@ def main(argv):
 
 
 def run(argv=None):
+    early.hold(["USR1"])  # a stop asked for while TF starts: honoured at the first step
     cli.run(main, argv or sys.argv)
 
 

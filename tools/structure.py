@@ -8,7 +8,7 @@ The layers, lowest first. A file may import files of its own layer and of the la
 
     base        errors, lazy, console, progress, buckets, gradients, models/arithmetic
     config      the config schema (the strategy plugins register their options into it)
-    runtime     cluster, lock, preemption, profiling, optimizers, host, data/, compat/
+    runtime     cluster, lock, early, preemption, profiling, optimizers, host, data/, compat/
     models      the GPT, its pipeline and tensor-parallel forms, their layout-free state
     layout      the layout object, ZeRO
     callbacks   backup, log, the strategies' callbacks
@@ -30,8 +30,8 @@ LAYERS = [
     ("base", ["errors.py", "lazy.py", "console.py", "progress.py", "buckets.py", "gradients.py",
               "models/arithmetic.py"]),
     ("config", ["config.py"]),
-    ("runtime", ["cluster.py", "lock.py", "preemption.py", "profiling.py", "optimizers.py",
-                 "host.py", "data/", "compat/"]),
+    ("runtime", ["cluster.py", "lock.py", "early.py", "preemption.py", "profiling.py",
+                 "optimizers.py", "host.py", "data/", "compat/"]),
     ("models", ["models/"]),
     ("layout", ["layout.py", "zero.py", "zero3.py", "zero3_scope.py"]),
     ("callbacks", ["callbacks/"]),

@@ -60,10 +60,13 @@ def _elastic(n, strategy, spec, rest):
     cannot run."""
     if _MIN.value is None and _MAX.value is None and _DISCOVERY.value is None:
         return None
+    if (_MIN.value is not None and _MIN.value < 1) or (_MAX.value is not None and _MAX.value < 1):
+        raise UsageError("--min_workers and --max_workers must be >= 1")
     if spec.elastic is not None:
         raise UsageError(f"strategy {strategy} does not resize (--min_workers, --max_workers, "
                          f"--discovery): {spec.elastic}")
-    low, high = _MIN.value or n, _MAX.value or max(n, _MIN.value or n)
+    low = n if _MIN.value is None else _MIN.value
+    high = max(n, low) if _MAX.value is None else _MAX.value
     if low > n:
         raise UsageError(f"--min_workers ({low}) is above --workers ({n}): the job starts with "
                          f"--workers and shrinks down to --min_workers")
@@ -134,7 +137,7 @@ def main(argv):
     hosts = [h.strip() for h in _HOSTS.value or [] if h.strip()] or None
     if _HOSTS.value is not None and not hosts:
         raise UsageError("--hosts is empty: give host names or addresses, e.g. --hosts=node1,node2")
-    if hosts and not 1 <= _PORT.value <= 65535 - 64:
+    if (hosts or elastic) and not 1 <= _PORT.value <= 65535 - 64:
         raise UsageError(f"--port must be between 1 and {65535 - 64}, got {_PORT.value}")
     env = dict(os.environ)
     # With --hosts each task binds its own host's address; horovodrun across hosts binds its own

@@ -84,8 +84,8 @@ class Membership:
     def __init__(self, *, hosts=None, discovery=None, max_workers, port, say=print):
         self.discovery, self.max_workers, self.port, self.say = discovery, max_workers, port, say
         names, counts = hosts or ["127.0.0.1"], {}
-        for k in range(max_workers):  # round robin, as --hosts places a fixed group
-            counts[names[k % len(names)]] = counts.get(names[k % len(names)], 0) + 1
+        for k in range(max(max_workers, len(names))):  # round robin, as --hosts places a fixed
+            counts[names[k % len(names)]] = counts.get(names[k % len(names)], 0) + 1  # group
         self.offered = [] if discovery and not hosts else list(counts.items())
         self._lock = threading.Lock()  # (the launcher's loop and its watcher both ask)
         self._hosts = {}
@@ -162,7 +162,7 @@ class ElasticSupervisor(Supervisor):
         self.workers = None  # the host of each worker of the group
         self.resizes = []  # (from, to) sizes
         self._grow = threading.Event()
-        self._watching, self._offered = None, []
+        self._watching, self._offered, self._done = None, [], threading.Event()
 
     def _place(self):
         if self.workers is None:  # the first start: the hosts there, within the bound
@@ -200,18 +200,23 @@ class ElasticSupervisor(Supervisor):
             offer = self.membership.offer()
         return offer
 
+    def run(self):
+        try:
+            return super().run()
+        finally:
+            self._done.set()  # the watcher ends
+
     def _watch(self):
         """Every `interval` s: more slots offered than the group has asks for a resize."""
-        while not self.stop_signal:
-            time.sleep(self.interval)
+        while not self.stop_signal and not self._done.wait(self.interval):
             workers = self.workers
             if workers and not self._grow.is_set():
                 self._offered = self.membership.offer()
                 if len(self._offered) > len(workers):
                     self._grow.set()
 
-    def _resize_wanted(self):
-        return self._grow.is_set()
+    def _resize_wanted(self):  # (the watcher may have judged a group that has since grown)
+        return self._grow.is_set() and len(self._offered) > len(self.workers)
 
     def _stop_to_resize(self, procs):
         """SIGUSR1 to the processes: they back up the step in progress and exit 75."""
@@ -239,7 +244,10 @@ class ElasticSupervisor(Supervisor):
         if code != EXIT_PREEMPTED and not by_signal and not (self.wrapper and not ranks):
             return self.roles[0], code
         self.resizes.append((self.n, len(grown)))
-        self.say(f"elastic: the group backed up its step; growing to {len(grown)} worker(s)")
+        self.resized += 1
+        self.say(f"elastic: the group stopped (exit {code}: " + ("it backed up its step" if code
+                 == EXIT_PREEMPTED else "it resumes from its newest backup") +
+                 f"); growing to {len(grown)} worker(s)")
         self.workers = grown
         return RESIZE
 
@@ -267,6 +275,7 @@ class ElasticSupervisor(Supervisor):
                      f"--min_workers={self.min_workers}; giving up")
             return False
         self.resizes.append((len(group), len(offer)))
+        self.resized += 1
         self.say(f"elastic: {', '.join(gone)} not back within {self.rejoin_timeout:g} s: dropped; "
                  f"going on with {len(offer)} worker(s) from the newest backup (not counted as a "
                  f"restart)")

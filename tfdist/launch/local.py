@@ -161,6 +161,7 @@ class Supervisor:
         self.wake = threading.Event()
         self.restarts = 0
         self.preemptions = 0  # group restarts after a worker's exit 75: not counted in restarts
+        self.resized = 0  # group restarts at another size (tfdist.launch.elastic): neither
         self.exit_dir = None  # where the processes record their own exit status (run)
 
     def say(self, message):
@@ -185,7 +186,7 @@ class Supervisor:
     def _spawn(self, cluster, role, index):
         name = f"{'c' if role == 'chief' else 'w' if role == 'worker' else 'ps'}{index}"
         env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT":
-               str(self.restarts + self.preemptions), cluster_lib.EXIT_DIR: self.exit_dir}
+               str(self.restarts + self.preemptions + self.resized), cluster_lib.EXIT_DIR: self.exit_dir}
         if self.tf_config:
             env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
         else:  # one process that starts the others itself (horovodrun)
@@ -271,9 +272,9 @@ class Supervisor:
                         if c not in (None, 0) and k != chief:
                             self.say(f"{k[0]} {k[1]} {describe_exit(c)} after the chief had finished")
                     return None
-            if chief_done is None and self._resize_wanted():
-                return RESIZE
             failed = [(k, self.own_status(c)) for k, c in codes.items() if c not in (None, 0)]
+            if chief_done is None and not failed and self._resize_wanted():
+                return RESIZE
             if failed and chief_done is None:
                 (role, index), code = failed[0]
                 if role not in self.restart_alone or code == 2:
