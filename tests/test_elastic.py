@@ -93,28 +93,25 @@ def test_an_elastic_range_that_cannot_run_is_one_line(flags, line):
     assert "Traceback" not in p.stderr and "started" not in p.stdout
 
 
-def test_a_batch_some_allowed_size_cannot_split_is_one_line(tmp_path, data_dir):
-    p = _launch("--workers=2", "--min_workers=1", "--max_workers=3",
+@pytest.mark.parametrize("flags, config, line", [
+    (["--max_workers=3"], "--config.train.batch_size=16",
+     "tfdist: error: an elastic job may run on 3 worker(s) (--min_workers=1 .. --max_workers=3): "
+     "train.batch_size (16) must be divisible by the 3 replicas of strategy multi_worker_mirrored"),
+    pytest.param(["--strategy=horovod"], "--config.strategy.lr_scaling=linear",
+                 "tfdist: error: strategy.lr_scaling=linear scales the learning rate by the number "
+                 "of workers, which an elastic job changes; set it to none (the global batch, and "
+                 "so the rate, stay the same)", marks=[pytest.mark.slow, pytest.mark.horovod]),
+])
+def test_a_config_some_allowed_size_cannot_run_is_one_line(tmp_path, data_dir, flags, config,
+                                                           line):
+    """Checked once, before any worker starts: a batch that 3 workers cannot split, and a
+    learning rate scaled by the number of workers."""
+    p = _launch("--workers=2", "--min_workers=1", *flags,
                 rest=["--config=configs/gpt_nano.py", f"--workdir={tmp_path / 'run'}",
-                      f"--config.data.data_dir={data_dir}", "--config.train.batch_size=16"])
+                      f"--config.data.data_dir={data_dir}", config])
     assert p.returncode == 2, p.stdout + p.stderr
-    assert p.stderr.strip().splitlines()[-1] == (
-        "tfdist: error: an elastic job may run on 3 worker(s) (--min_workers=1 .. --max_workers=3): "
-        "train.batch_size (16) must be divisible by the 3 replicas of strategy multi_worker_mirrored")
+    assert p.stderr.strip().splitlines()[-1] == line, p.stderr
     assert "Traceback" not in p.stderr and not os.path.exists(tmp_path / "run" / "backup")
-
-
-@pytest.mark.slow
-@pytest.mark.horovod
-def test_a_learning_rate_scaled_by_the_workers_is_refused_when_elastic(tmp_path, data_dir):
-    p = _launch("--strategy=horovod", "--workers=2", "--min_workers=1",
-                rest=["--config=configs/gpt_nano.py", f"--workdir={tmp_path / 'run'}",
-                      f"--config.data.data_dir={data_dir}", "--config.strategy.lr_scaling=linear"])
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert p.stderr.strip().splitlines()[-1] == (
-        "tfdist: error: strategy.lr_scaling=linear scales the learning rate by the number of "
-        "workers, which an elastic job changes; set it to none (the global batch, and so the "
-        "rate, stay the same)")
 
 
 # -- across hosts: shrink, then grow ----------------------------------------------------------------
