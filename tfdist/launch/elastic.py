@@ -162,7 +162,6 @@ class ElasticSupervisor(Supervisor):
         self.start_workers, self.min_workers = workers, min_workers
         self.rejoin_timeout, self.interval = rejoin_timeout, interval
         self.workers = None  # the host of each worker of the group
-        self.resizes = []  # (from, to) sizes
         self._grow = threading.Event()
         self._watching, self._offered, self._done = None, [], threading.Event()
 
@@ -245,7 +244,6 @@ class ElasticSupervisor(Supervisor):
         by_signal = code in (-signal.SIGUSR1, 128 + signal.SIGUSR1)
         if code != EXIT_PREEMPTED and not by_signal and not (self.wrapper and not ranks):
             return self.roles[0], code
-        self.resizes.append((self.n, len(grown)))
         self.resized += 1
         self.say(f"elastic: the group stopped (exit {code}: " + ("it backed up its step" if code
                  == EXIT_PREEMPTED else "it resumes from its newest backup") +
@@ -276,7 +274,6 @@ class ElasticSupervisor(Supervisor):
                      f"{self.rejoin_timeout:g} s, and {len(offer)} worker slot(s) are below "
                      f"--min_workers={self.min_workers}; giving up")
             return False
-        self.resizes.append((len(group), len(offer)))
         self.resized += 1
         self.say(f"elastic: {', '.join(gone)} not back within {self.rejoin_timeout:g} s: dropped; "
                  f"going on with {len(offer)} worker(s) from the newest backup (not counted as a "
