@@ -27,6 +27,14 @@ def pytest_collection_modifyitems(session, config, items):
         name = os.path.splitext(os.path.basename(str(item.fspath)))[0]
         return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
     items.sort(key=rank)  # stable: each file's tests keep their order
+    from tfdist.runtime import cpu
+    blocked = cpu.bf16_blocked()
+    for item in items:  # a second CPU type by oneDNN's cap (docs/testing.md): bfloat16 aside
+        if blocked and "bf16" in item.keywords:
+            item.add_marker(pytest.mark.skip(
+                reason=f"{blocked}: an artefact of the cap (a real CPU without AVX-512 runs "
+                       f"bfloat16 on TF's Eigen kernels; tfdist train refuses it here in one "
+                       f"line, tests/test_cli.py)"))
 
 
 def _run_root(tmp_path_factory):

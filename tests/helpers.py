@@ -185,7 +185,7 @@ def assert_usage_error(p, needle):
 
 
 # -- what a run left -----------------------------------------------------------------------------
-# -- gradient overlap (tfdist/buckets.py, tfdist/profiling.py) -------------------------------------
+# -- gradient overlap (tfdist/parallel/buckets.py, tfdist/runtime/profiling.py) -------------------------------------
 OVERLAP_BUCKET_MB = 0.1  # gpt_nano's 0.46 MiB of gradients in 4 buckets
 
 
@@ -197,7 +197,7 @@ def assert_overlap(overlapped, not_overlapped, workers):
     The tests that profile are in `make test-long`: in one of about ten 2-process runs here
     (`make test`, 2026-11-26) a process aborted in its profiled step ("free(): invalid pointer",
     SIGABRT, inside TF 2.21's profiler; not reproduced alone), which a suite must not depend on."""
-    from tfdist import profiling
+    from tfdist.runtime import profiling
     for w in range(workers):
         on = profiling.overlap(profiling.read(os.path.join(overlapped, "profile", f"worker-{w}")))
         off = profiling.overlap(profiling.read(os.path.join(not_overlapped, "profile", f"worker-{w}")))

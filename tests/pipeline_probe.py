@@ -27,7 +27,7 @@ import tfdist.strategies  # noqa: E402
 from tfdist.models.gpt import GPT, loss_fn  # noqa: E402
 from tfdist.models import state  # noqa: E402
 from tfdist.models.pipeline import Pipeline  # noqa: E402
-from tfdist.layout import Layout, configure_logical_cpus  # noqa: E402
+from tfdist.parallel.layout import Layout, configure_logical_cpus  # noqa: E402
 from tfdist.step import TrainStep  # noqa: E402
 
 SIZES = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
@@ -51,7 +51,7 @@ def attach_step(piped):
                     schedule=piped.schedule, recompute=piped.recompute,
                     sp=piped.sequence_parallel, seq=SIZES["block_size"])
     with tfdist.strategies.get("single").scope():
-        TrainStep(piped, tfdist.strategies.get("single"), layout)
+        piped.train_step = TrainStep(piped, tfdist.strategies.get("single"), layout)
 
 
 def max_abs_diff(a, b):
@@ -121,17 +121,17 @@ def losses(k, m, t=1, optimizer="sgd", sp=False):
 
 
 def zero3_grads(k, m, recompute=False, t=1, schedule="gpipe", sp=False):
-    """One replica's ZeRO-3 gradients (tfdist.zero3: each block run with its gathered weights
+    """One replica's ZeRO-3 gradients (tfdist.parallel.zero.weights: each block run with its gathered weights
     under a custom gradient, the tied head's read gathered where it is read) against the same
     pipeline's plain gradients. (One replica: no collective; what is checked is that every
     weight's gradient reaches it through the gathers, stage recomputation included.)"""
-    from tfdist import zero, zero3
+    from tfdist.parallel import zero
     x, y = batch()
     out = []
     for sharded in (False, True):
         _, piped = models(k, m, recompute, t, schedule, sp)
         piped.compile(optimizer="sgd", loss=loss_fn())
-        sources = zero3.shard(piped, zero.local()).sources() if sharded \
+        sources = zero.make(3, piped, zero.local()).sources() if sharded \
             else list(piped.trainable_weights)
         loss, got = tf.function(lambda: piped.compute_gradients(x, y, variables=sources))()
         grads = dict(zip(map(id, sources), got))
@@ -231,10 +231,10 @@ if __name__ == "__main__":
         result = losses(k, m, t, sp="sp" in words)
     elif what == "zero3":
         if "reuse_reads" in words:  # a test's companion: a lazy read reused across microbatches
-            from tfdist import zero3
-            init = zero3.Gathering.__init__
-            zero3.Gathering.__init__ = lambda self, params, mapping=None, reuse=True: init(
-                self, params, mapping, True)
+            from tfdist.parallel.zero.weights import Gathering
+            init = Gathering.__init__
+            Gathering.__init__ = lambda self, sharded, mapping=None, reuse=True: init(
+                self, sharded, mapping, True)
         result = zero3_grads(k, m, "recompute" in words, t, options.get("schedule", "gpipe"),
                              "sp" in words)
     elif what == "tensor_placement":

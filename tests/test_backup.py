@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfdist import callbacks as cb
 from tfdist.errors import EXIT_PREEMPTED, UsageError
-from tfdist.lock import LOCK_NAME
+from tfdist.runtime.lock import LOCK_NAME
 from tfdist.models.gpt import GPT
 from tests.helpers import (DRIVER, ROOT, assert_usage_error, driver, executed_steps, harness,
                            final_weights, tree_digest, wait_until)
@@ -370,7 +370,7 @@ def test_a_second_run_on_a_busy_workdir_is_refused_and_the_first_goes_on(tmp_pat
 def test_a_signal_in_an_epochs_last_step_stops_after_its_validation():
     """Preemption in the last step of an epoch waits for the epoch's end, so its validation is
     logged as in an uninterrupted run; in any other step it stops at the step's end."""
-    from tfdist.preemption import Preempted, Preemption
+    from tfdist.runtime.preemption import Preempted, Preemption
     x = np.ones((4, 2), "float32")
     for signal_at, expected in (
             ((0, 3), ["batch 1", "batch 3", "epoch 0 val", "save"]),
@@ -404,7 +404,7 @@ def test_a_signal_in_an_epochs_last_step_stops_after_its_validation():
 _STOPPED_THEN_TERMINATED = """
 import os, signal, sys, time
 import keras, numpy as np
-from tfdist.preemption import Preemption
+from tfdist.runtime.preemption import Preemption
 model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
 model.compile(optimizer="sgd", loss="mse")
 class Signal(keras.callbacks.Callback):

@@ -1,4 +1,4 @@
-"""Gradient buckets (tfdist/buckets.py) and reading a profiled step (tfdist/profiling.py): the
+"""Gradient buckets (tfdist/parallel/buckets.py) and reading a profiled step (tfdist/runtime/profiling.py): the
 bucket plan, the reduction by buckets in one process, bad options, and the overlap read from a
 trace. The 2-process runs that overlap for real are in tests/test_multi_worker.py and
 tests/test_horovod.py."""
@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist import buckets, config, profiling
+from tfdist import config
+from tfdist.parallel import buckets
+from tfdist.runtime import profiling
 from tfdist.errors import UsageError
 from tests.helpers import assert_usage_error, tfdist
 
@@ -59,9 +61,9 @@ def test_bad_bucket_options_name_the_key(key, value, needle):
 
 
 def test_overlap_on_with_zero_is_refused():
-    """(the layout judges the combination: tfdist.layout)"""
+    """(the layout judges the combination: tfdist.parallel.layout)"""
     from tfdist import strategies
-    from tfdist.layout import Layout
+    from tfdist.parallel.layout import Layout
     c = config.default_config()
     c.strategy.name, c.strategy.overlap, c.zero.stage = "multi_worker_mirrored", "on", 2
     with pytest.raises(UsageError, match="strategy.overlap=on cannot be combined with zero.stage=2"):
@@ -73,11 +75,12 @@ def test_overlap_on_with_zero_is_refused():
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_under_zero_the_step_reduce_scatters_instead_of_the_buckets(stage):
     """What overlap=auto is beside ZeRO: the step (tfdist.step) reduce-scatters to each replica's
-    shard (tfdist.zero), and the strategy's reduction, the one that overlaps in buckets
+    shard (tfdist.parallel.zero), and the strategy's reduction, the one that overlaps in buckets
     (`Strategy.reduce_gradients`), is not called; without ZeRO it is, once per step."""
     import keras
-    from tfdist import strategies, zero
-    from tfdist.layout import Layout
+    from tfdist import strategies
+    from tfdist.parallel import zero
+    from tfdist.parallel.layout import Layout
     from tfdist.step import TrainStep
     calls = []
 

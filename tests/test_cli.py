@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tfdist.lock import LOCK_NAME
+from tfdist.runtime.lock import LOCK_NAME
 from tests.helpers import (ROOT, assert_usage_error, driver, load_config, metrics, run, tfdist,
                            tree_digest)
 
@@ -91,6 +91,7 @@ def test_sample_generates_text_from_the_saved_model(finished_run):
 
 
 @pytest.mark.slow
+@pytest.mark.bf16
 def test_mixed_precision_and_gradient_accumulation_train(tmp_path, data_dir):
     steps = 8
     tfdist("train", f"--workdir={tmp_path}", f"--config.data.data_dir={data_dir}",
@@ -100,6 +101,22 @@ def test_mixed_precision_and_gradient_accumulation_train(tmp_path, data_dir):
     m = metrics(tmp_path)
     assert len(m["steps"]) == steps and all(r["loss"] == r["loss"] for r in m["steps"])  # no NaN
     assert m["evals"][-1]["loss"] < 5.5
+
+
+@pytest.mark.slow
+def test_bfloat16_under_a_onednn_cap_below_it_is_one_line(tmp_path, data_dir):
+    """ONEDNN_MAX_CPU_ISA=AVX2 on a CPU with AVX-512: TF picks oneDNN's bfloat16 matmul from the
+    CPU's flags and the capped oneDNN has none, which would crash the process (exit 139); tfdist
+    train says so in one line, exit 2, before the model is built."""
+    from tfdist.runtime import cpu
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    if not cpu.bf16_blocked(environ=env):
+        pytest.skip("this CPU has no AVX-512: TF runs bfloat16 on Eigen under the cap, nothing to "
+                    "refuse")
+    p = tfdist("train", f"--workdir={tmp_path / 'run'}", f"--config.data.data_dir={data_dir}",
+               "--config.train.precision=mixed_bfloat16", env=env, check=False)
+    assert_usage_error(p, "train.precision=mixed_bfloat16 cannot run here: "
+                          "ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN")
 
 
 def bad(*args):

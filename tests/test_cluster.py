@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tfdist import cluster
+from tfdist.runtime import cluster
 from tfdist.errors import UsageError
 from tests.helpers import assert_usage_error, first_fast, run
 

@@ -18,7 +18,7 @@ import yaml
 
 from tfdist.launch.local import loopback_shim
 from tests.helpers import ROOT, free_port_run, run
-from tfdist import cluster
+from tfdist.runtime import cluster
 from tools.slurm_local import missing as slurm_missing
 
 SBATCH = os.path.join(ROOT, "launchers", "slurm", "tfdist.sbatch")

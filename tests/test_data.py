@@ -12,7 +12,7 @@ import tensorflow_datasets as tfds
 
 from tfdist import config
 from tfdist.data import ByteTokenizer, Windows, open_store, sources, store, tokenizer
-from tfdist.data import prepare as prep
+from tfdist.data import build
 from tfdist.errors import UsageError
 from tests.helpers import write_nanogpt
 
@@ -293,7 +293,7 @@ def stdlib_bpe(tmp_path_factory):
     c = _bpe_config()
     c.data.data_dir = str(tmp_path_factory.mktemp("bpe"))
     c.data.vocab_size = BPE_VOCAB
-    return prep.prepare(c.data, progress=False)
+    return build.build_store(c.data, progress=False)
 
 
 @pytest.mark.slow

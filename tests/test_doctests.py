@@ -62,7 +62,7 @@ def test_module_examples_run():
 
 
 def main(names):
-    from tfdist.layout import configure_logical_cpus
+    from tfdist.parallel.layout import configure_logical_cpus
     configure_logical_cpus(2)
     failed = 0
     for name in names:

@@ -172,7 +172,7 @@ def test_the_same_program_under_every_strategy(strategy, single, tmp_path):
 @pytest.mark.parametrize("strategy", [pytest.param("horovod", marks=pytest.mark.horovod),
                                       "multi_worker_mirrored"])
 def test_the_same_program_with_its_weights_sharded(single, tmp_path, strategy):
-    """`tfdist.strategies.get(strategy, zero=3)` (ZeRO-3, tfdist/zero3.py), the program otherwise
+    """`tfdist.strategies.get(strategy, zero=3)` (ZeRO-3, tfdist/parallel/zero/weights.py), the program otherwise
     unchanged: each weight stored on one process while `fit` runs, gathered where each layer
     runs. The three models train as under plain data parallelism: the single device's losses,
     evaluation and predictions (the models without Dropout and BatchNormalization), every

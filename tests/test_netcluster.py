@@ -181,7 +181,7 @@ def test_parameter_server_across_four_hosts_trains_as_single(tmp_path, data_dir,
         chief = [sys.executable, "-m", "tfdist", "train", "--config=configs/gpt_nano.py",
                  f"--workdir={work}", "--config.strategy.name=parameter_server",
                  *[f"--config.{k}={v}" for k, v in _common(data_dir).items()]]
-        server = [sys.executable, "-m", "tfdist.launch.serve", "parameter_server"]
+        server = [sys.executable, "-m", "tfdist.cli.serve", "parameter_server"]
         procs = [net.popen(i, chief if role == "chief" else server, cwd=ROOT,
                            env={**_env(net, i, cluster, role, index),
                                 "TFDIST_SERVER_ORPHAN_TIMEOUT": "5"}, stdout=subprocess.PIPE,

@@ -113,7 +113,7 @@ def test_bad_pipeline_configs_are_one_line(tmp_path, flags, needle):
 
 _SPLIT_THEN_MWMS = """
 import json, os, sys
-from tfdist.layout import Layout
+from tfdist.parallel.layout import Layout
 import tensorflow as tf
 os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": ["127.0.0.1:%d"]},
                                       "task": {"type": "worker", "index": 0}})

@@ -86,7 +86,7 @@ def test_parameter_counts_match_the_papers_and_tfdists_gpt():
     from tfdist import config as config_lib
     from tfdist.models.gpt import GPT
     for name in ("gpt_nano", "gpt_mini"):
-        c = plan._config(os.path.join(ROOT, "configs", f"{name}.py"))
+        c = plan.load_config(os.path.join(ROOT, "configs", f"{name}.py"))
         c.model.vocab_size = config_lib.vocab_size(c)  # the byte tokenizer's 256
         gpt = GPT.from_model_config(c.model)
         gpt.build()
@@ -128,7 +128,7 @@ def test_ring_allreduce_and_the_pipeline_bubble():
 
 
 def test_zero3_memory_is_a_share_of_the_weights_plus_two_gathered_layers():
-    """ZeRO-3 (tfdist.zero3): 1/N of the weights, plus the layer that runs and the one
+    """ZeRO-3 (tfdist.parallel.zero.weights): 1/N of the weights, plus the layer that runs and the one
     prefetched, gathered whole."""
     m, c = plan.MODELS["gpt3-175b"], plan.Cluster(plan.DEVICES["a100-80gb"], 64)
     z2 = plan.memory(m, plan.planned(64, 8, tp=8, zero=2))
@@ -184,7 +184,7 @@ def test_search_ranks_feasible_layouts_and_explains_the_others():
 
 
 def test_the_recommended_command_is_valid_tfdist_flags():
-    m = plan._config(os.path.join(ROOT, "configs", "gpt2_xl.py"))
+    m = plan.load_config(os.path.join(ROOT, "configs", "gpt2_xl.py"))
     model = plan.model_from_config(m, "gpt2_xl")
     cluster = plan.Cluster(plan.DEVICES["a100-40gb"], 8)
     opts = plan.calibrated_options()
@@ -193,7 +193,7 @@ def test_the_recommended_command_is_valid_tfdist_flags():
         p = plan.evaluate(model, cluster, lay, opts)
         assert plan.runnable(p, cluster)
         cmd = plan.tfdist_command(p, cluster, "--config=configs/gpt2_xl.py", "mixed")
-        c = plan._config(os.path.join(ROOT, "configs", "gpt2_xl.py"))
+        c = plan.load_config(os.path.join(ROOT, "configs", "gpt2_xl.py"))
         for arg in cmd.split():
             if arg.startswith("--config."):
                 key, value = arg[len("--config."):].split("=")
@@ -255,7 +255,7 @@ def _fake_bench(d, with_pipeline=True):
 @pytest.mark.slow
 def test_measured_predicts_the_benches_from_their_inputs(tmp_path):
     _fake_bench(tmp_path)
-    mini = plan.model_from_config(plan._config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
+    mini = plan.model_from_config(plan.load_config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
     rows = {r["figure"]: r for r in plan.measured(str(tmp_path), mini)}
     eff = rows["scaling.json: MWMS, 2 processes vs 1"]
     t1 = 16 * 256 / 1400.0
@@ -281,7 +281,7 @@ def test_every_committed_benchmark_row_is_predicted_within_10_percent_or_named()
     (loopback, links, Horovod, the parameter server, pipeline, ZeRO) are predictions within ±10 %
     where docs/benchmarks.md does not call the run unusable."""
     bench_dir = os.path.join(ROOT, "bench_results")
-    mini = plan.model_from_config(plan._config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
+    mini = plan.model_from_config(plan.load_config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
     rows = plan.measured(bench_dir, mini)
     assert not [r for r in rows if "missing" in r]
     judged = [r for r in rows if "measured" in r]
@@ -360,11 +360,11 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 def test_every_layout_the_planner_calls_runnable_is_what_its_command_runs(name, device, devices,
                                                                            batch):
     """Over every layout the planner enumerates: the command it prints for a runnable one is a
-    config that `tfdist train` accepts (its config rules, then `tfdist.layout.Layout`, the one
+    config that `tfdist train` accepts (its config rules, then `tfdist.parallel.layout.Layout`, the one
     judge) and whose layout is the planned one; the others it calls modelled."""
     from tfdist import strategies
-    from tfdist.layout import Layout
-    c0 = plan._config(os.path.join(ROOT, "configs", f"{name}.py"))
+    from tfdist.parallel.layout import Layout
+    c0 = plan.load_config(os.path.join(ROOT, "configs", f"{name}.py"))
     model, cluster = plan.model_from_config(c0, name), plan.Cluster(plan.DEVICES[device], devices)
     plans = plan.search(model, cluster, batch, opts=plan.calibrated_options())
     ran = 0
@@ -373,7 +373,7 @@ def test_every_layout_the_planner_calls_runnable_is_what_its_command_runs(name, 
             continue
         ran += 1
         cmd = plan.tfdist_command(p, cluster, f"--config=configs/{name}.py", "mixed").split()
-        c = plan._config(os.path.join(ROOT, "configs", f"{name}.py"))
+        c = plan.load_config(os.path.join(ROOT, "configs", f"{name}.py"))
         for arg in cmd:
             if arg.startswith("--config."):
                 key, value = arg[len("--config."):].split("=")

@@ -37,7 +37,7 @@ def test_a_model_compiled_in_the_scope_and_stepped_by_tfdist_is_prepared_once(mo
     learning-rate scaling) must apply once, not once for each (the rate x ranks², found in
     review)."""
     import keras
-    from tfdist.layout import Layout
+    from tfdist.parallel.layout import Layout
     from tfdist.step import TrainStep
     strategy = tfdist.strategies.get("single")
 
@@ -49,7 +49,7 @@ def test_a_model_compiled_in_the_scope_and_stepped_by_tfdist_is_prepared_once(mo
         model = keras.Sequential([keras.layers.Dense(1)])
         model.build((None, 2))
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        TrainStep(model, strategy, Layout())
+        model.train_step = TrainStep(model, strategy, Layout())
     assert float(model.optimizer.learning_rate) == pytest.approx(0.2)
 
 
@@ -105,7 +105,7 @@ def test_user_functional_model_fits_under_strategy(name, replicas):
 
 SPARSE_MODEL = r"""
 import sys, numpy as np, tensorflow as tf, keras, tfdist.strategies, tfdist.compat as compat
-from tfdist import gradients
+from tfdist.parallel import gradients
 name, mode = sys.argv[1], sys.argv[2]
 rows, devices, steps = map(int, sys.argv[3:6])
 strategy = tfdist.strategies.get(name, devices=devices)

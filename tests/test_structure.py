@@ -1,7 +1,9 @@
-"""The package's structure (tools/structure.py): no import cycle between files, no import from a
-lower layer to a higher one, no file over 400 lines, no function over 80 but declarative tables;
-and each check fails on a copy of the package changed to break it."""
+"""The package's structure (tools/structure.py): its layers are its folders, no import cycle
+between files, no import from a lower layer to a higher one, at most 10 modules directly in
+tfdist/, no function over 100 lines but declarative tables, and docs/design.md's tree is the
+package's; each check fails on a copy of the package changed to break it."""
 import os
+import re
 import shutil
 
 from tools import structure
@@ -11,29 +13,76 @@ def test_the_package_keeps_its_structure():
     r = structure.report()
     assert r["cycles"] == [], r["cycles"]
     assert r["upward"] == [], "a lower layer imports a higher one: " + repr(r["upward"])
-    assert r["files_over_limit"] == [], r["files_over_limit"]
     assert r["functions_over_limit"] == [], r["functions_over_limit"]
     assert r["longest_function"][1] <= structure.MAX_FUNCTION_LINES
+    assert len(r["top_modules"]) <= structure.MAX_TOP_MODULES, r["top_modules"]
 
 
-def test_every_file_has_a_layer():
-    sources = structure.files(os.path.join(structure.ROOT, "tfdist"))
-    assert [p for p in sources if structure.layer_of(p) is None] == []
+def test_the_layers_are_the_folders():
+    """Every folder of the package and every file directly in it is in exactly one layer, and a
+    layer names nothing else (no file inside a folder: a folder's files share its layer)."""
+    r = structure.report()
+    assert r["unlayered"] == [] and r["layers_without_entry"] == [], r
+    named = [e for _, es in structure.LAYERS for e in es]
+    assert len(named) == len(set(named))
+    assert all(e.count("/") == (1 if e.endswith("/") else 0) for e in named), named
+
+
+def design_tree():
+    """The package tree in docs/design.md (the block after its "Module layout" heading): the
+    paths of its folders and modules, from the indentation of each line's first word."""
+    with open(os.path.join(structure.ROOT, "docs", "design.md")) as f:
+        text = f.read()
+    block = text.split("<!-- tree -->")[1]
+    paths, stack = [], []
+    for line in block.strip().strip("`").strip().splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not re.fullmatch(r"[\w]+\.py|[\w]+/", name):
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        stack[depth:] = [name]
+        paths.append("".join(stack))
+    return paths
+
+
+def test_design_md_shows_the_package_as_it_is():
+    """docs/design.md's tree lists every folder and module of the package, and only those
+    (regenerate its names with `python tools/structure.py --tree`)."""
+    package = ["".join(p) for p in _tree_paths(structure.tree())]
+    assert design_tree() == package
+
+
+def _tree_paths(lines):
+    stack = []
+    for line in lines:
+        depth = (len(line) - len(line.lstrip())) // 2
+        stack[depth:] = [line.strip()]
+        yield list(stack)
 
 
 def test_each_check_fails_on_a_package_that_breaks_it(tmp_path):
     """The companion: in a copy of the package, config imports the layout (which imports config:
-    a cycle, and a lower layer reaching a higher one), and a file gets 401 lines with a function
-    of 81."""
+    a cycle, and a lower layer reaching a higher one), a function gets 101 lines, a new folder
+    has no layer, and the top of the package holds 11 modules; design.md's tree then misses a
+    module."""
     copy = tmp_path / "tfdist"
     shutil.copytree(os.path.join(structure.ROOT, "tfdist"), copy)
     with open(copy / "config.py", "a") as f:
-        f.write("\n\ndef _judge(c, plugin):\n    from tfdist import layout\n"
+        f.write("\n\ndef _judge(c, plugin):\n    from tfdist.parallel import layout\n"
                 "    return layout.Layout.from_config(c, plugin)\n")
-    with open(copy / "lazy.py", "a") as f:
-        f.write("\n\ndef long():\n" + "    x = 1\n" * 80 + "\n" * (401 - 84))
+    with open(copy / "errors.py", "a") as f:
+        f.write("\n\ndef long():\n" + "    x = 1\n" * 100)
+    os.makedirs(copy / "extra")
+    (copy / "extra" / "__init__.py").write_text("")
+    loose = [f"loose{i}.py" for i in range(11 - len(structure.top_modules(
+        structure.files(str(copy)))))]
+    for name in loose:
+        (copy / name).write_text("")
     r = structure.report(str(copy))
-    assert ["config.py", "layout.py"] in r["cycles"], r["cycles"]
-    assert ("config.py", "layout.py") in r["upward"]
-    assert ("lazy.py", len(open(copy / "lazy.py").read().splitlines())) in r["files_over_limit"]
-    assert ("lazy.py:long", 81) in r["functions_over_limit"]
+    assert ["config.py", "parallel/layout.py"] in r["cycles"], r["cycles"]
+    assert ("config.py", "parallel/layout.py") in r["upward"]
+    assert ("errors.py:long", 101) in r["functions_over_limit"]
+    assert r["unlayered"] == ["extra/"] + loose
+    assert len(r["top_modules"]) == 11 > structure.MAX_TOP_MODULES
+    package = ["".join(p) for p in _tree_paths(structure.tree(str(copy)))]
+    assert design_tree() != package and "tfdist/extra/__init__.py" in package

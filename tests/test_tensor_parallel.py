@@ -165,7 +165,7 @@ def test_sequence_parallel_activation_memory_is_the_papers_formula():
 def test_the_planner_recommends_a_runnable_tensor_parallel_layout():
     from tfdist import plan
     # GPT-2 large: its 20 heads split over t = 2 (GPT-2 XL's 25 would not: the layout refuses t=2)
-    c = plan._config(os.path.join(os.path.dirname(__file__), "..", "configs", "gpt2_large.py"))
+    c = plan.load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "gpt2_large.py"))
     model = plan.model_from_config(c, "gpt2_large")
     cluster = plan.Cluster(plan.DEVICES["a100-40gb"], 8)
     # (a batch of 4 sequences: one per replica, no gradient accumulation, which

@@ -99,10 +99,9 @@ from tfdist.train import _apply_recommended
 import numpy as np, tensorflow as tf
 s = tfdist.strategies.get("tpu", resolver=FakeResolver(cores={cores}))
 c = config_lib.default_config(); c.train.steps_per_epoch = {per_epoch}
-said = []
-_apply_recommended(c, s, said.append)
+said = _apply_recommended(c, s)
 mine = config_lib.default_config(); mine.train.precision = "float32_explicit"
-_apply_recommended(mine, s, said.append)
+said += _apply_recommended(mine, s)
 tokens = store.from_arrays(tempfile.mkdtemp(), train=np.arange(10000) % 256, val=np.arange(500) % 256)
 w = Windows(tokens.split("train"), {block}, {batch}, seed=0)
 ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
@@ -132,8 +131,8 @@ def test_gpt_trains_on_a_real_tpu():
 
 
 # -- every file access in the checkpoint, log and data paths goes through tf.io.gfile ----------
-SCANNED = ["tfdist/train.py", "tfdist/prepare.py", "tfdist/callbacks", "tfdist/sample.py", "tfdist/data",
-           "tfdist/models"]
+SCANNED = ["tfdist/train.py", "tfdist/cli/prepare.py", "tfdist/callbacks", "tfdist/cli/sample.py",
+           "tfdist/data", "tfdist/models", "tfdist/parallel/zero/shards.py"]
 FORBIDDEN = {"open", "os.open", "os.makedirs", "os.mkdir", "os.remove", "os.unlink", "os.rename",
              "os.replace", "os.listdir", "os.walk", "os.scandir", "os.path.exists",
              "os.path.isfile", "os.path.isdir", "os.path.getsize", "os.stat", "shutil.rmtree",
@@ -143,8 +142,8 @@ FORBIDDEN = {"open", "os.open", "os.makedirs", "os.mkdir", "os.remove", "os.unli
 ALLOWED = {
     ("tfdist/data/sources.py", "os.walk"): "the running Python's own standard library (default corpus)",
     ("tfdist/train.py", "open"): "/proc/self/status: this process's peak memory (VmHWM)",
-    ("tfdist/data/prepare.py", "os.makedirs"): "the prepare lock, taken only for local stores",
-    ("tfdist/data/prepare.py", "os.open"): "the prepare lock (flock of the directory), local stores only",
+    ("tfdist/data/build.py", "os.makedirs"): "the prepare lock, taken only for local stores",
+    ("tfdist/data/build.py", "os.open"): "the prepare lock (flock of the directory), local stores only",
 }
 
 

@@ -15,9 +15,54 @@ Example (2 replicas on 2 logical CPUs; any strategy of `tfdist.strategies.names(
     >>> len(history.history["loss"])
     1
 """
-__version__ = "0.1.0"
+import importlib.abc
+import sys
 
-from tfdist.errors import UsageError  # noqa: F401
+from tfdist.errors import Moved, UsageError  # noqa: F401
+
+__version__ = "0.2.0"
+
+#: Modules that moved when the package took its folders (docs/design.md): an import of the old
+#: name is one line naming the new one (`tfdist.errors.Moved`; a program's uncaught error is that
+#: line and exit status 2).
+MOVED = {
+    "tfdist.buckets": "tfdist.parallel.buckets",
+    "tfdist.gradients": "tfdist.parallel.gradients",
+    "tfdist.layout": "tfdist.parallel.layout",
+    "tfdist.zero": "tfdist.parallel.zero",
+    "tfdist.zero3": "tfdist.parallel.zero (its stage 3: tfdist.parallel.zero.weights)",
+    "tfdist.zero3_scope": "tfdist.parallel.zero.weights",
+    "tfdist.cluster": "tfdist.runtime.cluster",
+    "tfdist.console": "tfdist.runtime.console",
+    "tfdist.early": "tfdist.runtime.early",
+    "tfdist.host": "tfdist.runtime.cpu",
+    "tfdist.lazy": "tfdist.runtime.lazy",
+    "tfdist.lock": "tfdist.runtime.lock",
+    "tfdist.preemption": "tfdist.runtime.preemption",
+    "tfdist.profiling": "tfdist.runtime.profiling",
+    "tfdist.progress": "tfdist.runtime.progress",
+    "tfdist.prepare": "tfdist.cli.prepare",
+    "tfdist.sample": "tfdist.cli.sample",
+    "tfdist.data.prepare": "tfdist.data.build",
+    "tfdist.launch.cli": "tfdist.cli.launch",
+    "tfdist.launch.serve": "tfdist.cli.serve",
+    "tfdist.plan.cli": "tfdist.cli.plan",
+    "tfdist.plan.__main__": "the command `tfdist plan`",
+}
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder):
+    """Asked last, for a module no other finder found: a moved one raises `Moved`."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in MOVED:
+            raise Moved(name, MOVED[name])
+        return None
+
+
+if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedFinder())
+
 # The strategy registry (no TensorFlow: the plugins are read without it): the plugins' options
 # join the config schema before any config is made.
 from tfdist import strategies  # noqa: F401,E402

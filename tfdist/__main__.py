@@ -2,9 +2,10 @@
 import importlib
 import sys
 
-COMMANDS = {"prepare": "tfdist.prepare", "train": "tfdist.train", "sample": "tfdist.sample", "launch": "tfdist.launch.cli",
-            "plan": "tfdist.plan"}
-USAGE = "usage: tfdist {prepare,train,sample,launch,plan} [--flags]   (tfdist <command> --help for its flags)"
+#: each command's command line: tfdist/cli/<command>.py
+COMMANDS = {name: f"tfdist.cli.{name}" for name in ("prepare", "train", "sample", "launch", "plan")}
+USAGE = ("usage: tfdist {prepare,train,sample,launch,plan} [--flags]   (tfdist <command> --help "
+         "for its flags)")
 
 
 def main(argv=None):

@@ -72,7 +72,7 @@ def default_config():
     c.train.intra_op_threads = 0  # TF's thread pools per process; 0 = TF's default (all cores)
     c.train.inter_op_threads = 0
     # Capture a TensorBoard profile of this global step (every op's start and end, per thread)
-    # in <workdir>/profile/worker-<i>; 0: none. `tfdist.profiling` reads it.
+    # in <workdir>/profile/worker-<i>; 0: none. `tfdist.runtime.profiling` reads it.
     c.train.profile_step = 0
 
     # The strategy's name, and every plugin's own options with their defaults: the plugins
@@ -101,8 +101,8 @@ def default_config():
     c.tensor.parallel = 1
     c.tensor.sequence_parallel = False  # norms and residuals split along the sequence (Megatron)
 
-    # ZeRO (tfdist/zero.py): 1 shards the optimizer states over the data-parallel replicas, 2 also
-    # the gradients, 3 also the weights (tfdist/zero3.py); 0 keeps them whole on every replica.
+    # ZeRO (tfdist/parallel/zero/): 1 shards the optimizer states over the data-parallel replicas, 2 also
+    # the gradients, 3 also the weights; 0 keeps them whole on every replica.
     c.zero = ml_collections.ConfigDict()
     c.zero.stage = 0
 
@@ -113,7 +113,7 @@ def default_config():
     c.backup.keep = 2
     c.backup.delete_on_success = True
     c.backup.asynchronous = True  # written in the background while training goes on
-    # Preemption (tfdist/preemption.py): on these signals the run finishes its step, writes a
+    # Preemption (tfdist/runtime/preemption.py): on these signals the run finishes its step, writes a
     # backup within grace_secs and exits with status 75 ("resume me").
     c.backup.preemption_signals = "TERM,USR1"
     c.backup.grace_secs = 30.0

@@ -7,7 +7,7 @@ with status 2, without a traceback (`install_excepthook`). Other exceptions are 
 import os
 import sys
 
-#: The exit status of a preempted run (`tfdist.preemption`): sysexits.h's EX_TEMPFAIL, "try again
+#: The exit status of a preempted run (`tfdist.runtime.preemption`): sysexits.h's EX_TEMPFAIL, "try again
 #: later". `tfdist launch` and launchers/slurm/tfdist.sbatch resume on it instead of giving up.
 EXIT_PREEMPTED = 75
 
@@ -32,9 +32,18 @@ class UsageError(Exception):
     """
 
 
+class Moved(UsageError, ModuleNotFoundError):
+    """An import of a module that moved: one line naming where it is now (`tfdist.MOVED`)."""
+
+    def __init__(self, old, new):
+        # (no `name`: Python's `from package import x` would take the error for a missing
+        # submodule and say less)
+        super().__init__(f"{old} moved to {new} in tfdist 0.2; import that instead")
+
+
 def install_excepthook(report=lambda code: None):
     """An uncaught UsageError in any program that imported tfdist: one line, exit status 2
-    (`report(2)` first: a launched process records it, `tfdist.cluster.report_exit`)."""
+    (`report(2)` first: a launched process records it, `tfdist.runtime.cluster.report_exit`)."""
     if getattr(sys.excepthook, "tfdist", False):
         return
     previous = sys.excepthook

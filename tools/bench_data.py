@@ -178,7 +178,7 @@ def input_main():
     from tfdist import config as config_lib, plan, strategies
     from tfdist.callbacks import TrainingLog  # noqa: F401  (the same imports as tfdist train)
     from tfdist.data import Windows, open_store, store
-    from tfdist.layout import Layout
+    from tfdist.parallel.layout import Layout
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
     from tfdist.step import TrainStep
@@ -217,7 +217,8 @@ def input_main():
         model = GPT.from_model_config(m)
         model.build()
         model.compile(optimizer=make_optimizer(t, 10_000), loss=loss_fn())
-        TrainStep(model, strategy, Layout(batch=t.batch_size), clipnorm=t.grad_clip)
+        model.train_step = TrainStep(model, strategy, Layout(batch=t.batch_size),
+                                     clipnorm=t.grad_clip)
     batches = list(windows.dataset_fn(0, steps)(None))
     in_memory = tf.data.Dataset.from_tensor_slices((tf.stack([b[0] for b in batches]),
                                                     tf.stack([b[1] for b in batches])))

@@ -70,7 +70,7 @@ def worker(spec):
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(spec["intra"])
     tf.config.threading.set_inter_op_parallelism_threads(spec["inter"])
-    from tfdist.layout import Layout, configure_logical_cpus
+    from tfdist.parallel.layout import Layout, configure_logical_cpus
     configure_logical_cpus(spec["stages"] * spec["tensor"])
     import keras
     from tfdist import strategies
@@ -82,9 +82,10 @@ def worker(spec):
                      tensor_parallel=spec["tensor"], schedule=spec["schedule"])
     model.build()
     model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=loss_fn())
-    TrainStep(model, strategies.get("single"), Layout(  # tfdist's step (tfdist.step), as `train`
-        pp=spec["stages"], tp=spec["tensor"], microbatches=spec["microbatches"],
-        schedule=spec["schedule"]))
+    model.train_step = TrainStep(  # tfdist's step (tfdist.step), as `tfdist train` sets it
+        model, strategies.get("single"), Layout(pp=spec["stages"], tp=spec["tensor"],
+                                                microbatches=spec["microbatches"],
+                                                schedule=spec["schedule"]))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, size=(spec["batch"], SIZES["block_size"] + 1)).astype("int32")
     x, y = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
@@ -111,7 +112,7 @@ def kept_worker(spec):
     import collections
 
     import tensorflow as tf
-    from tfdist.layout import configure_logical_cpus
+    from tfdist.parallel.layout import configure_logical_cpus
     configure_logical_cpus(2)
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.models.pipeline import Pipeline

@@ -1,4 +1,4 @@
-"""Benchmark: the overlap of the gradient all-reduce with the backward pass (tfdist/buckets.py;
+"""Benchmark: the overlap of the gradient all-reduce with the backward pass (tfdist/parallel/buckets.py;
 `make bench-overlap`).
 
     python tools/bench_overlap.py --rounds=2
@@ -10,7 +10,7 @@ intra-op and --inter_op_threads inter-op thread per process, the same batch per 
 --link on the test cluster's shaped links. The last round's runs profile their last step: each
 strategy's trace (both processes, overlapped and not, Chrome trace format: chrome://tracing or
 ui.perfetto.dev) goes to bench_results/overlap-trace-<strategy>.json, and its overlap report
-(tfdist.profiling.overlap) to bench_results/overlap[-<link>].json, beside the planner's
+(tfdist.runtime.profiling.overlap) to bench_results/overlap[-<link>].json, beside the planner's
 prediction for each row.
 """
 import json
@@ -32,7 +32,7 @@ def main(argv):
     del argv
     import tempfile
     import numpy as np
-    from tfdist import profiling
+    from tfdist.runtime import profiling
     from tfdist.plan.model import allreduce_seconds, exposed_allreduce
 
     n, steps = WORKERS.value, WARMUP.value + STEPS.value

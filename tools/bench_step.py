@@ -36,7 +36,7 @@ def main(argv):
     from tfdist import strategies
     from tfdist.data import Windows, open_store
     from tfdist.models.gpt import GPT, loss_fn
-    from tfdist.layout import Layout
+    from tfdist.parallel.layout import Layout
     from tfdist.optimizers import make_optimizer
     from tfdist.step import TrainStep
 
@@ -76,8 +76,9 @@ def main(argv):
         with strategy.scope():
             model = build()
             model.compile(optimizer=make_optimizer(t, total), loss=loss_fn(), jit_compile=jit)
-            TrainStep(model, strategy, Layout(batch=t.batch_size, jit_compile=jit),
-                      clipnorm=t.grad_clip)
+            model.train_step = TrainStep(
+                model, strategy, Layout(batch=t.batch_size, jit_compile=jit),
+                clipnorm=t.grad_clip)
         timer = Timer()
         log = TrainingLog("/tmp/tfdist-bench", tokens_per_step=tokens_per_step, is_chief=False)
 

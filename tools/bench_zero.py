@@ -67,9 +67,9 @@ def loopback_tx():
 
 
 def worker(stage):
-    from tfdist import zero3
+    options = {}
     if stage == KEPT:  # ZeRO-3, the forward's gathered weights kept for the backward pass
-        zero3.REGATHER, stage = False, 3
+        options, stage = {"regather": False}, 3
     import numpy as np
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -77,9 +77,10 @@ def worker(stage):
     import keras
     from tfdist import strategies
     from tfdist.config import default_config
-    from tfdist.layout import Layout
+    from tfdist.parallel.layout import Layout
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
+    from tfdist.parallel import zero
     from tfdist.step import TrainStep
     strategy = strategies.get(_STRATEGY.value)
     keras.utils.set_random_seed(0)
@@ -89,8 +90,9 @@ def worker(stage):
         model.build()
         t = default_config().train
         model.compile(optimizer=make_optimizer(t, 1000), loss=loss_fn())
-        TrainStep(model, strategy, Layout(dp=strategy.num_replicas, zero=stage),
-                  clipnorm=t.grad_clip)
+        model.train_step = TrainStep(model, strategy,
+                                     Layout(dp=strategy.num_replicas, zero=stage),
+                                     clipnorm=t.grad_clip, zero_options=options)
         optimizer = model.optimizer
     rank = strategy.worker_index
     rng = np.random.default_rng(rank)
@@ -109,7 +111,8 @@ def worker(stage):
     strategy.barrier()
     tx = loopback_tx() - tx
     optimizer_bytes = sum(v.numpy().nbytes for v in optimizer.variables)
-    params = zero3.of(model)
+    sharded = zero.of(model)
+    params = sharded if sharded and sharded.stage == 3 else None  # (the weights sharded)
     weight_bytes = 4 * (params.held_parameters() if params else
                         sum(int(np.prod(v.shape)) for v in model.trainable_variables))
     every = [json.loads(x) for x in exchange(strategy, json.dumps([optimizer_bytes, weight_bytes]))]

@@ -27,7 +27,7 @@ is in flight, seen from its files; the run must resume from the backup before it
 (`write_trials`; chaos-write-<strategy>.json).
 
 --fault=sigterm (preemption; also --strategy=single): the worker gets SIGTERM while the step
-runs. Every process backs up that step and exits 75 (tfdist/preemption.py); the launcher restarts
+runs. Every process backs up that step and exits 75 (tfdist/runtime/preemption.py); the launcher restarts
 the group (a single process is run again), and the run resumes at that step. Backups are written
 at epoch ends only, so the resumed step is the signal's own backup. Passes as above.
 

@@ -14,7 +14,7 @@ really ran, across restarts.
   seconds, then writes them again and commits (names them in the index): a slow disk, so that a
   fault can land while a write is in flight (tools/harness.write_in_flight sees it on disk).
 --skip-freeze: asynchronous backups write the live variables, not their values at the save
-  (tfdist.callbacks.snapshot.FREEZE), to show that the kill-during-a-write test can fail.
+  (BackupAndRestore.freeze), to show that the kill-during-a-write test can fail.
 --kill-at-step K: SIGKILL this process right after its K-th step (after that step's backup, if
   any). Under `tfdist launch` only worker --kill-worker does it, and only in the first attempt
   (TFDIST_RESTART_COUNT=0), so the restarted group runs to the end. Under Horovod, where only
@@ -36,10 +36,10 @@ really ran, across restarts.
   accumulators) and its ZeRO description.
 --hash-weights: after every step, append `<step> <sha256 of the weights>` to
   WORKDIR/weight_hashes-w<i>.txt.
---skip-zero-gather: leave out ZeRO's all-gather (tfdist.zero.GATHER), to show that the equality
-  tests can fail.
+--skip-zero-gather: leave out ZeRO-1/2's all-gather of the updated weights (Hooks.zero_options:
+  skip all_gather), to show that the equality tests can fail.
 --skip-zero3-gather, --skip-zero3-reduce: leave out ZeRO-3's gather of the weights, or the
-  reduction of their gradients (tfdist.zero3.GATHER, REDUCE), to show that the tests can fail.
+  reduction of their gradients (skip all_gather, reduce_scatter), to show that the tests can fail.
 --kill-before-model-save: SIGKILL when training ends, after the last step's backup and before
   `model.keras` is written (the end window), in the first attempt only.
 --signal-at-step K [--signal NAME]: send this process SIGNAME (default TERM) while its K-th step
@@ -88,10 +88,9 @@ def main():
     import keras
     import numpy as np
     import tensorflow as tf
-    from tfdist import cluster
+    from tfdist.runtime import cluster
     from tfdist import config as config_lib
-    from tfdist import zero, zero3
-    from tfdist.callbacks import snapshot
+    from tfdist.parallel import zero
     from tfdist.train import Hooks, train
 
     spec = cluster.from_environment()
@@ -109,6 +108,9 @@ def main():
     class Faults(Hooks):
         disable_patches = {0: (), 1: ("symbolic_build_under_mwms",),
                            2: ("reduce_per_replica_under_mwms",)}[args.skip_keras_fix]
+        zero_options = {"skip": [name for name, skip in (
+            ("all_gather", args.skip_zero_gather or args.skip_zero3_gather),
+            ("reduce_scatter", args.skip_zero3_reduce)) if skip]}
 
         def model_seed(self, seed, strategy):
             return seed + strategy.worker_index if args.seed_by_rank else seed
@@ -127,6 +129,7 @@ def main():
             contexts.append((windows, input_context))
 
         def on_backup(self, backup):
+            backup.freeze = not args.skip_freeze
             backups.append(backup)
 
         def save_checkpoint(self, manager, step):
@@ -139,9 +142,6 @@ def main():
                 time.sleep(args.slow_write)
             manager.save(checkpoint_number=step)
 
-    snapshot.FREEZE = not args.skip_freeze
-    zero.GATHER = not args.skip_zero_gather
-    zero3.GATHER, zero3.REDUCE = not args.skip_zero3_gather, not args.skip_zero3_reduce
     c = importlib.import_module(args.config).get_config()
     for key, value in json.loads(args.overrides).items():
         section, _, name = key.rpartition(".")
@@ -172,8 +172,11 @@ def main():
             steps_file.write(f"{worker} {os.getpid()} {logs['loss']!r}\n")
             steps_file.flush()
             if args.hash_weights:
-                params = zero3.of(self.model)  # ZeRO-3: the joined weights (a collective)
-                values = params.full_values() if params else [v.numpy() for v in self.model.weights]
+                sharded = zero.of(self.model)  # ZeRO-3: the joined weights (a collective)
+                if sharded and sharded.stage == 3:
+                    values = sharded.full_values()
+                else:
+                    values = [v.numpy() for v in self.model.weights]
                 digest = hashlib.sha256(b"".join(v.tobytes() for v in values))
                 with open(os.path.join(args.workdir, f"weight_hashes-w{worker}.txt"), "a") as f:
                     f.write(f"{self.n} {digest.hexdigest()}\n")
@@ -192,7 +195,7 @@ def main():
             json.dump({"bytes": sum(v.numpy().nbytes for v in optimizer.variables),
                        "accumulator_bytes": sum(v.numpy().nbytes for v in optimizer.variables
                                                 if "gradient_accumulator" in v.path),
-                       "zero": zero.describe(optimizer)}, f)
+                       "zero": zero.describe(record.model)}, f)
     if args.dump_inputs:
         windows, ctx = contexts[0]
         windows.on_input = None

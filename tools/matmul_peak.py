@@ -74,7 +74,7 @@ def committed():
 
 
 def main(argv):
-    from tfdist.console import quiet_tensorflow_import
+    from tfdist.runtime.console import quiet_tensorflow_import
     quiet_tensorflow_import()
     peak, then = measure(), committed()
     against = f" ({peak / then:.2f}x bench_results/bench.json's {then / 1e9:.1f})" if then else ""

@@ -24,7 +24,7 @@ _AT = flags.DEFINE_integer("at_step", 8, "The step profiled (after tracing and w
 
 
 def main(argv):
-    from tfdist import profiling
+    from tfdist.runtime import profiling
     extra = argv[1:]
     with tempfile.TemporaryDirectory(prefix="tfdist-profile-") as workdir:
         cmd = harness.tfdist_argv(

@@ -46,8 +46,8 @@ def main(argv):
     import keras
     import numpy as np
     import tensorflow as tf
+    import tfdist.parallel.zero
     import tfdist.strategies
-    import tfdist.zero3
 
     strategy = tfdist.strategies.get(_STRATEGY.value, devices=_DEVICES.value, zero=_ZERO.value)
 
@@ -164,7 +164,7 @@ def main(argv):
                   "epochs_run": len(history.history["loss"]), "evaluate": evaluation,
                   "history_keys": sorted(history.history),
                   "learning_rate": float(np.asarray(model.optimizer.learning_rate)),
-                  "weights_sharded": tfdist.zero3.of(model) is not None,  # (--zero=3)
+                  "weights_sharded": tfdist.parallel.zero.of(model) is not None,  # (--zero=3)
                   "predict_sum": float(sum(np.abs(p).sum() for p in tf.nest.flatten(predicted))),
                   "weights_sha256": hashlib.sha256(b"".join(
                       np.asarray(w).tobytes() for w in model.weights)).hexdigest()}

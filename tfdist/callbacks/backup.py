@@ -10,7 +10,9 @@ import time
 import keras
 import tensorflow as tf
 
-from tfdist import compat, zero, zero3
+from tfdist import compat
+from tfdist.parallel import zero
+from tfdist.parallel.zero import shards
 from tfdist.callbacks.log import read_json, steps_in, write_json_atomic
 from tfdist.callbacks.snapshot import Snapshot, Writer
 from tfdist.errors import UsageError
@@ -62,6 +64,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                  collective=True, save_checkpoint=None, barrier=None, asynchronous=False):
         super().__init__()
         self.asynchronous = asynchronous
+        #: Asynchronous saves write the state's values at the save (False, a companion test's:
+        #: the live variables, which training changes while the write runs).
+        self.freeze = True
         self._writer, self._snapshot, self._in_flight = Writer(), None, None
         self.stalls = []  # seconds each save kept its caller (training) waiting
         # (manager, step) -> writes the checkpoint; a test driver's hook may fail inside it
@@ -95,22 +100,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         # The weights and the optimizer's state under the unsplit model's names, whatever the
         # layout (pipeline stages, tensor-parallel shards: tfdist.models.state). Dropout's RNG
         # state lives in Keras SeedGenerators, listed here so they are saved too.
-        # Under ZeRO each process's slots go to its own shard (tfdist.zero), not the checkpoint.
-        # Under ZeRO-3 (tfdist.zero3) each process's weights go to its shard too: it holds no others.
-        # (A tensor-parallel weight is its shards, shown as one: they have one owner.)
-        params = zero3.of(model)
-        parts = lambda v: getattr(v, "shards", [v])  # noqa: E731
+        # Under ZeRO each process's slots go to its own shard (tfdist.parallel.zero.shards), not
+        # the checkpoint. Under ZeRO-3 each process's weights go to its shard too: it holds no
+        # others. (A tensor-parallel weight is its shards, shown as one: they have one owner.)
+        self._zero = sharded = zero.of(model)
+        owner = getattr(sharded, "owner", {})  # (ZeRO-3: the weights' owners)
+
+        def parts(v):
+            return getattr(v, "shards", [v])
         held = {k: v for k, v in state.weights(model).items()
-                if params is None or all(compat.has_storage(s) for s in parts(v))}
-        self._shard_weights = {} if params is None else {
-            k: v for k, v in held.items() if id(parts(v)[0]) in params.owner}
+                if not owner or all(compat.has_storage(s) for s in parts(v))}
+        self._shard_weights = {k: v for k, v in held.items() if id(parts(v)[0]) in owner}
         self._parts = dict(weights={k: v for k, v in held.items() if k not in self._shard_weights},
                            step=self.step, epoch=self.epoch,
                            rng=[v.value for v in model.variables if "seed_generator" in v.path])
         self._held = held
-        self._opt = state.optimizer_state(model.optimizer, model)
-        self._zero = getattr(model.optimizer, "tfdist_zero", None)
-        self._slots, rest = zero.split_slots(model.optimizer, self._opt)
+        self._opt = state.optimizer_state(
+            model.optimizer, model, sharded.trainables if sharded else model.trainable_weights)
+        self._slots, rest = shards.split_slots(sharded, self._opt)
         self._ckpt = tf.train.Checkpoint(optimizer=rest, **self._parts)
         # What a save writes: the checkpoint's parts, and this replica's ZeRO shard.
         self._state = dict(optimizer=rest, parts=self._parts, slots=self._slots,
@@ -155,7 +162,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         for path in candidates:
             try:
                 self._restore_from(path)
-            except (tf.errors.OpError, zero.DamagedShards) as e:
+            except (tf.errors.OpError, shards.DamagedShards) as e:
                 if isinstance(e, tf.errors.InvalidArgumentError):  # a shape or dtype: the model
                     raise UsageError(f"backup {path} does not match this model "
                                      f"({_first_line(e)}); use another backup dir") from None
@@ -176,18 +183,18 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _restore_from(self, path):
         step = _step_of(path)
-        sharded = tf.io.gfile.isdir(zero.shard_dir(self.backup_dir, step))  # a ZeRO run's backup
+        sharded = tf.io.gfile.isdir(shards.shard_dir(self.backup_dir, step))  # a ZeRO backup
         slots, weights = self._slots, {}
         if sharded:  # the slots (ZeRO-3: weights) this process holds, in the shards
-            names = {n for m in zero.manifests(self.backup_dir, step) for n in m["names"]}
+            names = {n for m in shards.manifests(self.backup_dir, step) for n in m["names"]}
             slots = {k: v for k, v in self._opt.items() if k in names}
-            in_shards = zero.shard_weight_names(self.backup_dir, step)
+            in_shards = shards.shard_weight_names(self.backup_dir, step)
             weights = {k: v for k, v in self._held.items() if k in in_shards}
         rest = {k: v for k, v in self._opt.items() if k not in slots}
         parts = {**self._parts, "weights": {k: v for k, v in self._held.items() if k not in weights}}
         tf.train.Checkpoint(optimizer=rest, **parts).restore(path).assert_existing_objects_matched()
         if sharded:
-            zero.restore_slots(self.backup_dir, step, slots, weights)
+            shards.restore_slots(self.backup_dir, step, slots, weights)
         elif slots:  # a backup without ZeRO holds every slot
             tf.train.Checkpoint(optimizer=slots).read(path).assert_existing_objects_matched()
 
@@ -205,7 +212,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.wait()
             if self.asynchronous:
                 if self._snapshot is None:
-                    self._snapshot = Snapshot(self._state)
+                    self._snapshot = Snapshot(self._state, live=not self.freeze)
                 frozen = self._snapshot.freeze()
                 self._in_flight = step
                 self._writer.start(lambda: self._write_or_fail(step, frozen, background=True),
@@ -259,12 +266,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         the checkpoint and the index that names it, the commit."""
         if self._zero is not None:
             c = self._zero.collectives
-            zero.save_shard(self.backup_dir, step, state["slots"], c.rank, c.size,
-                            state["shard_weights"])
+            shards.save_shard(self.backup_dir, step, state["slots"], c.rank, c.size,
+                              state["shard_weights"])
             if not background:
                 self.barrier()
             elif self.is_chief:  # (the others' writers are not in step with this thread)
-                zero.wait_for_shards(self.backup_dir, step, self.WRITE_TIMEOUT)
+                shards.wait_for_shards(self.backup_dir, step, self.WRITE_TIMEOUT)
         if not (self.is_chief or (self.collective and not background)):
             return  # (frozen values need no collective: the chief alone writes them)
         if background:  # a checkpoint of the frozen values has the live one's keys
@@ -281,7 +288,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             write_json_atomic(self._meta_path, self._metadata(self.model))
         self.save_checkpoint(manager, step)
         if self._zero is not None and self.is_chief:
-            zero.prune(self.backup_dir, min(_step_of(p) for p in manager.checkpoints))
+            shards.prune(self.backup_dir, min(_step_of(p) for p in manager.checkpoints))
         if not self.is_chief:
             tf.io.gfile.rmtree(self._write_dir)
             self._manager = None
@@ -292,7 +299,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         for path in tf.io.gfile.glob(os.path.join(self.backup_dir, f"ckpt-{step}[._]*")):
             (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
-        remove(zero.shard_dir(self.backup_dir, step))
+        remove(shards.shard_dir(self.backup_dir, step))
 
     def remove(self):
         """Deletes the backup (the chief; `tfdist train` calls it once the model is saved)."""

@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import progress
+from tfdist.runtime import progress
 from tfdist.data.store import write_atomic
 
 
@@ -65,7 +65,7 @@ class StepsPerCall(keras.callbacks.Callback):
 
 
 class Progress(keras.callbacks.Callback):
-    """Training's progress on the console (`tfdist.progress`): Keras's progress bar on a
+    """Training's progress on the console (`tfdist.runtime.progress`): Keras's progress bar on a
     terminal, else one line per `every` steps, with readable numbers. It stands in for Keras's
     own `ProgbarLogger` (`fit(verbose=0)` with this callback last, after those that add to the
     logs)."""
@@ -215,7 +215,7 @@ class ProfileStep(keras.callbacks.Callback):
     """Captures a TensorBoard profile (TF's profiler: every op of every thread, with its start and
     end) of global step `step` into `logdir` (`<logdir>/plugins/profile/<time>/<host>.xplane.pb`,
     what TensorBoard's Profile tab reads). `log` is the run's `TrainingLog`, which counts the
-    global steps. `tfdist.profiling` reads it back.
+    global steps. `tfdist.runtime.profiling` reads it back.
 
     Example:
 

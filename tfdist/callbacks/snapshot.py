@@ -29,12 +29,7 @@ Example (the frozen value is the one read, whatever the variable holds later):
 import threading
 
 from tfdist.compat import Tensors
-from tfdist.lazy import tf
-
-
-#: Companion switch (tests show the kill test can fail): False writes the live variables in the
-#: background instead of their values at the save, while training changes them.
-FREEZE = True
+from tfdist.runtime.lazy import tf
 
 
 class Frozen(Tensors):
@@ -57,10 +52,12 @@ def _read(x):
 
 class Snapshot:
     """What `freeze` reads: the leaves of `parts` (nested dicts and lists), in one tf.function
-    traced once. `nbytes`: the host bytes one frozen copy takes (after the first)."""
+    traced once. `nbytes`: the host bytes one frozen copy takes (after the first). `live=True`
+    (a companion test's) freezes nothing: the write then reads the live variables while
+    training changes them."""
 
-    def __init__(self, parts):
-        self.parts = parts
+    def __init__(self, parts, live=False):
+        self.parts, self.live = parts, live
         self.leaves = tf.nest.flatten(parts)
         self.nbytes = 0  # (known once read)
 
@@ -71,7 +68,7 @@ class Snapshot:
         self._read = read
 
     def freeze(self):
-        if not FREEZE:
+        if self.live:
             return self.parts
         values = self._read() if self.leaves else []
         self.nbytes = sum(int(v.shape.num_elements()) * v.dtype.size for v in values)

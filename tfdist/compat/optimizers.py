@@ -2,38 +2,33 @@
 Each function names its row of the patch table (`tfdist/compat/table.py`)."""
 import tensorflow as tf
 
-from tfdist import gradients
 from tfdist.compat.table import using
 
 
-def set_gradient_reduction(optimizer, all_reduce=None):
-    """Sets how a user's compiled `optimizer` reduces gradients across replicas, once, and
-    corrects what a Keras 3 optimizer does with them under a strategy ("gradient_reduction").
+def set_gradient_reduction(optimizer, all_reduce=None, correct=None):
+    """Sets how a user's compiled `optimizer` reduces gradients across replicas, once, and what
+    tfdist corrects of what a Keras 3 optimizer does with them under a strategy
+    ("gradient_reduction").
 
     `all_reduce(grads_and_vars) -> grads_and_vars` replaces Keras's own reduction (the strategy's
-    collective); None keeps it. On the reduced gradients, the corrections of `tfdist.gradients`:
-    duplicate embedding rows summed, then clipping by `global_clipnorm`, which Keras would apply
-    to each replica's partial gradient before the all-reduce. One reduction, one correction: a
-    second call raises instead of wrapping twice. (tfdist's GPT does all this in its training
-    step instead: `tfdist.step`.)"""
+    collective); None keeps it. `correct(grads_and_vars, reduce, clipnorm) -> grads_and_vars`
+    reduces with `reduce` and corrects the result, clipping by `global_clipnorm`, which Keras
+    would apply to each replica's partial gradient before the all-reduce (tfdist's:
+    `tfdist.parallel.gradients.reduce_and_correct`); None: only the reduction. One reduction, one
+    correction: a second call raises instead of wrapping twice. (tfdist's GPT does all this in
+    its training step instead: `tfdist.step`.)"""
     if has_gradient_reduction(optimizer):
         raise ValueError("the optimizer's gradient reduction is already set (wrap it once)")
     reduce = all_reduce or optimizer._all_reduce_sum_gradients
     optimizer.tfdist_reduction = True
-    if not using("gradient_reduction"):
+    if not using("gradient_reduction") or correct is None:
         if all_reduce:
             optimizer._all_reduce_sum_gradients = all_reduce
         return optimizer
     clipnorm = optimizer.global_clipnorm
     optimizer.global_clipnorm = None
-
-    def reduce_then_fix(grads_and_vars):
-        reduced = reduce([(gradients.dense_if_smaller(g, v), v) for g, v in grads_and_vars])
-        grads = [gradients.sum_duplicate_rows(g) for g, _ in reduced]
-        grads = gradients.clip(grads, clipnorm)
-        return list(zip(grads, [v for _, v in reduced]))
-
-    optimizer._all_reduce_sum_gradients = reduce_then_fix
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: correct(grads_and_vars, reduce,
+                                                                         clipnorm)
     return optimizer
 
 

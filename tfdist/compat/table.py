@@ -190,7 +190,7 @@ PATCHES = {
         ("xspace",), ("tensorflow.tsl.profiler.protobuf.xplane_pb2",),
         "tensorflow/tensorflow#60060 (closed: no public reader of the profiler's xplane.pb; "
         "TensorBoard's profile plugin parses it with the same generated module)",
-        "tfdist.profiling could not read a profiled step (the overlap of the all-reduce)",
+        "tfdist.runtime.profiling could not read a profiled step (the overlap of the all-reduce)",
         "tests/test_buckets.py::test_overlap_is_read_from_the_order_of_the_trace", "103506923aba"),
     "slurm_tasks_per_node": Patch(
         ("slurm_tasks_per_node",), ("tensorflow.python.distribute.cluster_resolver."

@@ -1,5 +1,5 @@
 """A Keras variable without its storage, and with it again: ZeRO-3's sharded weights
-(`tfdist.zero3`). Keras 3 has no public way to drop a variable's value on the TF backend: its
+(`tfdist.parallel.zero.weights`). Keras 3 has no public way to drop a variable's value on the TF backend: its
 `keras.distribution` shards variables on JAX only (keras-team/keras#18473, open)."""
 from tfdist.compat.table import using
 

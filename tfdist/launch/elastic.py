@@ -23,7 +23,7 @@ What changes the size, always at a step boundary and from a consistent state:
   ends (exit 1). Progress lost: the steps since the newest backup.
 * **Growing.** When the hosts offer more slots than the group has (up to `--max_workers`), the
   group is asked to stop after its step in progress: the processes get SIGUSR1, agree after the
-  step (`tfdist.preemption`; `tfdist train` holds the signal while it starts, `tfdist.early`),
+  step (`tfdist.runtime.preemption`; `tfdist train` holds the signal while it starts, `tfdist.runtime.early`),
   back that step up and exit 75. The group starts again at the new size from that backup: no
   step is lost. (A program that does not handle SIGUSR1, or `horovod` with no rank on this
   machine, restarts from its newest backup instead.)

@@ -1,4 +1,4 @@
-"""The local launcher behind `tfdist launch` (its flags: `tfdist/launch/cli.py`): N worker processes
+"""The local launcher behind `tfdist launch` (its flags: `tfdist/cli/launch.py`): N worker processes
 on 127.0.0.1 with their TF_CONFIG, supervised.
 
     tfdist launch --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/nano-2w
@@ -23,7 +23,7 @@ What it does:
    time up to 60 s, and there are at most `--max_restarts` of them. `tfdist train` resumes from
    its backup at the exact step.
 
-Preemption (`tfdist.preemption`): SIGTERM or SIGUSR1 to the launcher is passed on to the workers,
+Preemption (`tfdist.runtime.preemption`): SIGTERM or SIGUSR1 to the launcher is passed on to the workers,
 which back up the step in progress and exit 75; the launcher waits for them (at most
 `preemption_grace` seconds, then SIGKILL) and exits 75 too, which means "run the same command to
 resume". A worker that exits 75 by itself (it alone was signalled) restarts the group at once,
@@ -33,7 +33,7 @@ Exit status: 0 when the run completed. 2 for bad usage: this launcher's flags, t
 or a worker that exited 2 (restarting cannot fix that). 1 when the restart budget ran out.
 75 when preempted, as above. 128+N when the launcher was stopped by signal N otherwise (the
 workers are stopped too). Under horovodrun, which exits 1 whatever a rank's status was, the
-ranks' own statuses count: each records its own in TFDIST_EXIT_DIR (`tfdist.cluster.report_exit`).
+ranks' own statuses count: each records its own in TFDIST_EXIT_DIR (`tfdist.runtime.cluster.report_exit`).
 
 Other hosts (`--hosts=a,b,...`): task k runs on host k mod N, at `<host>:<port>` (from
 `--port` on each host); a host that is not this machine is reached with `ssh` (see `Host`),
@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 
-from tfdist import cluster as cluster_lib
+from tfdist.runtime import cluster as cluster_lib
 from tfdist.errors import EXIT_PREEMPTED
 from tfdist.launch.bind import loopback_shim  # noqa: F401  (tfdist.launch.local's, for callers)
 from tfdist.launch.hosts import DEFAULT_PORT, Host, passed_on, send
@@ -291,7 +291,7 @@ class Supervisor:
     def own_status(self, code):
         """A failed process's status as its ranks gave it: horovodrun (and mpirun) exit 1 when
         any rank fails, so a rank's 2 (bad input) or 75 (preempted), recorded in `exit_dir`
-        (`tfdist.cluster.report_exit`), stands for the whole group's."""
+        (`tfdist.runtime.cluster.report_exit`), stands for the whole group's."""
         if self.tf_config:
             return code  # each task is its own process here
         exits = set(cluster_lib.reported_exits(self.exit_dir).values())

@@ -15,7 +15,7 @@ import re
 import sys
 import threading
 
-from tfdist import console
+from tfdist.runtime import console
 
 
 class Output:
@@ -93,7 +93,7 @@ def _last_state(raw):
 
 
 def _is_noise(text):
-    """TF's start-up notices (tfdist.console.NOISE), from any program the workers run: N workers
+    """TF's start-up notices (tfdist.runtime.console.NOISE), from any program the workers run: N workers
     would print them 2N times. They carry no information about the run."""
     return console.is_noise(text)
 

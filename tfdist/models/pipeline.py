@@ -26,7 +26,7 @@ Example (2 logical CPU devices, 4 microbatches):
     >>> import tensorflow as tf
     >>> from tfdist.models.gpt import GPT
     >>> from tfdist.models.pipeline import Pipeline
-    >>> from tfdist.layout import configure_logical_cpus
+    >>> from tfdist.parallel.layout import configure_logical_cpus
     >>> configure_logical_cpus(2)
     >>> model = Pipeline(GPT(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
     ...                  stages=2, microbatches=4)
@@ -82,12 +82,12 @@ def balanced_split(costs, stages, first_extra=0.0, last_extra=0.0):
 
 def default_devices(n):
     """The first `n` devices of this process: its GPUs if it has enough, else its (logical)
-    CPUs. (`tfdist.layout.Layout.split_cpu` and `place_devices` judge and place a run's devices.)"""
+    CPUs. (`tfdist.parallel.layout.Layout.split_cpu` and `place_devices` judge and place a run's devices.)"""
     for kind in ("GPU", "CPU"):
         found = tf.config.list_logical_devices(kind)
         if len(found) >= n:
             return [d.name for d in found[:n]]
-    raise ValueError(f"{n} devices wanted; split the CPU first (tfdist.layout.configure_logical_cpus)")
+    raise ValueError(f"{n} devices wanted; split the CPU first (tfdist.parallel.layout.configure_logical_cpus)")
 
 
 def _backend(variable):
@@ -114,7 +114,7 @@ class Pipeline(keras.Model):
 
     `layers_per_stage`: blocks per stage (default: balanced by compute). `devices`: stages x t
     device names, stage by stage (default: `default_devices`). Build it through
-    `tfdist.layout.Layout.build_model`, which judges the layout first. Checkpoints hold the GPT's
+    `tfdist.parallel.layout.Layout.build_model`, which judges the layout first. Checkpoints hold the GPT's
     variables under the GPT's names whatever the layout (tfdist.models.state), so a backup of one
     layout restores into another.
     """
@@ -130,7 +130,7 @@ class Pipeline(keras.Model):
         if gpt.built:
             raise ValueError("Pipeline needs an unbuilt GPT: its variables must be created on "
                              "their stages' devices")
-        # (a layout is judged by tfdist.layout, before the model is built for it)
+        # (a layout is judged by tfdist.parallel.layout, before the model is built for it)
         self.schedule = schedule
         blocks, embed, head = block_costs(gpt)
         counts = list(layers_per_stage or balanced_split(blocks, stages, embed, head))

@@ -79,19 +79,19 @@ def _slot_lists(optimizer, own):
             yield attr.strip("_"), value
 
 
-def optimizer_state(optimizer, model):
+def optimizer_state(optimizer, model, trainables=None):
     """{name: variable or joined shards} for the optimizer's state: each slot under the name of
     the unsplit variable it belongs to; every other variable (iterations, a loss scale) by its own
-    name. A LossScaleOptimizer's inner optimizer is under "inner/"."""
+    name. A LossScaleOptimizer's inner optimizer is under "inner/". `trainables`: the variables
+    the optimizer was built with (default: the model's trainable weights; under ZeRO-3 those this
+    replica holds, `tfdist.parallel.zero`)."""
     shards, out, placed = _shard_index(model), {}, set()
+    trainables = model.trainable_weights if trainables is None else trainables
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None:
-        for name, v in optimizer_state(inner, model).items():
+        for name, v in optimizer_state(inner, model, trainables).items():
             out["inner/" + name] = v
         placed |= {id(v) for v in inner.variables}
-    # What tfdist and Keras's fit build optimizers with (ZeRO-3: the weights this replica holds)
-    params = getattr(model, "tfdist_params", None)
-    trainables = params.owned if params is not None else model.trainable_weights
     for slot_name, slots in _slot_lists(optimizer, trainables):
         groups = {}
         for var, slot in zip(trainables, slots):

@@ -35,7 +35,7 @@ Example (2 logical CPU devices):
     >>> import numpy as np, tensorflow as tf
     >>> from tfdist.models.gpt import GPT
     >>> from tfdist.models.pipeline import Pipeline
-    >>> from tfdist.layout import configure_logical_cpus
+    >>> from tfdist.parallel.layout import configure_logical_cpus
     >>> configure_logical_cpus(2)
     >>> model = Pipeline(GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32),
     ...                  stages=1, tensor_parallel=2)
@@ -146,7 +146,7 @@ class ShardedDense(keras.layers.Layer):
                 with tf.device(self.devices[r]):
                     self.biases.append(self.add_weight(name=f"bias_{r}", shape=(width,),
                                                        initializer="zeros"))
-        for shards in (self.kernels, self.biases):  # one ZeRO owner for all of them (tfdist.zero)
+        for shards in (self.kernels, self.biases):  # one ZeRO owner for all of them (tfdist.parallel.zero)
             for v in shards:
                 v.tfdist_shard_of = (id(self), id(shards))
         BUILT.add(self)
@@ -205,7 +205,7 @@ def shard_blocks(gpt, block_devices, layout):
     """Replaces the Dense layers of each (unbuilt) block i with ShardedDense layers over
     `block_devices[i]`, as `layout` (`megatron_layout`) says, and makes the block's call
     `parallel_block` on them: the block is called as a layer still (`block(x, training=...)`),
-    so what wraps a layer's call (ZeRO-3's gather, tfdist.zero3) wraps it too."""
+    so what wraps a layer's call (ZeRO-3's gather, tfdist.parallel.zero.weights) wraps it too."""
     for block, devices in zip(gpt.blocks, block_devices):
         for parent, attr, path in ((block.attn, "c_attn", "attn/c_attn"),
                                    (block.attn, "c_proj", "attn/c_proj"),

@@ -2,17 +2,18 @@
 
 Read top to bottom: model.py (devices, models, layouts, memory per device, time per step, the
 search), published.py (the devices' datasheets, the published models and runs, the calibration),
-machine.py (this machine's benches) and cli.py (the command line; its docstring is the overview
-that `tfdist plan --help` prints). The transformer's arithmetic (parameters, FLOPs, activation
+machine.py (this machine's benches), benchmarks.py (every committed bench row predicted) and
+report.py (the table, the chart and the command that runs a plan). The command line is
+tfdist/cli/plan.py; its docstring is the overview that `tfdist plan --help` prints. The transformer's arithmetic (parameters, FLOPs, activation
 and model-state bytes) is tfdist.models.arithmetic's, which the GPT and the pipeline use too.
-This package re-exports the public names of all four.
+This package re-exports their public names.
 
     from tfdist import plan
     m = plan.MODELS["gpt3-175b"]
     best = plan.search(m, plan.Cluster(plan.DEVICES["a100-80gb"], 1024), batch=1536)[0]
     print(best.layout, best.tflops_per_device)
 """
-from tfdist.layout import Layout  # noqa: F401  (the class the planner prices)
+from tfdist.parallel.layout import Layout  # noqa: F401  (the class the planner prices)
 from tfdist.plan.model import (GB, STATE_BYTES, Cluster, Device, Model, Options, Plan,  # noqa: F401
                                activation_bytes_per_layer, allreduce_seconds, evaluate, layouts,
                                memory, model_from_config, planned, search, stage_params, step_time)
@@ -21,5 +22,5 @@ from tfdist.plan.published import (CPU, DEVICES, MEGATRON_OPTIONS, MODELS, PUBLI
                                    zero_figure1)
 from tfdist.plan.benchmarks import measured  # noqa: F401
 from tfdist.plan.machine import BENCH_HINT, allreduce_bandwidth, cpu_device, read_bench  # noqa: F401
-from tfdist.plan.cli import (ROOT, _config, base_config, chart, format_table, main, run,  # noqa: F401
-                             runnable, strategy_command, tfdist_command)
+from tfdist.plan.report import (base_config, chart, format_table, load_config,  # noqa: F401
+                                report, runnable, strategy_command, tfdist_command)

@@ -3,14 +3,14 @@ memory per device, the time per step, and the search over layouts.
 
 The transformer's own arithmetic (parameters, FLOPs, activation bytes, model-state bytes) is
 tfdist.models.arithmetic's, the same that the GPT and the pipeline's memory estimate use. The
-layout is tfdist.layout's, the class `tfdist train` judges and runs. The published devices,
+layout is tfdist.parallel.layout's, the class `tfdist train` judges and runs. The published devices,
 models and runs, and the calibration on them (the fraction of peak, `Options.efficiency`), are in
 published.py.
 """
 import dataclasses
 import math
 
-from tfdist.layout import Layout
+from tfdist.parallel.layout import Layout
 from tfdist.models import arithmetic
 
 GB = 1e9
@@ -90,7 +90,7 @@ class Cluster:
 def planned(batch, dp, tp=1, pp=1, microbatch=1, zero=0, recompute=False, schedule="gpipe",
             sp=False):
     """The layout of `dp` x `tp` x `pp` devices for `batch` sequences per optimizer update in
-    pieces of `microbatch` sequences per replica (`tfdist.layout.Layout.planned`; `sp`: sequence
+    pieces of `microbatch` sequences per replica (`tfdist.parallel.layout.Layout.planned`; `sp`: sequence
     parallelism over the tp ranks). Rank order: tensor-parallel ranks adjacent (in a node), then
     data-parallel, then stages."""
     return Layout.planned(batch, dp, tp, pp, microbatch, zero, recompute, schedule, sp)
@@ -167,7 +167,7 @@ def memory(model, layout, opts=Options()):
     if model.params_override and not model.n_layer:
         return {**parts, "activations": 0.0, "total": sum(parts.values())}
     if z >= 3:  # gathered whole while they run: a layer's weights, and the next one's (prefetch,
-        # tfdist.zero3; the embedding's unit is smaller than two layers for every model here)
+        # tfdist.parallel.zero.weights; the embedding's unit is smaller than two layers for every model here)
         parts["gathered"] = 2 * model.layer_params() / layout.tp * pb
     tokens = layout.microbatch * model.seq_len
     m = layout.passes
@@ -197,7 +197,7 @@ def allreduce_seconds(nbytes, n, bandwidth):
 
 def exposed_allreduce(comm, backward, grad_bytes, bucket_bytes):
     """Seconds of a bucketed gradient all-reduce (`comm` s in all) that a backward pass of
-    `backward` s does not hide (tfdist/buckets.py). The gradients come out at an even rate over
+    `backward` s does not hide (tfdist/parallel/buckets.py). The gradients come out at an even rate over
     the backward pass, the last layers' first, so bucket i of n is ready at backward x (i + 1) / n;
     the buckets are reduced one after another, each taking comm / n. The last bucket is ready
     only when the backward pass ends, so at least comm / n stays exposed; one bucket hides

@@ -17,7 +17,8 @@ Example:
 import importlib
 import os
 
-from tfdist import cluster, config
+from tfdist import config
+from tfdist.runtime import cluster
 from tfdist.errors import UsageError, install_excepthook
 from tfdist.strategies.base import Strategy  # noqa: F401
 
@@ -69,7 +70,7 @@ def get_class(name):
 def get(name, zero=0, **options):
     """Builds the plugin `name` with its options (checked against the plugin's rules).
     `zero=3`: a user's model compiled in its scope has its weights sharded over the replicas
-    (ZeRO-3, tfdist/zero3.py; horovod, multi_worker_mirrored)."""
+    (ZeRO-3, tfdist/parallel/zero/weights.py; horovod, multi_worker_mirrored)."""
     cls = get_class(name)
     cls.check_options(options)
     if zero and (zero != 3 or not cls.shards_user_models):

@@ -20,7 +20,7 @@ go through `keras_call` (one mechanism for every strategy, `tfdist.compat.route_
 plugin adds its gradient handling to the compiled optimizer (also an optimizer given as a string),
 its callbacks, its split of plain datasets, and lets only the chief write files.
 
-What it declares, so that the layout (`tfdist.layout`, which judges what a strategy can combine),
+What it declares, so that the layout (`tfdist.parallel.layout`, which judges what a strategy can combine),
 `tfdist launch` and `tfdist plan` ask it instead of comparing names: `options` (its config keys
 with default, rule and help: they join the config schema), `recommended` config values,
 `uses_local_devices`, `supports_pipeline`, `supports_jit_compile`, `supports_grad_accumulation`,
@@ -43,7 +43,7 @@ import contextlib
 import dataclasses
 
 from tfdist.errors import PeerLost, UsageError
-from tfdist.lazy import tf  # a plugin is read without TensorFlow (the registry, the planner)
+from tfdist.runtime.lazy import tf  # a plugin is read without TensorFlow (the registry, the planner)
 from tfdist.strategies.keras_program import KerasProgram
 
 
@@ -57,7 +57,7 @@ class Launch:
     stopped, stopped as soon as the chief is done. `wrapper(n, argv, hosts)`: the argv of one process
     that starts the n ranks itself (horovodrun; no TF_CONFIG then), on `hosts` (None: this
     one), or None. `server_module`: a
-    module that serves (`python -m <it> <strategy>`: `tfdist.launch.serve`), run on the `servers`
+    module that serves (`python -m <it> <strategy>`: `tfdist.cli.serve`), run on the `servers`
     when the launched command is a user's own program, so that it runs on the chief only.
     `elastic`: None if the group can change size while the job runs (`tfdist.launch.elastic`),
     else what this strategy does instead, said when asked to resize.
@@ -179,7 +179,7 @@ class Strategy(KerasProgram):
         context = tf.distribute.get_replica_context()
         if context is None or self.tf_strategy.num_replicas_in_sync == 1:
             return list(grads_and_vars)
-        from tfdist import buckets
+        from tfdist.parallel import buckets
         return buckets.reduce(grads_and_vars, lambda grads: context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
 
     def prepare_optimizer(self, optimizer):
@@ -201,9 +201,11 @@ class Strategy(KerasProgram):
         corrections (`tfdist.compat.set_gradient_reduction`). tfdist's GPT needs none of this:
         its training step (`tfdist.step`) reduces and corrects the gradients itself."""
         from tfdist import compat
-        return compat.set_gradient_reduction(self.prepared(optimizer), self.reduce_gradients)
+        from tfdist.parallel import gradients
+        return compat.set_gradient_reduction(self.prepared(optimizer), self.reduce_gradients,
+                                             gradients.reduce_and_correct)
 
-    #: `() -> tfdist.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
+    #: `() -> tfdist.parallel.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
     zero_collectives = None
 
     def lost_peer(self, error):

@@ -52,9 +52,9 @@ import weakref
 
 import numpy as np
 
-from tfdist import buckets
+from tfdist.parallel import buckets
 from tfdist.errors import UsageError
-from tfdist.lazy import keras, tf
+from tfdist.runtime.lazy import keras, tf
 from tfdist.strategies.base import Launch, Strategy
 
 _COMPRESSION = ("none", "fp16")
@@ -115,7 +115,7 @@ class Horovod(Strategy):
         self.compression = compression
         self.lr_scaling = lr_scaling
         self.bucket_bytes = buckets.to_bytes(bucket_mb)
-        self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.zero)
+        self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.parallel.zero)
         self._per_rank = weakref.WeakSet()
         super().__init__(tf.distribute.get_strategy())  # one device per rank; Horovod reduces
 
@@ -188,7 +188,7 @@ class Horovod(Strategy):
         """ZeRO's collectives: Horovod's reducescatter (averaging, as its allreduce here),
         allgather (of buffers of any length: ragged), and a summing allreduce, under fixed names
         (in a graph, ranks meet by name)."""
-        from tfdist.zero import Collectives
+        from tfdist.parallel.zero import Collectives
         hvd = self.hvd
         return Collectives(
             hvd.rank(), hvd.size(),
@@ -201,7 +201,7 @@ class Horovod(Strategy):
 
     def reduce_gradients(self, grads_and_vars):
         """The gradient all-reduce Keras calls before every update: a grouped Horovod average per
-        bucket (tfdist/buckets.py), each started as soon as its gradients exist; or one group
+        bucket (tfdist/parallel/buckets.py), each started as soon as its gradients exist; or one group
         after the backward pass (`overlap=off`)."""
         hvd = self.hvd
         compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
@@ -303,7 +303,7 @@ def allreduce_gradients(hvd, grads_and_vars, compression=None, op=None, prescale
                         postscale_factor=1.0, bucket_bytes=None, log=False):
     """`grads_and_vars` with the gradients reduced over the ranks: in one grouped allreduce (one
     group: Horovod fuses it into few ring operations), or with `bucket_bytes` in one group per
-    bucket (`tfdist.buckets`: the last variables first), each of which Horovod starts as soon as
+    bucket (`tfdist.parallel.buckets`: the last variables first), each of which Horovod starts as soon as
     its gradients exist. `op` defaults to the average. `log`: say how, once."""
 
     def reduce_group(grads):
@@ -338,10 +338,10 @@ def broadcast_from_root(hvd, model, root_rank=0):
     """The root rank's model and optimizer state to every rank (before the first step: Keras
     builds the optimizer's variables before `on_train_begin`). Under ZeRO each rank's optimizer
     slots are its own, and stay; under ZeRO-3 so are its weights (each has one copy)."""
-    from tfdist import zero3
-    from tfdist.zero import common_variables
-    broadcast_variables(hvd, zero3.replicated(model, model.variables)
-                        + common_variables(model.optimizer), root_rank)
+    from tfdist.parallel import zero
+    variables = list(model.variables) + list(model.optimizer.variables)
+    sharded = zero.of(model)
+    broadcast_variables(hvd, sharded.common(variables) if sharded else variables, root_rank)
 
 
 def _average_state(hvd, model):

@@ -27,7 +27,7 @@ import threading
 import weakref
 
 from tfdist.errors import UsageError
-from tfdist.lazy import keras, tf
+from tfdist.runtime.lazy import keras, tf
 
 _ACTIVE = threading.local()  # .stack: the plugins whose scope() is entered, innermost last
 _OWNERS = weakref.WeakKeyDictionary()  # model -> the plugin it was compiled under
@@ -111,22 +111,25 @@ class KerasProgram:
     def sharded(self, model, method, arguments):
         """ZeRO-3 of a user's model: at its first `fit`, `evaluate` or `predict` it is built
         (from the data's specs, if it is not) and its weights sharded; tfdist's step becomes its
-        `train_step` (`tfdist.step`, `tfdist.zero3`). Returns the callbacks that surround a
+        `train_step` (`tfdist.step`, `tfdist.parallel.zero.weights`). Returns the callbacks that
+        surround a
         `fit`'s own: the weights are whole for the callbacks' epoch ends and after training
         (each process gathers them: a checkpoint or `model.save` reads them as usual)."""
         if model not in _SHARDED:
             return [], []
-        from tfdist import compat, zero3
-        if zero3.of(model) is None:
+        from tfdist import compat
+        from tfdist.parallel import zero
+        if zero.of(model) is None:
             if not model.built:
                 compat.build_for(model, arguments.get("x"))
-            from tfdist.layout import Layout
+            from tfdist.parallel.layout import Layout
             # tfdist's step is the layer above (it calls the strategy): loaded by name, as the
             # registry loads plugins, so that the strategies never import it.
             train_step = importlib.import_module("tfdist.step").TrainStep
             with self.scope():
-                train_step(model, self, Layout(dp=self.num_replicas, zero=self.user_zero))
-        return _whole_for_callbacks(zero3.of(model)) if method == "fit" else ([], [])
+                model.train_step = train_step(model, self, Layout(dp=self.num_replicas,
+                                                                  zero=self.user_zero))
+        return _whole_for_callbacks(zero.of(model)) if method == "fit" else ([], [])
 
     def keras_call(self, method, model, upstream, arguments):
         """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own
@@ -178,15 +181,15 @@ class KerasProgram:
                 shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _whole_for_callbacks(params):
-    """([first], [last]) around a user's `fit` callbacks under ZeRO-3 (`tfdist.zero3`): the
+def _whole_for_callbacks(sharded):
+    """([first], [last]) around a user's `fit` callbacks under ZeRO-3 (`tfdist.parallel.zero`): the
     weights whole from the first's hook to the last's at the start and at each epoch end (a
     checkpoint, a backup, Horovod's broadcast read them), and whole after training."""
     first = keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs=None: params.materialize(),
-        on_epoch_end=lambda epoch, logs=None: params.materialize(),
-        on_train_end=lambda logs=None: params.materialize())
+        on_train_begin=lambda logs=None: sharded.materialize(),
+        on_epoch_end=lambda epoch, logs=None: sharded.materialize(),
+        on_train_end=lambda logs=None: sharded.materialize())
     last = keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs=None: params.release(),
-        on_epoch_end=lambda epoch, logs=None: params.release())
+        on_train_begin=lambda logs=None: sharded.release(),
+        on_epoch_end=lambda epoch, logs=None: sharded.release())
     return [first], [last]

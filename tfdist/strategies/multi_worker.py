@@ -8,10 +8,10 @@ import os
 import re
 import zlib
 
-from tfdist import buckets
-from tfdist import cluster as cluster_lib
+from tfdist.parallel import buckets
+from tfdist.runtime import cluster as cluster_lib
 from tfdist.errors import UsageError
-from tfdist.lazy import tf
+from tfdist.runtime.lazy import tf
 from tfdist.strategies.base import Launch, Strategy
 
 _IMPLEMENTATIONS = ("auto", "ring")  # tf.distribute.experimental.CommunicationImplementation
@@ -65,7 +65,7 @@ class MultiWorkerMirrored(Strategy):
                 cluster_resolver=self.cluster.resolver(), communication_options=options))
         self._barrier = None
         self.bucket_bytes = buckets.to_bytes(bucket_mb)
-        self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.zero)
+        self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.parallel.zero)
 
     JOIN_TIMEOUT = 180.0  # seconds for every worker to join; TFDIST_JOIN_TIMEOUT overrides
 
@@ -83,7 +83,7 @@ class MultiWorkerMirrored(Strategy):
 
     def reduce_gradients(self, grads_and_vars):
         """The sum over the replicas that Keras's optimizer makes (`ReplicaContext.all_reduce`, the
-        strategy's collective ops), made once per bucket (tfdist/buckets.py). Each call is one
+        strategy's collective ops), made once per bucket (tfdist/parallel/buckets.py). Each call is one
         collective (TF packs a call's tensors into one); TF orders a worker's collectives as they
         were made, the last layers' first, and starts each as soon as its gradients exist. With
         `overlap=off`: one call, after the backward pass, as Keras makes it."""
@@ -139,7 +139,7 @@ class MultiWorkerMirrored(Strategy):
         buffer, as a ring reduce-scatter does. Sums, as Keras's all-reduce here (the loss is
         already scaled by the global batch)."""
         from tfdist import compat
-        from tfdist.zero import Collectives
+        from tfdist.parallel.zero import Collectives
         if self.num_replicas != self.num_workers:
             raise UsageError(f"ZeRO under {self.name} needs one replica per worker (here "
                              f"{self.num_replicas} replicas on {self.num_workers} workers); start "

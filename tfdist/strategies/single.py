@@ -10,7 +10,7 @@ TF's default strategy, which puts unplaced ops on the first GPU, else the CPU, a
   whatever `tf.device` the model asks for, and would put all of a pipeline's stages on one
   device. The default strategy leaves placement to the model.
 """
-from tfdist.lazy import tf
+from tfdist.runtime.lazy import tf
 from tfdist.strategies.base import Strategy
 
 

@@ -29,7 +29,7 @@ import socket
 import threading
 
 from tfdist.errors import UsageError
-from tfdist.lazy import tf
+from tfdist.runtime.lazy import tf
 from tfdist.strategies.base import Strategy
 
 #: Config values a TPU run should use, applied where the config keeps tfdist's defaults.

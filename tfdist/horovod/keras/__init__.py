@@ -49,6 +49,7 @@ from horovod.tensorflow import (Average, Compression, Sum, allgather, allreduce,
                                 local_rank, local_size, rank, shutdown, size)
 
 from tfdist import compat
+from tfdist.parallel import gradients
 from tfdist.strategies import horovod as _plugin
 
 from tfdist.horovod.keras.notes import note  # noqa: E402
@@ -110,7 +111,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                            op=reduce_op, prescale_factor=prescale,
                                            postscale_factor=postscale)
 
-    return compat.set_gradient_reduction(optimizer, reduce)
+    return compat.set_gradient_reduction(optimizer, reduce, gradients.reduce_and_correct)
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):

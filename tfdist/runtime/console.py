@@ -3,7 +3,7 @@ keeps it off the terminal unless asked (`--verbose`, or TFDIST_VERBOSE=1).
 
 Example:
 
-    >>> from tfdist import console
+    >>> from tfdist.runtime import console
     >>> [console.is_noise(line)
     ...  for line in ("oneDNN custom operations are on. You may see ...", "real news")]
     [True, False]

@@ -15,14 +15,14 @@ wrong under a strategy: tf.keras did both, Keras 3 does neither.
 Example:
 
     >>> import tensorflow as tf
-    >>> from tfdist import gradients
+    >>> from tfdist.parallel import gradients
     >>> g = tf.IndexedSlices(tf.ones((3, 2)), tf.constant([1, 0, 1]), tf.constant([4, 2]))
     >>> tf.convert_to_tensor(gradients.sum_duplicate_rows(g)).numpy().tolist()
     [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]
     >>> [float(x) for x in gradients.clip([tf.constant([3.0, 4.0])], 1.0)[0]]
     [0.6000000238418579, 0.800000011920929]
 """
-from tfdist.lazy import tf
+from tfdist.runtime.lazy import tf
 
 
 def sum_duplicate_rows(grad):
@@ -59,3 +59,13 @@ def clip(grads, clipnorm, norm_sum=None, scale=None):
     limit = clipnorm if scale is None else clipnorm * scale
     clipped, _ = tf.clip_by_global_norm(grads, limit, use_norm=norm)
     return clipped
+
+
+def reduce_and_correct(grads_and_vars, reduce, clipnorm=0.0):
+    """What a user's compiled optimizer does with its gradients under a tfdist strategy
+    (`tfdist.compat.set_gradient_reduction`): each sent dense where that moves less, reduced by
+    `reduce(grads_and_vars)`, duplicate rows summed, then clipped by the reduced gradient's
+    global norm. (tfdist's own step makes the same corrections: `tfdist.step`.)"""
+    reduced = reduce([(dense_if_smaller(g, v), v) for g, v in grads_and_vars])
+    grads = clip([sum_duplicate_rows(g) for g, _ in reduced], clipnorm)
+    return list(zip(grads, [v for _, v in reduced]))

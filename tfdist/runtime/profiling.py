@@ -18,7 +18,7 @@ tab shows. This module reads that capture (TF's XSpace protobuf), without Tensor
 
 Example (a trace of two ops, made by hand):
 
-    >>> from tfdist import profiling
+    >>> from tfdist.runtime import profiling
     >>> events = [profiling.Event("gradient_tape/h_0/MatMul", "MatMul", 0.0, 10.0, "tf_Compute/1"),
     ...           profiling.Event("tfdist_reduce/CollectiveReduceV2", "CollectiveReduceV2",
     ...                           4.0, 12.0, "tf_Compute/1")]
@@ -42,7 +42,7 @@ BACKWARD_SCOPES = ("gradient_tape/", "gradients/")
 #: The optimizer's update (Keras's AdamW is `adam_w`; any optimizer's scope ends with its name).
 OPTIMIZER_SCOPE = "adam_w/"
 #: Where the gradient all-reduces live: tfdist's step reduces every bucket of gradients under
-#: `tfdist.buckets.GRADIENT_SCOPE`; Horovod's collectives take their names from tfdist's own
+#: `tfdist.parallel.buckets.GRADIENT_SCOPE`; Horovod's collectives take their names from tfdist's own
 #: absolute scope (`tfdist/strategies/horovod.py`). Other collectives of a step (the loss's
 #: mean, metrics) have neither.
 GRADIENT_SCOPES = ("tfdist_reduce", "tfdist_allreduce")

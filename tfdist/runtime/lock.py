@@ -2,7 +2,7 @@
 runs), and whether it holds a finished run (`finished`, `prepare_workdir`).
 
     >>> import tempfile
-    >>> from tfdist.lock import WorkdirLock
+    >>> from tfdist.runtime.lock import WorkdirLock
     >>> run = tempfile.mkdtemp()
     >>> with WorkdirLock(run):
     ...     WorkdirLock(run).acquire()       # a second run on the same workdir

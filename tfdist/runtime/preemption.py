@@ -20,7 +20,7 @@ agree on whether any was signalled: one summing all-reduce of a scalar
 Example (a signal to this process during step 2 of 4):
 
     >>> import os, signal, keras, numpy as np
-    >>> from tfdist.preemption import Preemption, Preempted
+    >>> from tfdist.runtime.preemption import Preemption, Preempted
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
     >>> saved = []
@@ -44,7 +44,7 @@ import threading
 
 import keras
 
-from tfdist import early
+from tfdist.runtime import early
 from tfdist.errors import EXIT_PREEMPTED
 
 
@@ -80,7 +80,7 @@ class Preemption(keras.callbacks.Callback):
         for name in self.signals:
             number = getattr(signal, "SIG" + name)
             self._previous[number] = signal.signal(number, self._on_signal)
-        for number in early.take():  # came while the process started (tfdist.early)
+        for number in early.take():  # came while the process started (tfdist.runtime.early)
             if signal.Signals(number).name[3:] in self.signals:
                 self._on_signal(number, None)
         return self

@@ -8,7 +8,7 @@ the module's own.
 
 Example:
 
-    >>> from tfdist.lazy import tf
+    >>> from tfdist.runtime.lazy import tf
     >>> int(tf.constant(2)) * 3
     6
 """

@@ -1,4 +1,9 @@
-"""Runs an absl main with tfdist's error contract: bad input -> one line on stderr, exit status 2.
+"""The command lines of tfdist: one module per command (`tfdist <command>`: train, sample,
+prepare, launch, plan; `serve`, a server task of a user's program), each the only reader of its
+flags, and none importing TensorFlow before its `main` runs (every `--help` answers at once).
+
+This module runs an absl main with tfdist's error contract: bad input -> one line on stderr, exit
+status 2.
 
 Flag errors (unknown or ill-typed `--config.*` keys, a missing config file) and `UsageError`s
 raised anywhere in the run are reported as `tfdist: error: <what is wrong and what to do>`.
@@ -10,9 +15,13 @@ import sys
 
 from absl import app, flags, logging
 
-from tfdist import cluster
-from tfdist.console import NOISE, pass_on_stderr, quiet_tensorflow_import, verbose  # noqa: F401
+from tfdist.runtime import cluster
+from tfdist.runtime.console import NOISE, pass_on_stderr, quiet_tensorflow_import, verbose  # noqa: F401
 from tfdist.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, PeerLost, UsageError
+
+#: The repository (its configs/), and the config a command reads without --config.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CONFIG = os.path.join(REPO, "configs", "gpt_nano.py")
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show TensorFlow's start-up messages (also: "
                              "TFDIST_VERBOSE=1).")

@@ -18,7 +18,7 @@ runs a layout from `config_overrides()`, and calls runnable only what `accepts` 
 Example:
 
     >>> from tfdist import config, strategies
-    >>> from tfdist.layout import Layout
+    >>> from tfdist.parallel.layout import Layout
     >>> c = config.default_config()
     >>> c.model.n_layer, c.pipeline.stages, c.pipeline.microbatches = 4, 2, 4
     >>> layout = Layout.from_config(c, strategies.get_class("horovod"), replicas=2)
@@ -33,7 +33,7 @@ Example:
 import dataclasses
 
 from tfdist.errors import UsageError
-from tfdist.lazy import tf
+from tfdist.runtime.lazy import tf
 
 
 @dataclasses.dataclass(frozen=True)

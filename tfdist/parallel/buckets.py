@@ -18,20 +18,20 @@ the strategies that reduce gradients across processes (multi_worker_mirrored, ho
 
 Example: 4 gradients of 10, 10, 30 and 5 MiB in buckets of 25 MiB, the last variables first:
 
-    >>> from tfdist import buckets
+    >>> from tfdist.parallel import buckets
     >>> buckets.plan([10 << 20, 10 << 20, 30 << 20, 5 << 20], 25 << 20)
     [[3, 2], [1, 0]]
 """
 
-from tfdist.lazy import tf
+from tfdist.runtime.lazy import tf
 
 MIB = 1 << 20
-#: The name scope of the gradients' collectives (tfdist.profiling finds them by it).
+#: The name scope of the gradients' collectives (tfdist.runtime.profiling finds them by it).
 GRADIENT_SCOPE = "tfdist_reduce"
 BUCKET_MB = 25.0  # PyTorch DDP's default
 #: Values of `strategy.overlap`: `auto` overlaps wherever tfdist's gradient path allows it (not
 #: under ZeRO, whose reduce-scatter takes every gradient at once), `on` insists (refused with
-#: ZeRO: tfdist.layout), `off` does not.
+#: ZeRO: tfdist.parallel.layout), `off` does not.
 OVERLAP = ("auto", "on", "off")
 
 #: The strategy options (`config.strategy.<key>`) of a plugin that reduces gradients in buckets.
@@ -108,7 +108,7 @@ def reduce(grads_and_vars, reduce_group, bucket_bytes=None, log=None):
     groups = plan(sizes, bucket_bytes) if bucket_bytes else [list(range(len(present)))]
     out = list(grads_and_vars)
     for group in groups:
-        with tf.name_scope(GRADIENT_SCOPE):  # (tfdist.profiling finds the gradients' collectives)
+        with tf.name_scope(GRADIENT_SCOPE):  # (tfdist.runtime.profiling finds the gradients' collectives)
             reduced = reduce_group([grads_and_vars[present[k]][0] for k in group])
         for k, g in zip(group, reduced):
             out[present[k]] = (g, grads_and_vars[present[k]][1])

@@ -1,76 +1,64 @@
 """ZeRO stage 3 (Rajbhandari et al. 2020; PyTorch's FSDP): the weights themselves sharded over the
-N data-parallel replicas, for tfdist's GPT and for any Keras model (docs/strategies.md, ZeRO-3).
+N data-parallel replicas, for tfdist's GPT and for any Keras model (docs/parallelism.md, ZeRO-3).
 
-Storage: whole variables, as stages 1-2 shard the optimizer state (`tfdist.zero`): each
-trainable variable has one owner, which alone keeps its storage; elsewhere the Keras variable
-stays (shape, name, place in the model) without a value (`compat.release_storage`). A "unit",
-what is gathered at once, is a top-level layer with weights (a GPT block); its variables are
-partitioned on their own, so that each gather's shares are close. A weight read outside any
-unit (the GPT's head, tied to the token embedding) is gathered where it is read.
+Storage: whole variables, as stages 1-2 shard the optimizer state: each trainable variable has
+one owner, which alone keeps its storage; elsewhere the Keras variable stays (shape, name, place
+in the model) without a value (`compat.release_storage`). A "unit", what is gathered at once, is
+a top-level layer with weights (a GPT block); its variables are partitioned on their own, so that
+each gather's shares are close (`tfdist.parallel.zero.partition`). A weight read outside any unit
+(the GPT's head, tied to the token embedding) is gathered where it is read.
 
 For each batch, a unit's call all-gathers its weights and runs the layer's own `call` with them
-substituted (`keras.StatelessScope`); they die when it returns. Its backward
+substituted (`Gathering`, a `keras.StatelessScope`); they die when it returns. Its backward
 (`tf.custom_gradient`) gathers them again, recomputes the unit's forward (its dropout masks and
 norm statistics as in the forward) and reduce-scatters the weights' gradients to their owners.
 The optimizer updates the owned weights only. So a replica holds 1/N of the weights plus at most
 two units' gathered weights: the next unit's gather may start when the current one starts
-(prefetch). `REGATHER = False` keeps the forward's gathered weights for backward instead.
+(prefetch). `regather=False` keeps the forward's gathered weights for backward instead.
 
 Example (one replica: the sharded model computes what the plain one does):
 
     >>> import keras, numpy as np, tensorflow as tf
-    >>> from tfdist import zero, zero3
+    >>> from tfdist.parallel import zero
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
     >>> x = np.ones((2, 4), "float32")
     >>> before = model(x)
-    >>> params = zero3.shard(model, zero.local())
+    >>> sharded = zero.make(3, model, zero.local())
     >>> bool(np.allclose(model(x), before))
     True
-    >>> params.describe()
+    >>> sharded.describe()
     'ZeRO-3 over 1 replica(s): this replica holds 2 of 2 units, 4 of 4 variables (23 of 23 parameters); largest unit 15 parameters; imbalance 1.00'
 """
 import contextlib
 import functools
 import itertools
-import math
+import threading
 
 from tfdist import compat
-from tfdist.zero3_scope import Gathering
-from tfdist.zero import Sharding
 from tfdist.errors import UsageError
-from tfdist.lazy import tf
-
-#: Companion switches (tests show the equality tests can fail): False leaves out the gather (each
-#: replica computes with zeros for what it does not own), or the gradients' reduction (each owner
-#: updates with its own replica's gradient only).
-GATHER = True
-REDUCE = True
-#: True: each unit's weights are gathered again for its backward, its forward recomputed.
-REGATHER = True
+from tfdist.parallel.zero.optimizer import ShardedGradients
+from tfdist.parallel.zero.partition import Partition, count, owners
+from tfdist.runtime.lazy import keras, tf
 
 _SERIAL = itertools.count()  # each sharded model's number in this process (the same everywhere)
 
 
 class Unit:
     """What is gathered at once: a layer's trainable variables (`layer` None: the model's own);
-    `sharding` (a `tfdist.zero.Sharding`, set by `Parameters`): which replica owns each, and the
-    flat layout of the unit's collectives."""
+    `partition` (a `tfdist.parallel.zero.partition.Partition`, set by `ShardedWeights`): which
+    replica owns each, and the flat layout of the unit's collectives."""
 
     def __init__(self, index, layer, variables):
         self.index, self.layer, self.variables = index, layer, variables
-        self.sizes = [_count(v.shape) for v in variables]
-        self.sharding = None
+        self.sizes = [count(v.shape) for v in variables]
+        self.partition = None
         # The first of its variables' devices: a pipeline stage's (tensor-parallel shards: the
-        # stage's first device), which orders its gathers (`Parameters._after`).
+        # stage's first device), which orders its gathers (`ShardedWeights._after`).
         self.device = min(str(getattr(v.value, "device", "") or "") for v in variables)
 
     @property
     def parameters(self):
         return sum(self.sizes)
-
-
-def _count(shape):
-    return math.prod(int(d) for d in shape)
 
 
 def units_of(model):
@@ -93,35 +81,37 @@ def units_of(model):
     return units
 
 
-class Parameters:
-    """A model's weights sharded over `collectives`' replicas (`shard` makes one). `owned`: the
-    variables this replica holds; `sources()`: what the step differentiates the loss by (the
-    owned variables, then an anchor that puts every unit's backward on each replica's path)."""
+class ShardedWeights(ShardedGradients):
+    """ZeRO stage 3 of the built `model` over `collectives`' replicas: stage 2, and each weight
+    stored by its owner only (`make(3, ...)` shards it; call it before the optimizer's slots are
+    built, as tfdist's step does). `owned`: the variables this replica holds; `sources()`: what
+    the step differentiates the loss by (the owned variables, then an anchor that puts every
+    unit's backward on each replica's path). `skip`: collectives to leave out, "all_gather" (each
+    replica computes with zeros for what it does not own) or "reduce_scatter" (each owner updates
+    with its own replica's gradient only), a companion test's; `regather=False` keeps the
+    forward's gathered weights for the backward pass."""
 
-    def __init__(self, model, collectives):
-        self.model, self.collectives = model, collectives
-        c = collectives
+    stage = 3
+
+    def __init__(self, model, collectives, skip=(), regather=True):
+        super().__init__(model, collectives, skip)
+        c, self.regather = collectives, regather
         self.units = units_of(model)
         self.owner, self.home = {}, {}  # id(variable) -> replica; -> (unit, position)
-        load = [0] * c.size
+        self.load = [0] * c.size
         for unit in self.units:  # each variable partitioned in its first unit, balanced
-            unit_load, groups = [0] * c.size, {}
             for i, v in enumerate(unit.variables):
                 self.home.setdefault(id(v), (unit.index, i))
-                if id(v) not in self.owner:  # a tensor-parallel weight's shards: one owner
-                    key = getattr(v, "tfdist_shard_of", None) or ("variable", i)
-                    groups.setdefault(key, []).append(i)
-            size = lambda m: sum(unit.sizes[i] for i in m)  # noqa: E731
-            for m in sorted(groups.values(), key=lambda m: (-size(m), m[0])):
-                r = min(range(c.size), key=lambda r: (unit_load[r], load[r], r))
-                self.owner.update({id(unit.variables[i]): r for i in m})
-                unit_load[r] += size(m)
-                load[r] += size(m)
-            unit.sharding = Sharding(unit.variables, c.size, self.owner)
-        self.load = load
+            fresh = [v for v in unit.variables if id(v) not in self.owner]
+            self.owner.update(owners(fresh, c.size, self.load))
+            unit.partition = Partition(unit.variables, c.size, self.owner)
         variables = [v for u in self.units for v in u.variables]
         self.variables = list({id(v): v for v in variables}.values())
-        self.owned = [v for v in self.variables if self.owner[id(v)] == c.rank]
+        self.owned_variables = [v for v in self.variables if self.owner[id(v)] == c.rank]
+        missing = [v.path for v in model.trainable_variables if id(v) not in self.owner]
+        if missing:
+            raise UsageError(f"ZeRO-3 cannot place the weight(s) {missing[:3]}; they belong to "
+                             f"no layer")
         # Holds 0, never updated: each unit's collectives take it as an input (the pad of a share
         # is filled from it), so that every unit's backward is on the path to it (`sources`).
         self.anchor = tf.Variable(0.0, name="tfdist_zero3_anchor")
@@ -132,6 +122,34 @@ class Parameters:
         # key, so a second model's gathers need keys of their own (measured: "Shape mismatch in
         # the collective instance" under multi_worker_mirrored when they reused the first's).
         self.serial = next(_SERIAL)
+
+    # -- the stage's interface (tfdist.parallel.zero.stage) ------------------------------------
+    @property
+    def trainables(self):
+        return self.owned_variables
+
+    def owners(self):
+        return self.owner
+
+    def sources(self):
+        return self.owned_variables + [self.anchor]
+
+    def batch_gradients(self, grads_and_vars):
+        """The owned weights' gradients, which the backward pass reduce-scattered already. The
+        anchor's gradient (0) is stored, so that TF runs what it depends on: every unit's
+        reduce-scatter. (Horovod's ops are not marked stateful: a replica that needs none of a
+        unit's gradients would prune that unit's collective, and the others would wait for
+        it.)"""
+        grads_and_vars = list(grads_and_vars)
+        anchor_gradient, _ = grads_and_vars[-1]
+        self.sink.assign(anchor_gradient)
+        return [(g, v) for g, v in grads_and_vars[:-1] if g is not None and id(v) in self.owned]
+
+    def after_update(self):
+        """Nothing: the weights are gathered where they are used."""
+
+    def common(self, variables):
+        return [v for v in super().common(variables) if id(v) not in self.owner]
 
     # -- storage -------------------------------------------------------------------------------
     def release(self):
@@ -145,8 +163,8 @@ class Parameters:
         (every replica calls it); nothing is stored."""
         @tf.function
         def gather_all():
-            zero = self.anchor.read_value()
-            return [self._gathered(u, self._mine(u), "all", zero) for u in self.units]
+            pad = self.anchor.read_value()
+            return [self._gathered(u, self._mine(u), "all", pad) for u in self.units]
         full = {}
         for unit, values in zip(self.units, gather_all()):
             full.update({id(v): value for v, value in zip(unit.variables, values)})
@@ -165,15 +183,15 @@ class Parameters:
 
     def held_parameters(self):
         """Parameters this replica stores, counted from its variables."""
-        return sum(_count(v.shape) for v in self.variables if compat.has_storage(v))
+        return sum(count(v.shape) for v in self.variables if compat.has_storage(v))
 
     def describe(self):
         c = self.collectives
         held = [u for u in self.units if any(self.owner[id(v)] == c.rank for v in u.variables)]
         return (f"ZeRO-3 over {c.size} replica(s): this replica holds {len(held)} of "
-                f"{len(self.units)} units, {len(self.owned)} of {len(self.variables)} variables "
-                f"({self.load[c.rank]:,} of {sum(self.load):,} parameters); largest unit "
-                f"{self.largest_unit:,} parameters; imbalance {self.imbalance:.2f}")
+                f"{len(self.units)} units, {len(self.owned_variables)} of {len(self.variables)} "
+                f"variables ({self.load[c.rank]:,} of {sum(self.load):,} parameters); largest "
+                f"unit {self.largest_unit:,} parameters; imbalance {self.imbalance:.2f}")
 
     @property
     def largest_unit(self):
@@ -184,57 +202,50 @@ class Parameters:
         """The largest replica's share over the mean."""
         return max(self.load) / max(1.0, sum(self.load) / len(self.load))
 
-    def sources(self):
-        return self.owned + [self.anchor]
-
-    def keep(self, anchor_gradient):
-        """Stores the anchor's gradient (0), so that TF runs what it depends on: every unit's
-        reduce-scatter. (Horovod's ops are not marked stateful: a replica that needs none of a
-        unit's gradients would prune that unit's collective, and the others would wait for it.)"""
-        self.sink.assign(anchor_gradient)
-
     # -- the collectives -----------------------------------------------------------------------
     def _mine(self, unit):
         """This replica's variables of `unit`, read from their storage (not Keras's scope)."""
         return [tf.convert_to_tensor(compat.storage(unit.variables[i]))
-                for i in unit.sharding.of[self.collectives.rank]]
+                for i in unit.partition.of[self.collectives.rank]]
 
-    def _gathered(self, unit, mine, tag, zero):
+    def _gathered(self, unit, mine, tag, pad):
         """Every variable of `unit`, full: this replica's `mine` and the others' all-gathered.
-        Each share is padded with `zero`, the anchor's value (0), a runtime tensor: Horovod's
+        Each share is padded with `pad`, the anchor's value (0), a runtime tensor: Horovod's
         collectives are not marked stateful, so TF's grappler would compute a gather of
         constants (a replica's share that is all padding) while it optimizes the graph, on that
         replica alone."""
-        s, c = unit.sharding, self.collectives
-        tensors = dict(zip(s.of[c.rank], mine))
+        p, c = unit.partition, self.collectives
+        tensors = dict(zip(p.of[c.rank], mine))
         # (ragged: unpadded shares, each ending with the anchor's value, so that none is empty)
-        flat = s.flat(tensors, c.rank, zero, ragged=c.ragged)
-        lengths = [s.length(r, c.ragged) for r in range(c.size)]
-        every = c.all_gather(flat, self._name(tag, unit)) if c.size > 1 and GATHER else None
+        flat = p.flat(tensors, c.rank, pad, ragged=c.ragged)
+        lengths = [p.length(r, c.ragged) for r in range(c.size)]
+        every = None
+        if c.size > 1 and "all_gather" not in self.skip:
+            every = c.all_gather(flat, self._name(tag, unit))
         out, start = [None] * len(unit.variables), 0
         for r in range(c.size):
             if every is not None:
                 share = every[start:start + lengths[r]]
-            else:  # (GATHER False: zeros for the others' weights)
+            else:  # (all_gather skipped: zeros for the others' weights)
                 share = flat if r == c.rank else tf.zeros([lengths[r]], tf.float32)
             start += lengths[r]
-            for i, value in s.unflat(share, r):
+            for i, value in p.unflat(share, r):
                 out[i] = value
         return out
 
-    def _reduce_scatter(self, unit, grads, tag, zero):
+    def _reduce_scatter(self, unit, grads, tag, pad):
         """This replica's share of `grads` (one per variable of `unit`), summed over replicas."""
-        s, c = unit.sharding, self.collectives
-        dense = [tf.fill(v.shape, zero) if g is None else tf.convert_to_tensor(g)
+        p, c = unit.partition, self.collectives
+        dense = [tf.fill(v.shape, pad) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(grads, unit.variables)]
-        buffer = tf.concat([s.flat(dense, r, zero) for r in range(c.size)], 0)
-        if c.size > 1 and REDUCE:
+        buffer = tf.concat([p.flat(dense, r, pad) for r in range(c.size)], 0)
+        if c.size > 1 and "reduce_scatter" not in self.skip:
             mine = c.reduce_scatter(buffer, self._name(tag, unit))
         else:
-            mine = buffer[c.rank * s.segment:(c.rank + 1) * s.segment]
+            mine = buffer[c.rank * p.segment:(c.rank + 1) * p.segment]
         # The anchor's gradient: 0, computed from the collective so that it waits for it (times the
         # anchor's value: grappler folds a product by the constant 0 away, and the dependency too).
-        return [value for _, value in s.unflat(mine, c.rank)], tf.reduce_sum(mine[:1]) * zero
+        return [value for _, value in p.unflat(mine, c.rank)], tf.reduce_sum(mine[:1]) * pad
 
     def _after(self, unit, tensors):
         """A control dependency on the input of the last unit on `unit`'s device (its pipeline
@@ -252,8 +263,8 @@ class Parameters:
         if self._names[0] is not graph:
             self._names = (graph, {})
         key = (tag, unit.index)
-        count = self._names[1][key] = self._names[1].get(key, -1) + 1
-        return f"tfdist_zero3_{self.serial}_{tag}_{unit.index}_{count}"
+        n = self._names[1][key] = self._names[1].get(key, -1) + 1
+        return f"tfdist_zero3_{self.serial}_{tag}_{unit.index}_{n}"
 
     def gather(self, unit):
         """`unit`'s full weights, differentiable: their gradient is reduce-scattered to the
@@ -311,7 +322,7 @@ class Parameters:
 
             mine, anchor = self._mine(unit), self.anchor.read_value()
 
-            if not REGATHER:  # kept: a differentiable gather, held until its backward
+            if not self.regather:  # kept: a differentiable gather, held until its backward
                 with self._after(unit, flat_in):
                     out, scope = run(flat_in, self.gather(unit))
                 scope.apply_updates()
@@ -319,16 +330,16 @@ class Parameters:
 
             @tf.custom_gradient
             def block(*flat):
-                ins, zero, mine_ = flat[:n_in], flat[n_in], list(flat[n_in + 1:])
+                ins, pad, mine_ = flat[:n_in], flat[n_in], list(flat[n_in + 1:])
                 with self._after(unit, flat_in):
-                    full = self._gathered(unit, mine_, "fwd", zero)
+                    full = self._gathered(unit, mine_, "fwd", pad)
                 out, scope = run(ins, full)
                 structure.append(out)
                 updates = [(v, scope.updated[id(v)]) for v, _ in state if id(v) in scope.updated]
 
                 def grad(*d_out):
                     with self._after(unit, list(d_out)):
-                        full = self._gathered(unit, mine_, "bwd", zero)
+                        full = self._gathered(unit, mine_, "bwd", pad)
                     with tf.GradientTape() as tape:
                         watched = [x for x in ins if x.dtype.is_floating] + full
                         tape.watch(watched)
@@ -336,11 +347,13 @@ class Parameters:
                     grads = tape.gradient(tf.nest.flatten(again), list(ins) + full,
                                           output_gradients=list(d_out),
                                           unconnected_gradients=tf.UnconnectedGradients.NONE)
-                    d_mine, d_anchor = self._reduce_scatter(unit, grads[n_in:], "grad", zero)
+                    d_mine, d_anchor = self._reduce_scatter(unit, grads[n_in:], "grad", pad)
                     d_ins = [g if x.dtype.is_floating else None for g, x in zip(grads[:n_in], ins)]
                     return d_ins + [d_anchor] + d_mine
-                for v, value in updates:  # norm statistics, RNG states: applied (or recorded
-                    v.assign(value)        # by the model's scope, which applies them)
+                # Norm statistics, RNG states: applied (or recorded by the model's scope, which
+                # applies them).
+                for v, value in updates:
+                    v.assign(value)
                 return tf.nest.flatten(out), grad
 
             flat_out = block(*flat_in, anchor, *mine)
@@ -348,27 +361,65 @@ class Parameters:
         return unit_call
 
 
-def shard(model, collectives):
-    """Shards the built `model`'s trainable weights over `collectives`' replicas (a
-    `tfdist.zero.Collectives`), in place: returns its `Parameters` (also at
-    `model.tfdist_params`). Call it before compiling the optimizer's slots (tfdist's step does)."""
-    params = Parameters(model, collectives)
-    missing = [v.path for v in model.trainable_variables if id(v) not in params.owner]
-    if missing:
-        raise UsageError(f"ZeRO-3 cannot place the weight(s) {missing[:3]}; they belong to no layer")
-    params.wrap()
-    params.release()
-    model.tfdist_params = params
-    return params
+class Gathering(keras.StatelessScope):
+    """The scope in which a sharded model's layers run: a Keras stateless scope whose variables'
+    values are given (`mapping`: a unit's gathered weights), and in which a sharded weight that
+    `mapping` does not give is gathered where it is read (`ShardedWeights.gather`: once per unit
+    and scope; each time it is read, with `reuse=False`). Assignments are recorded (`updated`)
+    for `apply_updates` to make after it. A value it lacks is looked up in the Gathering scope
+    it is inside.
 
+    Example (one replica: a weight read in the scope is its gathered value):
 
-def replicated(model, variables):
-    """`variables` but the model's sharded weights (each exists once: there is no other copy to
-    make alike, as a broadcast from one replica does)."""
-    params = of(model)
-    return [v for v in variables if params is None or id(v) not in params.owner]
+        >>> import keras, numpy as np
+        >>> from tfdist.parallel import zero
+        >>> from tfdist.parallel.zero.weights import Gathering
+        >>> model = keras.Sequential([keras.Input((2,)),
+        ...                           keras.layers.Dense(1, kernel_initializer="ones")])
+        >>> sharded = zero.make(3, model, zero.local())
+        >>> with Gathering(sharded):
+        ...     float(np.sum(model.layers[0].kernel))
+        2.0
+    """
 
+    entered = threading.local()  # .scopes: the Gathering scopes this thread entered, innermost last
 
-def of(model):
-    """The model's `Parameters`, or None when its weights are not sharded."""
-    return getattr(model, "tfdist_params", None)
+    def __init__(self, sharded, mapping=None, reuse=True):
+        super().__init__(mapping or [], initialize_variables=False)
+        self.sharded, self.reuse = sharded, reuse
+        self.updated = {}  # id(variable) -> the value assigned in the scope
+        self._variables = {}  # id(variable) -> the variable
+        self._read = {}  # unit index -> its gathered weights
+        self.parent = None
+
+    def __enter__(self):
+        scopes = Gathering.entered.__dict__.setdefault("scopes", [])
+        self.parent = scopes[-1] if scopes else None
+        scopes.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        Gathering.entered.scopes.remove(self)
+        return super().__exit__(*exc)
+
+    def add_update(self, update):
+        variable, value = update
+        super().add_update(update)
+        self.updated[id(variable)] = value
+        self._variables[id(variable)] = variable
+
+    def get_current_value(self, variable):
+        value = super().get_current_value(variable)
+        home = self.sharded.home.get(id(variable))
+        if value is None and home is not None:
+            u, i = home
+            if u not in self._read or not self.reuse:
+                self._read[u] = self.sharded.gather(self.sharded.units[u])
+            value = self._read[u][i]
+        if value is None and self.parent is not None:  # updated in the enclosing scope (an
+            value = self.parent.get_current_value(variable)  # RNG state, by a microbatch before)
+        return value
+
+    def apply_updates(self):
+        for key, value in self.updated.items():
+            self._variables[key].assign(value)

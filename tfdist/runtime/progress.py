@@ -9,7 +9,7 @@ numbers are readable: counts and rates with thousands separators (`tokens: 12,11
 Example (not a terminal, so plain lines):
 
     >>> import io
-    >>> from tfdist.progress import Progress
+    >>> from tfdist.runtime.progress import Progress
     >>> out = io.StringIO()
     >>> bar = Progress(10, unit="step", every=5, stream=out)
     >>> for step in range(1, 11):

@@ -17,8 +17,8 @@ import sys
 from absl import flags
 
 from tfdist import cli, strategies
-from tfdist.launch.local import DEFAULT_PORT, Supervisor, loopback_shim
 from tfdist.errors import UsageError
+from tfdist.launch.local import DEFAULT_PORT, Supervisor, loopback_shim
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Number of worker processes.")
 _STRATEGY = flags.DEFINE_string("strategy", "multi_worker_mirrored",
@@ -101,7 +101,7 @@ def _prepare(args, env):
             for flag in list(flags.FLAGS.flags_by_module_dict().get(__name__, [])):
                 delattr(flags.FLAGS, flag.name)  # (absl's own and tfdist.cli's stay)
             sys.argv = ["tfdist train", *args, "--prepare_only"]
-            from tfdist import train
+            from tfdist.cli import train
             train.run(sys.argv)
             code = 0
         except SystemExit as e:

@@ -2,12 +2,12 @@
 
 `tfdist train` holds SIGUSR1 from its first line (before TensorFlow is imported and the strategy
 started, which takes seconds): by default that signal would end the process. An elastic launch
-sends it to stop a group at a step boundary (tfdist/launch/elastic.py); `tfdist.preemption.
+sends it to stop a group at a step boundary (tfdist/launch/elastic.py); `tfdist.runtime.preemption.
 Preemption` takes over when training starts and acts on a signal held before it. After training,
 the signal is held again, so a process that has finished its run still exits 0.
 
     >>> import os, signal
-    >>> from tfdist import early
+    >>> from tfdist.runtime import early
     >>> early.hold(["USR1"])
     >>> os.kill(os.getpid(), signal.SIGUSR1)
     >>> early.take()

@@ -9,7 +9,8 @@ It reads the same `--config` (and `--config.data.*` overrides) as `tfdist train`
 `--out` it prepares exactly the store that `tfdist train` would use, where `train` will find it
 (under `data.data_dir`). Memory stays bounded whatever the corpus size; a progress bar shows MB/s
 and tokens/s; an interrupted prepare is finished by running it again, and gives the same store
-(same fingerprint). See `tfdist/data/store.py` for the format.
+(same fingerprint). See `tfdist/data/store.py` for the format, `tfdist/data/build.py` for the
+build.
 """
 import os
 import sys
@@ -17,10 +18,10 @@ import sys
 from absl import flags
 
 from tfdist import cli
+from tfdist import config as config_lib
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = cli.define_config_flag(
-    "config", os.path.join(_REPO, "configs", "gpt_nano.py"),
+    "config", cli.DEFAULT_CONFIG,
     "Config file (configs/*.py); its data section says what to prepare "
     "(--config.data.source, --config.data.tokenizer, --config.data.vocab_size ...).")
 _OUT = flags.DEFINE_string("out", None, "Store directory (default: under data.data_dir, named by "
@@ -31,11 +32,10 @@ _WORKERS = flags.DEFINE_integer("workers", 0, "Tokenizer processes (0: one per C
 
 def main(argv):
     del argv
-    from tfdist import config as config_lib
-    from tfdist.data import prepare
+    from tfdist.data import build  # (TensorFlow: not before `main`, so `--help` is quick)
 
     c = config_lib.validate(_CONFIG.value)
-    s = prepare.prepare(c.data, out=_OUT.value, workers=_WORKERS.value)
+    s = build.build_store(c.data, out=_OUT.value, workers=_WORKERS.value)
     print(f"tfdist prepare: {s.describe()}; fingerprint {s.fingerprint}")
     if not _OUT.value:
         print(f"tfdist prepare: `tfdist train` with the same data config uses it; elsewhere: "

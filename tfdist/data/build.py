@@ -1,7 +1,7 @@
-"""Preparing a token store from a source: streaming, in parallel, restartable.
+"""Building a token store from a source (`tfdist prepare`): streaming, in parallel, restartable.
 
     open_store(config.data)            # the store of this data config, prepared on first use
-    prepare(config.data, out=DIR)      # prepare into DIR (what `tfdist prepare --out=DIR` does)
+    build_store(config.data, out=DIR)  # into DIR (what `tfdist prepare --out=DIR` does)
 
 How it runs:
 
@@ -72,7 +72,7 @@ def open_store(data_config, progress=True, workers=0):
         return store.TokenStore(rest)
     if kind == "nanogpt":
         return _nanogpt(rest, data_config)
-    return prepare(data_config, progress=progress, workers=workers)
+    return build_store(data_config, progress=progress, workers=workers)
 
 
 def _nanogpt(src, data_config):
@@ -115,7 +115,7 @@ def _lock(out):
         os.close(fd)  # releases the lock
 
 
-def prepare(data_config, out=None, workers=0, progress=True):
+def build_store(data_config, out=None, workers=0, progress=True):
     """Prepares the store of a text source (stdlib, files, tfds:) into `out` (default: under
     data.data_dir, named by source and key). Returns the TokenStore."""
     kind, _ = sources.scheme(data_config.source)
@@ -261,7 +261,7 @@ def _stats(work, split, k):
 def _quiet_children():
     """Processes started inside write their stderr to a temporary file (this process's own
     stderr is restored on exit); `_pass_on` then shows what is not TF's start-up noise."""
-    from tfdist import console
+    from tfdist.runtime import console
     if console.verbose():
         yield None
         return
@@ -276,7 +276,7 @@ def _quiet_children():
 
 
 def _pass_on(captured):
-    from tfdist import console
+    from tfdist.runtime import console
     if captured is None:
         return
     captured.seek(0)
@@ -319,10 +319,10 @@ def _tokenize_unit(args):
 
 class _Progress:
     """The progress over the source's megabytes, with MB/s, tokens/s and tokens so far
-    (`tfdist.progress`: Keras's progress bar on a terminal, else a line per 5 % or so)."""
+    (`tfdist.runtime.progress`: Keras's progress bar on a terminal, else a line per 5 % or so)."""
 
     def __init__(self, total_bytes, show):
-        from tfdist.progress import Progress
+        from tfdist.runtime.progress import Progress
         total = max(total_bytes / 1e6, 1e-3)
         self.bar = Progress(total, unit="MB", every=max(total / 20, 1e-3)) if show else None
         self.t0, self.bytes, self.tokens, self.new_bytes, self.new_tokens = time.perf_counter(), 0, 0, 0, 0

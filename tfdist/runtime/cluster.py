@@ -5,7 +5,7 @@ This is the one module that reads TF_CONFIG and Slurm's variables. Everything el
 
 Example:
 
-    >>> from tfdist import cluster
+    >>> from tfdist.runtime import cluster
     >>> spec = cluster.from_tf_config('{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},'
     ...                               ' "task": {"type": "worker", "index": 1}}')
     >>> spec.is_chief, spec.num_workers

@@ -1,4 +1,0 @@
-"""`python -m tfdist.plan`: the same as `tfdist plan`."""
-from tfdist.plan.cli import run
-
-run()

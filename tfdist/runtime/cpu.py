@@ -1,0 +1,99 @@
+"""This host's CPU: what it runs fastest (the settings `tfdist train` recommends on the console),
+and whether its bfloat16 path works under a oneDNN cap.
+
+The recommendations are said, not applied: each changes the numbers a run computes (bfloat16
+rounds; XLA fuses in another order), so a run keeps the config it was given and a user opts in.
+A strategy's own recommended values (TPU's) are applied (`tfdist.train`). Each says where its
+figure was measured: `make bench-peer` on this project's machines (bench_results/peer.json: a
+2-core CPU with AMX-BF16), not on this host, unless it is the same kind.
+
+    >>> from tfdist import config
+    >>> from tfdist.runtime import cpu
+    >>> c = config.default_config()
+    >>> c.model.n_embd = 128
+    >>> [key for key, _, _ in cpu.recommendations(c, flags={"avx512f", "amx_bf16"})]
+    ['train.precision', 'train.jit_compile']
+    >>> c.model.n_embd = 384
+    >>> cpu.recommendations(c, flags={"avx2"})
+    []
+    >>> cpu.bf16_blocked({"avx512f", "avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"})[:35]
+    'ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN'
+    >>> cpu.bf16_blocked({"avx2", "fma"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}) is None  # a real AVX2 CPU
+    True
+"""
+import os
+
+#: CPU flags (/proc/cpuinfo) of a native bfloat16 matmul: oneDNN then runs bf16 at about 4x the
+#: fp32 rate (1,051-1,156 against 280-318 GFLOP/s for a 2048^3 matmul on the AMX machine).
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+#: Where the recommendations' figures were measured (bench_results/peer.json, `make bench-peer`).
+MEASURED_ON = "a 2-core CPU with AMX-BF16 (bench_results/peer.json)"
+#: The widest model for which XLA (jit_compile) ran the fp32 step faster there: gpt_demo (width
+#: 128) 1.07x (1.26x before GELU was fused: tfdist.models.fused); gpt_mini (width 384) 0.95x; in
+#: bf16 XLA was slower (0.76x and 0.45x: its CPU matmuls do not use AMX).
+XLA_MAX_WIDTH = 128
+
+#: oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA), lowest first; oneDNN has a bfloat16
+#: matmul from AVX512_CORE up (AVX2_VNNI_2 with AVX-NE-CONVERT).
+_ISA_RANK = {"SSE41": 0, "AVX": 1, "AVX2": 2, "AVX2_VNNI": 3, "AVX2_VNNI_2": 4, "AVX512_CORE": 5,
+             "AVX512_CORE_VNNI": 6, "AVX512_CORE_BF16": 7, "AVX10_1_512": 8,
+             "AVX512_CORE_FP16": 8, "AVX10_1_512_AMX": 9, "AVX512_CORE_AMX": 9,
+             "AVX10_1_512_AMX_FP16": 10, "AVX512_CORE_AMX_FP16": 10, "ALL": 99, "DEFAULT": 99}
+
+
+def cpu_flags():
+    """This CPU's feature flags (empty where /proc/cpuinfo is not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_blocked(flags=None, environ=None):
+    """Why this process's bfloat16 matmuls would crash it, or None. TensorFlow 2.21 hands them to
+    oneDNN when the CPU's own flags have AVX-512 (or AVX-NE-CONVERT), oneDNN being on (it is by
+    default with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX; TF_ENABLE_ONEDNN_OPTS decides
+    otherwise). A cap below AVX512_CORE (ONEDNN_MAX_CPU_ISA) leaves oneDNN no bfloat16 matmul,
+    and TF's MatMul does not catch oneDNN's error: the process dies (measured: exit 139). A real
+    CPU without AVX-512 takes TF's Eigen kernels instead and runs (measured under QEMU's
+    Haswell, an AVX2-only CPU)."""
+    flags = cpu_flags() if flags is None else flags
+    environ = os.environ if environ is None else environ
+    cap = next((environ[v].strip().upper() for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+                if environ.get(v, "").strip().upper() in _ISA_RANK), None)
+    if cap is None:
+        return None
+    opts = environ.get("TF_ENABLE_ONEDNN_OPTS")
+    onednn = (opts.strip().lower() in ("1", "true") if opts is not None else
+              bool(flags & {"avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_tile"}))
+    if not onednn or not flags & {"avx512f", "avx_ne_convert"}:
+        return None
+    if _ISA_RANK[cap] >= _ISA_RANK["AVX512_CORE"] or (
+            cap == "AVX2_VNNI_2" and "avx_ne_convert" in flags):
+        return None
+    return (f"ONEDNN_MAX_CPU_ISA={cap} caps oneDNN below its bfloat16 matmul (AVX512_CORE), "
+            f"while TensorFlow picks oneDNN's bfloat16 kernels from this CPU's own flags; "
+            f"bfloat16 would crash the process")
+
+
+def recommendations(c, flags=None, device="cpu", environ=None):
+    """[(config key, value, why)] for config `c` on this host's CPU, where `c` still differs."""
+    if device != "cpu":
+        return []
+    flags = cpu_flags() if flags is None else flags
+    t, found = c.train, []
+    bf16 = sorted(set(BF16_FLAGS) & set(flags))
+    if bf16 and t.precision == "float32" and not bf16_blocked(flags, environ):
+        found.append(("train.precision", "mixed_bfloat16",
+                      f"this CPU has {' and '.join(bf16)}; in bfloat16 the step ran 1.3x "
+                      f"(gpt_demo) to 2.1x (gpt_mini) faster on {MEASURED_ON}, and `make demo` "
+                      f"ended within 0.2 % of float32's loss"))
+    if t.precision == "float32" and not t.jit_compile and c.model.n_embd <= XLA_MAX_WIDTH:
+        found.append(("train.jit_compile", True,
+                      ("if you keep float32: " if bf16 else "") + f"a model {c.model.n_embd} "
+                      f"wide ran 1.07x faster in float32 with XLA on {MEASURED_ON}"))
+    return found
