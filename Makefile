@@ -20,12 +20,12 @@ $(STAMP): setup.cfg pyproject.toml
 horovod: $(HOROVOD)
 
 # After cluster-tools (order only), so that Horovod is built with MPI where Open MPI was installed.
-$(HOROVOD): $(STAMP) tools/build_horovod.sh tools/horovod-0.28.1-tf2.21.patch | cluster-tools
-	tools/build_horovod.sh $(BIN)
+$(HOROVOD): $(STAMP) tools/horovod/build.sh tools/horovod/horovod-0.28.1-tf2.21.patch | cluster-tools
+	tools/horovod/build.sh $(BIN)
 	touch $(HOROVOD)
 
-# What the cluster tests need beyond Python: iptables (tools/netcluster.py), Debian's Slurm and
-# munge (tools/slurm_local.py), and Open MPI (Horovod over MPI), as root. Where they cannot be installed (not root, no package
+# What the cluster tests need beyond Python: iptables (tools/cluster/netcluster.py), Debian's Slurm and
+# munge (tools/cluster/slurm_local.py), and Open MPI (Horovod over MPI), as root. Where they cannot be installed (not root, no package
 # repository) those tests are skipped and say why.
 CLUSTER_PACKAGES := iptables slurm-wlm munge openmpi-bin libopenmpi-dev
 cluster-tools:
@@ -45,12 +45,12 @@ demo: $(STAMP)
 # partitions, heartbeats) and leave a core idle.
 PYTEST_PROCS := -n 2 --dist loadfile
 
-# The machine's fp32 matmul rate before and after (tools/matmul_peak.py): a slow day shows.
+# The machine's fp32 matmul rate before and after (tools/bench/matmul_peak.py): a slow day shows.
 test: $(STAMP) $(HOROVOD) cluster-tools
-	@$(BIN)/python tools/matmul_peak.py --when=before
+	@$(BIN)/python tools/bench/matmul_peak.py --when=before
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_PROCS) -m 'not long'; \
 	  status=$$?; echo "make test: pytest took $$(( $$(date +%s) - start )) s"; \
-	  $(BIN)/python tools/matmul_peak.py --when=after; exit $$status
+	  $(BIN)/python tools/bench/matmul_peak.py --when=after; exit $$status
 
 # The trials `make test` leaves out for time (tests marked long).
 test-long: $(STAMP) $(HOROVOD) cluster-tools
@@ -62,39 +62,39 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m 'not slow and not horovod'
 
 bench: $(STAMP)
-	$(BIN)/python tools/bench_step.py
+	$(BIN)/python tools/bench/step.py
 
 # tfdist against a plain PyTorch GPT of the same shape and plain Keras fit, fp32 and bf16,
-# interleaved in one run (tools/bench_peer.py). torch lives in its own environment (setup.cfg's
+# interleaved in one run (tools/bench/peer.py). torch lives in its own environment (setup.cfg's
 # `peer` extra, installed alone: tfdist does not depend on it).
 PEER := .venv-peer
 $(PEER)/.installed: setup.cfg
 	test -x $(PEER)/bin/python || $(PYTHON) -m venv $(PEER)
 	$(PEER)/bin/pip install --quiet --disable-pip-version-check $$($(PYTHON) -c "import configparser; \
 	  p = configparser.ConfigParser(); p.read('setup.cfg'); print(p['options.extras_require']['peer'])")
-	$(PEER)/bin/python tools/torch_gpt.py --check
+	$(PEER)/bin/python tools/bench/torch_gpt.py --check
 	touch $@
 
 bench-peer: $(STAMP) $(PEER)/.installed
-	$(BIN)/python tools/bench_peer.py
+	$(BIN)/python tools/bench/peer.py
 
 # 2 workers x 1 thread vs 1 process x 1 thread, gpt_mini, same batch per worker.
 bench-scaling: $(STAMP)
-	$(BIN)/python tools/bench_scaling.py
+	$(BIN)/python tools/bench/scaling.py
 
 # parameter server: 2 workers + 1 ps vs 1 worker + 1 ps, 1 thread each, gpt_mini.
 bench-scaling-ps: $(STAMP)
-	$(BIN)/python tools/bench_scaling.py --ps
+	$(BIN)/python tools/bench/scaling.py --ps
 
 # The data path: peak RSS against corpus size (a generated 2.6 G-token store, ~5 GB in /tmp) under
 # single / MWMS / parameter server; input cost in the step; byte vs BPE-8192 on gpt_mini.
 bench-data: $(STAMP)
-	$(BIN)/python tools/bench_data.py --memory --input --tokenizers
+	$(BIN)/python tools/bench/data.py --memory --input --tokenizers
 
 # 5 trials: SIGKILL a worker of a 2-worker run at a random step; the launcher restarts, the run
 # must end with the exact steps and bitwise the weights of an uninterrupted run.
 chaos: $(STAMP)
-	$(BIN)/python tools/chaos.py
+	$(BIN)/python tools/faults/chaos.py
 
 clean:
 	rm -rf $(VENV) $(PEER) runs build *.egg-info
@@ -102,92 +102,92 @@ clean:
 # 5 trials: SIGKILL a parameter-server worker at a random time; it must be restarted alone and the
 # run must count exactly the planned steps.
 chaos-ps: $(STAMP)
-	$(BIN)/python tools/chaos.py --strategy=parameter_server
+	$(BIN)/python tools/faults/chaos.py --strategy=parameter_server
 
 # 5 trials: SIGKILL a Horovod rank at a random step; tfdist launch restarts horovodrun, the run must
 # end with the exact steps and bitwise the weights of an uninterrupted run.
 chaos-horovod: $(HOROVOD)
-	$(BIN)/python tools/chaos.py --strategy=horovod
+	$(BIN)/python tools/faults/chaos.py --strategy=horovod
 
 # ZeRO-1 under Horovod, then under multi_worker_mirrored: SIGKILL a replica at a random step, 5
 # trials each; each resumes from every replica's optimizer shard and must end bitwise equal to an
 # uninterrupted ZeRO run.
 chaos-zero: $(HOROVOD)
-	$(BIN)/python tools/chaos.py --strategy=horovod --zero=1
-	$(BIN)/python tools/chaos.py --zero=1
-	$(BIN)/python tools/chaos.py --strategy=horovod --zero=3
-	$(BIN)/python tools/chaos.py --zero=3
+	$(BIN)/python tools/faults/chaos.py --strategy=horovod --zero=1
+	$(BIN)/python tools/faults/chaos.py --zero=1
+	$(BIN)/python tools/faults/chaos.py --strategy=horovod --zero=3
+	$(BIN)/python tools/faults/chaos.py --zero=3
 
 # Asynchronous backups: the chief SIGKILLed while a background write is in flight (seen from its
 # files), 5 trials under MWMS and under Horovod: resumed from the backup before, bitwise equal.
 chaos-write: $(HOROVOD)
-	$(BIN)/python tools/chaos.py --fault=kill_in_write
-	$(BIN)/python tools/chaos.py --fault=kill_in_write --strategy=horovod
+	$(BIN)/python tools/faults/chaos.py --fault=kill_in_write
+	$(BIN)/python tools/faults/chaos.py --fault=kill_in_write --strategy=horovod
 
 # Synchronous against asynchronous backups: the time a save blocks training, and the step-time
 # overhead of a backup every 10 steps (gpt_mini and gpt2 124M; 1 process, 2 with ZeRO-1).
 bench-backup: $(HOROVOD)
-	$(BIN)/python tools/bench_backup.py
+	$(BIN)/python tools/bench/backup.py
 
 # What a resize of an elastic job costs (gpt_mini, 2 -> 1 -> 2 workers, with ZeRO-1 and without):
 # progress lost and time to resume.
 bench-elastic: $(STAMP)
-	$(BIN)/python tools/bench_elastic.py
+	$(BIN)/python tools/bench/elastic.py
 
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
-# On shaped links between tools/netcluster.py's hosts (root), at 1 and 10 Gbit/s: allreduce bus
+# On shaped links between tools/cluster/netcluster.py's hosts (root), at 1 and 10 Gbit/s: allreduce bus
 # bandwidth and the 2-process scaling of gpt_mini (MWMS, Horovod +- fp16, parameter server), each
 # beside the planner's prediction. One round each (about 25 minutes in all). Then a straggler: the
 # second worker's host at 100 Mbit/s, the others at 1 Gbit/s (MWMS and the parameter server).
 LINKS := 1gbit 10gbit
 bench-links: $(HOROVOD) cluster-tools
 	for link in $(LINKS); do \
-	  $(BIN)/python tools/bench_allreduce.py --link=$$link --rounds=1 --iters=5 && \
-	  $(BIN)/python tools/bench_scaling.py --link=$$link --rounds=1 && \
-	  $(BIN)/python tools/bench_scaling.py --horovod --link=$$link --rounds=1 && \
-	  $(BIN)/python tools/bench_scaling.py --horovod --compression=fp16 --link=$$link --rounds=1 && \
-	  $(BIN)/python tools/bench_scaling.py --ps --link=$$link --rounds=1 || exit 1; \
+	  $(BIN)/python tools/bench/allreduce.py --link=$$link --rounds=1 --iters=5 && \
+	  $(BIN)/python tools/bench/scaling.py --link=$$link --rounds=1 && \
+	  $(BIN)/python tools/bench/scaling.py --horovod --link=$$link --rounds=1 && \
+	  $(BIN)/python tools/bench/scaling.py --horovod --compression=fp16 --link=$$link --rounds=1 && \
+	  $(BIN)/python tools/bench/scaling.py --ps --link=$$link --rounds=1 || exit 1; \
 	done
-	$(BIN)/python tools/bench_scaling.py --link=1gbit --straggler=100mbit --rounds=1
-	$(BIN)/python tools/bench_scaling.py --ps --link=1gbit --straggler=100mbit --rounds=1
+	$(BIN)/python tools/bench/scaling.py --link=1gbit --straggler=100mbit --rounds=1
+	$(BIN)/python tools/bench/scaling.py --ps --link=1gbit --straggler=100mbit --rounds=1
 
 # The gradient all-reduce overlapped with the backward pass, or not, and bucket sizes 1-100 MiB:
 # 2-process efficiency of gpt_mini under multi_worker_mirrored and horovod, interleaved rounds on
 # loopback; then overlapped against not on the test cluster's 10 and 1 Gbit/s links (root). Each
 # writes bench_results/overlap[-<link>].json and a trace of one step of each strategy.
 bench-overlap: $(HOROVOD) cluster-tools
-	$(BIN)/python tools/bench_overlap.py --rounds=2
+	$(BIN)/python tools/bench/overlap.py --rounds=2
 	for link in 10gbit 1gbit; do \
-	  $(BIN)/python tools/bench_overlap.py --link=$$link --buckets=25 --rounds=1 || exit 1; \
+	  $(BIN)/python tools/bench/overlap.py --link=$$link --buckets=25 --rounds=1 || exit 1; \
 	done
 
 bench-scaling-horovod: $(HOROVOD)
-	$(BIN)/python tools/bench_scaling.py --horovod
-	$(BIN)/python tools/bench_scaling.py --horovod --compression=fp16
+	$(BIN)/python tools/bench/scaling.py --horovod
+	$(BIN)/python tools/bench/scaling.py --horovod --compression=fp16
 
 # GPipe: the GPT in 2 stages on 2 logical CPU devices, M = 1..16 microbatches, vs unsplit.
 bench-pipeline: $(STAMP)
-	$(BIN)/python tools/bench_pipeline.py
+	$(BIN)/python tools/bench/pipeline.py
 
 # 1F1B vs GPipe peak memory (M = 4..32), t = 2 tensor-parallel speed on gpt_mini, and the
 # activation bytes per shard with and without sequence parallelism.
 bench-model-parallel: $(STAMP)
-	$(BIN)/python tools/bench_model_parallel.py --schedules --tensor --sequence
+	$(BIN)/python tools/bench/model_parallel.py --schedules --tensor --sequence
 
 # ZeRO-1/2/3 against plain data parallel, 2 Horovod ranks then 2 MWMS workers of gpt_mini: time,
 # memory, bytes sent.
 bench-zero: $(HOROVOD)
-	$(BIN)/python tools/bench_zero.py
-	$(BIN)/python tools/bench_zero.py --strategy=multi_worker_mirrored
+	$(BIN)/python tools/bench/zero.py
+	$(BIN)/python tools/bench/zero.py --strategy=multi_worker_mirrored
 
 # A model that trains only sharded: each of 2 Horovod ranks capped at 1600 MiB (a memory cgroup;
 # root), a 57 M-parameter GPT: which ZeRO stages train.
 bench-zero-cap: $(HOROVOD)
-	$(BIN)/python tools/bench_zero.py --model=wide --cap_mib=1600 --batch=1 --steps=3
+	$(BIN)/python tools/bench/zero.py --model=wide --cap_mib=1600 --batch=1 --steps=3
 
 # allreduce bus bandwidth, 1-64 MiB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
 bench-allreduce: $(HOROVOD)
-	$(BIN)/python tools/bench_allreduce.py
+	$(BIN)/python tools/bench/allreduce.py
 
 # tfdist plan against the published runs (ZeRO Fig. 1, Megatron-LM 175B/1T, LLaMA-2 70B) and
 # against this machine's own benchmarks (run the bench-* targets first).
@@ -201,22 +201,22 @@ plan-measured: $(STAMP)
 # server: to the launcher); every process backs up that step and exits 75, the run is started again
 # and must end with the exact steps (and, synchronous, bitwise the weights of an uninterrupted run).
 chaos-preempt: $(HOROVOD)
-	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=single
-	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=multi_worker_mirrored
-	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=horovod
-	$(BIN)/python tools/chaos.py --fault=sigterm --strategy=parameter_server
+	$(BIN)/python tools/faults/chaos.py --fault=sigterm --strategy=single
+	$(BIN)/python tools/faults/chaos.py --fault=sigterm --strategy=multi_worker_mirrored
+	$(BIN)/python tools/faults/chaos.py --fault=sigterm --strategy=horovod
+	$(BIN)/python tools/faults/chaos.py --fault=sigterm --strategy=parameter_server
 
 # Partitions across 2 hosts (network namespaces; root): 3 trials of 10 s and 3 of 60 s per
 # synchronous strategy. The run must move on within 120 s of the heal, log every step once and end
 # bitwise equal to an uninterrupted run. The parameter server (4 hosts): every step counted once,
 # the reachable worker trains on during a 60 s cut, the cut-off one again after the heal.
 chaos-partition: $(HOROVOD) cluster-tools
-	$(BIN)/python tools/chaos_partition.py --strategy=multi_worker_mirrored
-	$(BIN)/python tools/chaos_partition.py --strategy=horovod
-	$(BIN)/python tools/chaos_partition.py --strategy=parameter_server
+	$(BIN)/python tools/faults/chaos_partition.py --strategy=multi_worker_mirrored
+	$(BIN)/python tools/faults/chaos_partition.py --strategy=horovod
+	$(BIN)/python tools/faults/chaos_partition.py --strategy=parameter_server
 
 # Elastic: a host killed and cut off for good mid-run (the job goes on at 1), then a new host
 # offered (it grows back to 2); 5 trials per strategy, 3 network-namespace hosts (root).
 chaos-elastic: $(HOROVOD) cluster-tools
-	$(BIN)/python tools/chaos_elastic.py --strategy=multi_worker_mirrored --trials=5
-	$(BIN)/python tools/chaos_elastic.py --strategy=horovod --trials=5
+	$(BIN)/python tools/faults/chaos_elastic.py --strategy=multi_worker_mirrored --trials=5
+	$(BIN)/python tools/faults/chaos_elastic.py --strategy=horovod --trials=5

@@ -1,8 +1,8 @@
 """Helpers shared by the test modules. Fixtures and pytest hooks live in conftest.py; the test
 modules import what they share from here, never from each other.
 
-The harness the tests share with the tools (tools/harness.py) comes through here: command lines
-(`tfdist_argv`, `launch_argv`, `driver_argv` of the fault driver tools/faulty_train.py), `tagged`
+The harness the tests share with the tools (tools/faults/harness.py) comes through here: command lines
+(`tfdist_argv`, `launch_argv`, `driver_argv` of the fault driver tools/faults/faulty_train.py), `tagged`
 (JSON result lines of a launcher's prefixed output), `wait_until` (poll with a deadline: a hang
 guard, not a timing), and what a run left: `metrics`, `losses`, `executed_steps`,
 `steps_by_worker`, `weights`, `final_weights`, `max_diff`. The tests' own:
@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 
 from tfdist.launch.local import children, task_of  # noqa: F401  (for the tests)
-from tools import harness
-from tools.harness import (DRIVER, ROOT, driver_argv, executed_steps, final_weights,  # noqa: F401
+from tools.faults import harness
+from tools.faults.harness import (DRIVER, ROOT, driver_argv, executed_steps, final_weights,  # noqa: F401
                            launch_argv, losses, max_diff, metrics, steps_by_worker, tagged,
                            tfdist_argv, wait_until, weights)
 
@@ -102,7 +102,7 @@ def _fork_server():
     global _FORKS
     if _FORKS is None:
         import atexit
-        from tests.forkserver import ForkServer
+        from tests.support.forkserver import ForkServer
         _FORKS = ForkServer()
         atexit.register(_FORKS.close)
     return _FORKS
@@ -120,7 +120,7 @@ def run(cmd, timeout=300, env=None, check=True, fresh=False):
     """Runs a command with a hard timeout; the process is ours and is killed on timeout.
 
     A Python command (`python -m ...`, `python -c ...`, `python script.py`) runs in a fork of
-    tests/forkserver.py, which has TensorFlow imported (6-8 s of CPU here saved per command),
+    tests/support/forkserver.py, which has TensorFlow imported (6-8 s of CPU here saved per command),
     unless `fresh` or its environment changes what Python or TF reads at start (READ_AT_START).
     In a fork or not, it is a process of its own, in a process group of its own there."""
     env = {**os.environ, **(env or {})}
@@ -155,7 +155,7 @@ def run_group(cmd, timeout):
 
 
 def driver(workdir, overrides, *extra, timeout=300, check=True, env=None):
-    """Runs the fault driver (tools/faulty_train.py); returns (CompletedProcess, result dict or
+    """Runs the fault driver (tools/faults/faulty_train.py); returns (CompletedProcess, result dict or
     None)."""
     p = run(driver_argv(workdir, overrides, *extra), timeout=timeout, check=check, env=env)
     line = [x for x in p.stdout.splitlines() if x.startswith("DRIVER_RESULT ")]

@@ -1,6 +1,6 @@
 """The Slurm and Kubernetes examples in launchers/: what can be checked without those systems.
 
-* Slurm: the real sbatch script runs, with a stand-in `srun` (tests/fake_slurm/srun) that starts
+* Slurm: the real sbatch script runs, with a stand-in `srun` (tests/support/fake_slurm/srun) that starts
   the job step's tasks on this machine with Slurm's variables. Each task builds its cluster from
   them, through TF's SlurmClusterResolver, and 2 workers train to the end.
 * Kubernetes: the TFJob manifest is parsed and checked. Every replica's TF_CONFIG, as the training
@@ -19,7 +19,7 @@ import yaml
 from tfdist.launch.local import loopback_shim
 from tests.helpers import ROOT, free_port_run, run
 from tfdist.runtime import cluster
-from tools.slurm_local import missing as slurm_missing
+from tools.cluster.slurm_local import missing as slurm_missing
 
 SBATCH = os.path.join(ROOT, "launchers", "slurm", "tfdist.sbatch")
 TFJOB = os.path.join(ROOT, "launchers", "kubernetes", "tfjob.yaml")
@@ -30,7 +30,7 @@ STEPS = 4  # of every training run below
 
 
 def run_sbatch(tmp_path, data_dir, tasks, **env_extra):
-    env = {**os.environ, "PATH": os.path.join(ROOT, "tests", "fake_slurm") + os.pathsep + os.environ["PATH"],
+    env = {**os.environ, "PATH": os.path.join(ROOT, "tests", "support", "fake_slurm") + os.pathsep + os.environ["PATH"],
            "SLURM_JOB_ID": "4242", "SLURM_NTASKS": str(tasks), "SLURM_SUBMIT_DIR": ROOT,
            "PYTHON": sys.executable, "TFDIST_SLURM_PORT_BASE": str(free_port_run(tasks)),
            "LD_PRELOAD": loopback_shim(), "PYTHONUNBUFFERED": "1", **env_extra}

@@ -1,8 +1,8 @@
 """Elastic `tfdist launch` (tfdist/launch/elastic.py): a host lost for good, the job going on on
 the rest; a host offered, the job growing back; the global batch the same at every size.
 
-The trials across hosts use tools/netcluster.py's network namespaces (root; skipped with the
-reason otherwise) and tools/chaos_elastic.py's trial, which `make chaos-elastic` runs 5 times
+The trials across hosts use tools/cluster/netcluster.py's network namespaces (root; skipped with the
+reason otherwise) and tools/faults/chaos_elastic.py's trial, which `make chaos-elastic` runs 5 times
 per strategy.
 """
 import os
@@ -15,10 +15,10 @@ import pytest
 
 from tests.helpers import ROOT, wait_until
 from tfdist.launch.elastic import Membership, parse_hosts
-from tools import chaos_elastic
-from tools.chaos_elastic import BATCH, elastic_trial, rows, train_flags, verdict
-from tools.chaos_partition import uninterrupted
-from tools.netcluster import NetCluster, missing
+from tools.faults import chaos_elastic
+from tools.faults.chaos_elastic import BATCH, elastic_trial, rows, train_flags, verdict
+from tools.faults.chaos_partition import uninterrupted
+from tools.cluster.netcluster import NetCluster, missing
 
 
 # -- which hosts are there --------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_without_elasticity_a_host_lost_for_good_ends_the_job(tmp_path, data_dir
 
 # -- Slurm: a job whose node is lost ----------------------------------------------------------------
 def _slurm_missing():
-    from tools.slurm_local import missing as slurm_missing
+    from tools.cluster.slurm_local import missing as slurm_missing
     return missing() or slurm_missing()
 
 
@@ -182,7 +182,7 @@ def _slurm_node_lost(tmp_path, data_dir, sbatch=()):
     """tfdist-elastic.sbatch on a 2-node Slurm (with `sbatch` flags); node h1 dies at step 14.
     (Without `--no-kill` the job completes too here: slurmctld had not yet marked the node down,
     only not responding, when the job ended, 35 s after the kill.)"""
-    from tools.slurm_local import LocalSlurm
+    from tools.cluster.slurm_local import LocalSlurm
     work, out = tmp_path / "run", tmp_path / "job.out"
     script = os.path.join(ROOT, "launchers", "slurm", "tfdist-elastic.sbatch")
     with NetCluster(2, rate="1gbit") as net, LocalSlurm(cpus=2, net=net) as slurm:
@@ -230,7 +230,7 @@ def wait_for(condition, timeout, proc):
 @pytest.mark.slow
 @pytest.mark.skipif(_slurm_missing() is not None, reason=str(_slurm_missing()))
 def test_a_slurm_job_whose_node_is_lost_goes_on_on_the_other(tmp_path, data_dir, two_workers):
-    """A real Slurm of 2 nodes (tools/slurm_local.py, each node a network namespace with its own
+    """A real Slurm of 2 nodes (tools/cluster/slurm_local.py, each node a network namespace with its own
     slurmd). launchers/slurm/tfdist-elastic.sbatch (`--no-kill`) runs the elastic launcher on node
     h0, one worker per node. At step 14 node h1 dies: its slurmd and its worker SIGKILLed, its
     link cut for good. Slurm sees it not responding; the job trains on h0 alone within

@@ -168,7 +168,7 @@ def test_without_its_patch_row_adamw_runs_kerass_update(monkeypatch):
 
 def test_single_on_a_cpu_is_tfs_default_strategy():
     """`OneDeviceStrategy` on a CPU runs each step as a multi-device function fed by a
-    multi-device iterator, 8 % of a gpt_demo step (tools/bench_peer.py)."""
+    multi-device iterator, 8 % of a gpt_demo step (tools/bench/peer.py)."""
     import tfdist.strategies
     if tf.config.list_physical_devices("GPU"):
         pytest.skip("this machine has a GPU: single is OneDeviceStrategy there")

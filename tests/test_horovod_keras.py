@@ -1,5 +1,5 @@
 """`tfdist.horovod.keras`, the drop-in for `horovod.tensorflow.keras` on Keras 3: Horovod-style
-Keras programs (tests/horovod_keras_mnist.py, tests/horovod_keras_synthetic.py) run under
+Keras programs (tests/support/horovod_keras_mnist.py, tests/support/horovod_keras_synthetic.py) run under
 `horovodrun -np 2` with ranks bitwise identical and a falling loss; the same programs with only
 the import line changed to Horovod's own API crash or leave the ranks apart (the companion);
 arguments without effect on Keras 3 are one line, impossible ones one `ValueError`."""
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.horovod, pytest.mark.slow]
 
 def program(name, tmp_path, api):
     """The program's text with its import line set to `api` (the only line that differs)."""
-    with open(os.path.join(ROOT, "tests", name)) as f:
+    with open(os.path.join(ROOT, "tests", "support", name)) as f:
         text = f.read()
     assert text.count(TFDIST) == 1
     path = tmp_path / f"{api}_{name}"

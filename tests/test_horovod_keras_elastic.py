@@ -1,5 +1,5 @@
 """`tfdist.horovod.keras.elastic`, Horovod's elastic Keras API on Keras 3: a program in the form of
-Horovod's docs (tests/horovod_keras_elastic.py) runs under `horovodrun --min-np 1 --max-np 2
+Horovod's docs (tests/support/horovod_keras_elastic.py) runs under `horovodrun --min-np 1 --max-np 2
 --host-discovery-script`; a rank killed, the job goes on at 1; the slot offered again, it is back
 at 2; the loss falls and the ranks end identical. With Horovod's own `horovod.tensorflow.keras`
 the same program crashes (the companion)."""

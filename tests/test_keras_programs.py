@@ -4,7 +4,7 @@ with 2 inputs and 2 outputs, and a subclassed model. Each trains with `fit` (val
 EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard),
 then runs `evaluate`, `predict` and `save`, and the chief reloads the saved file on one device.
 
-Every process runs in its own working directory (tests/own_dir.py), so the program's relative
+Every process runs in its own working directory (tests/support/own_dir.py), so the program's relative
 paths show who wrote what: only the chief may. `--min_delta=1e9` makes EarlyStopping stop, and
 ReduceLROnPlateau halve the rate, after the second epoch, in every process.
 """
@@ -38,7 +38,7 @@ def run_program(strategy, base, models=MODELS, env=None, extra=()):
     result}, output)."""
     tmp = base / "tmp"
     tmp.mkdir(parents=True)
-    argv = launch(strategy) + [os.path.join(ROOT, "tests", "own_dir.py"), str(base), PROGRAM,
+    argv = launch(strategy) + [os.path.join(ROOT, "tests", "support", "own_dir.py"), str(base), PROGRAM,
                                f"--strategy={strategy}", "--devices=2", "--epochs=3",
                                "--min_delta=1e9", "--models=" + ",".join(models), *extra]
     p = run(argv, timeout=TIMEOUT, check=False, env={"TMPDIR": str(tmp), **(env or {})})
@@ -337,7 +337,7 @@ def test_keras_backup_and_restore_resumes_every_process(strategy, tmp_path):
     shared = ["--out=" + str(tmp_path / "shared")]
 
     def run(base, env=None, check=True):
-        argv = launch(strategy) + [os.path.join(ROOT, "tests", "own_dir.py"), str(base), PROGRAM,
+        argv = launch(strategy) + [os.path.join(ROOT, "tests", "support", "own_dir.py"), str(base), PROGRAM,
                                    f"--strategy={strategy}", "--epochs=3",
                                    "--models=" + ",".join(models), *shared]
         p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,

@@ -226,7 +226,7 @@ def test_one_global_step_across_workers_is_the_global_batch(uninterrupted, data_
     rows of both workers at a step are exactly that step's global batch, none twice."""
     from tfdist.data import Windows, open_store
 
-    c = load_config("configs/gpt_nano.py")  # with the overrides, as tools/faulty_train.py does
+    c = load_config("configs/gpt_nano.py")  # with the overrides, as tools/faults/faulty_train.py does
     for key, value in chaos_overrides(data_dir).items():
         section, _, name = key.rpartition(".")
         c[section][name] = value

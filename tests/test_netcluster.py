@@ -1,4 +1,4 @@
-"""Across hosts: tools/netcluster.py's network namespaces, each worker on its own address.
+"""Across hosts: tools/cluster/netcluster.py's network namespaces, each worker on its own address.
 
 Needs root, iproute2 and iptables (`make cluster-tools` installs iptables); without them these
 tests are skipped with that reason. Every namespace, veth, bridge, qdisc and rule they make is
@@ -17,10 +17,10 @@ import pytest
 from tests.helpers import (DRIVER, ROOT, final_weights, losses, max_diff, metrics, reference_run,
                            steps_by_worker, wait_until)
 from tests.helpers import SINGLE_STEPS as STEPS
-from tools.chaos_partition import (PARTITION_BOUND, PS_EPOCH, PS_LAUNCH, PS_STEPS,
+from tools.faults.chaos_partition import (PARTITION_BOUND, PS_EPOCH, PS_LAUNCH, PS_STEPS,
                                    logged_steps, partition_trial, ps_flags, ps_verdict,
                                    train_flags, uninterrupted)
-from tools.netcluster import NetCluster, leftovers, missing, namespaces, root_links
+from tools.cluster.netcluster import NetCluster, leftovers, missing, namespaces, root_links
 
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
@@ -295,7 +295,7 @@ def test_horovod_mpi_across_two_hosts_equals_single(tmp_path, data_dir, single):
     assert "horovod: rank 0 of 2, ring-allreduce (mpi)" in out, out[-3000:]  # Horovod's controller: MPI
 
 
-# -- faults across hosts (tools/chaos_partition.py runs the trials: make chaos-partition) ---------
+# -- faults across hosts (tools/faults/chaos_partition.py runs the trials: make chaos-partition) ---------
 @pytest.fixture(scope="module")
 def uninterrupted_mwms(tmp_path_factory, data_dir):
     """The fault trials' run on this machine's loopback, never interrupted."""

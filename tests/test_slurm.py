@@ -1,5 +1,5 @@
 """launchers/slurm/tfdist.sbatch through a real Slurm: Debian's slurm-wlm as one node with 2 CPUs
-(tools/slurm_local.py), the real `sbatch` and `srun`, 2 MultiWorkerMirrored tasks.
+(tools/cluster/slurm_local.py), the real `sbatch` and `srun`, 2 MultiWorkerMirrored tasks.
 
 * A task SIGKILLed mid-run: the script reruns the step and it resumes at the backed-up step; every
   step is in metrics.json exactly once.
@@ -23,7 +23,7 @@ import sys
 import pytest
 
 from tests.helpers import ROOT, final_weights, free_port_run, wait_until
-from tools.slurm_local import LocalSlurm, missing
+from tools.cluster.slurm_local import LocalSlurm, missing
 
 pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing())),
               pytest.mark.slow]

@@ -89,7 +89,7 @@ def test_fake_resolver_builds_the_strategy_with_tpu_defaults():
     code = f"""
 import json, sys
 sys.path.insert(0, {ROOT!r})
-from tests.tpu_fake import FakeResolver
+from tests.support.tpu_fake import FakeResolver
 import tfdist.strategies
 from tfdist import config as config_lib
 from tfdist.data import store
@@ -181,7 +181,7 @@ def test_tpu_vm_script_issues_the_gcloud_commands(tmp_path):
     (--worker=all) with the same training flags as locally, delete."""
     log = tmp_path / "gcloud.log"
     env = {"TPU_NAME": "t1", "ZONE": "us-central2-b", "PROJECT": "p", "GCLOUD_LOG": str(log),
-           "GCLOUD": os.path.join(ROOT, "tests", "fake_gcloud", "gcloud")}
+           "GCLOUD": os.path.join(ROOT, "tests", "support", "fake_gcloud", "gcloud")}
     script = os.path.join(ROOT, "launchers", "tpu", "tpu_vm.sh")
     for args in (["create"], ["install"],
                  ["train", "--", "--config=configs/gpt_mini.py", "--workdir=gs://b/runs/x"],

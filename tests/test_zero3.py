@@ -144,7 +144,7 @@ def test_each_sharded_model_has_collectives_of_its_own():
 def test_one_replica_zero3_gradients_of_a_pipeline_equal_the_plain_ones(args):
     """A GPT in 2 stages x 2 microbatches (recomputed; or 2 tensor-parallel shards, sequence
     parallel, 1F1B): one replica's ZeRO-3 gradients equal the plain pipeline's, for all 52
-    weights (tests/pipeline_probe.py)."""
+    weights (tests/support/pipeline_probe.py)."""
     r = probe("zero3", 2, 2, *args)
     assert r["n"] == 52 and r["loss_diff"] <= 1e-6 and r["max_grad_diff"] <= 1e-5, r
 

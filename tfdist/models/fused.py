@@ -2,7 +2,7 @@
 
 On a CPU every elementwise op reads and writes its whole tensor, and TF's autodiff of the textbook
 formulas of GELU, LayerNorm and the attention's masked softmax makes a dozen such passes each: in
-a profile of gpt_mini (tools/profile_step.py) they took about a third of the step's op time
+a profile of gpt_mini (tools/bench/profile_step.py) they took about a third of the step's op time
 beside the matmuls. Here each has its gradient written out, and GELU, the widest (4 x n_embd),
 is one fused loop each way:
 

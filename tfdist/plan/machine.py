@@ -71,7 +71,7 @@ def allreduce_time(ar, implementation, nbytes):
 
 
 def link_rate(link):
-    """Bytes/s one way of a link as tools/netcluster.py names them (100mbit, 1gbit, 10gbit)."""
+    """Bytes/s one way of a link as tools/cluster/netcluster.py names them (100mbit, 1gbit, 10gbit)."""
     for unit, bits in (("gbit", 1e9), ("mbit", 1e6)):
         if link.endswith(unit):
             return float(link[:-len(unit)]) * bits / 8

@@ -4,7 +4,7 @@ On one GPU it is `OneDeviceStrategy` (which prefetches each batch to the GPU). E
 TF's default strategy, which puts unplaced ops on the first GPU, else the CPU, as
 `OneDeviceStrategy` would:
 * on a CPU, where `OneDeviceStrategy` only adds work: its step runs as a multi-device function
-  fed by a multi-device iterator, 8 % of a `gpt_demo` step here (tools/bench_peer.py);
+  fed by a multi-device iterator, 8 % of a `gpt_demo` step here (tools/bench/peer.py);
 * when the process has been given several devices for one replica (a pipeline's stages on
   logical CPUs, or several GPUs): `OneDeviceStrategy` creates every variable on its own device,
   whatever `tf.device` the model asks for, and would put all of a pipeline's stages on one

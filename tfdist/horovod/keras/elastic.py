@@ -13,7 +13,7 @@
 run under `horovodrun -np 2 --min-np 1 --max-np 2 --host-discovery-script D ...` (Gloo). The
 state is committed in memory; after a rank fails it is rolled back to the last commit, and after
 hosts are added or removed Horovod is reset and the state broadcast from the new rank 0, without
-a disk read. A whole program: tests/horovod_keras_elastic.py.
+a disk read. A whole program: tests/support/horovod_keras_elastic.py.
 
 Horovod's own machinery is used as it is: `horovod.common.elastic.run_fn` (the retry loop, the
 worker notification service, `State.commit`, `check_host_updates`, reset callbacks),

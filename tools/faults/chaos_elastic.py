@@ -1,0 +1,183 @@
+"""Elastic trials: a host lost for good mid-run, then a new host offered, across
+tools/cluster/netcluster.py's hosts (root).
+
+    python tools/faults/chaos_elastic.py                        # MWMS, 5 trials (make chaos-elastic)
+    python tools/faults/chaos_elastic.py --strategy=horovod --trials=5
+
+3 hosts (network namespaces, 1 Gbit/s links). Each trial runs an elastic `tfdist launch` on host 0:
+`--workers=2 --min_workers=1 --max_workers=2`, with a discovery command that prints the lines of
+a file, at first hosts 0 and 1. gpt_nano trains STEPS steps (global batch 16, a backup every 5).
+Once the run has logged a step chosen at random (seeded, 8-30), every process on host 1 is
+SIGKILLed and its link cut for good (it stays in the discovery output: the launcher finds it
+gone because it no longer answers). Once the job trains on 1 worker and has logged GROW_AT,
+host 2 is added to the discovery output.
+
+A trial passes when the launcher exits 0; the job trained on 1 worker within CONTINUE_BOUND
+(60 s) of the kill; host 2 joined (2 replicas again) within JOIN_BOUND (60 s) of its offer;
+every step 1..STEPS is in metrics.json once, each with the same global batch; and every step's
+loss equals an uninterrupted 2-worker run's (on this machine's loopback) within 1e-5.
+
+Prints a table and writes bench_results/chaos-elastic-<strategy>.json. Exit status 1 if a trial
+fails.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from tools.faults.chaos_partition import prepare_data, report, uninterrupted, yes  # noqa: E402
+from tools.faults.harness import metrics  # noqa: E402
+from tools.cluster.netcluster import NetCluster  # noqa: E402
+
+STEPS, EVERY, BATCH, GROW_AT = 200, 5, 16, 50
+CONTINUE_BOUND = 60.0  # seconds from the kill to a step trained by the smaller group
+JOIN_BOUND = 60.0  # seconds from the offer of a host to its first step
+TOLERANCE = 1e-5
+
+
+def train_flags(work, data_dir, steps=STEPS):
+    return ["--config=configs/gpt_nano.py", f"--workdir={work}", f"--config.data.data_dir={data_dir}",
+            f"--config.train.steps={steps}", "--config.train.steps_per_epoch=50",
+            f"--config.train.batch_size={BATCH}", "--config.train.eval_steps=2",
+            f"--config.backup.every_steps={EVERY}"]
+
+
+def rows(work):
+    try:
+        return metrics(work)["steps"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def elastic_trial(net, work, data_dir, strategy, at_step, grow=True, steps=STEPS, timeout=900):
+    """An elastic launch on host 0 over hosts 0 and 1 (host 2 offered later if `grow`); host 1
+    killed and cut off for good once `at_step` is logged. Returns what happened (every wait is
+    bounded; the launcher is killed at `timeout`)."""
+    hosts_file = os.path.join(os.path.dirname(str(work)), f"{os.path.basename(str(work))}-hosts.txt")
+    with open(hosts_file, "w") as f:
+        f.write(f"{net.address(0)}:1\n{net.address(1)}:1\n")
+    env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"],
+           "PYTHONUNBUFFERED": "1"}
+    p = net.popen(0, [sys.executable, "-m", "tfdist", "launch", f"--strategy={strategy}",
+                      "--workers=2", "--min_workers=1", "--max_workers=2",
+                      f"--discovery=cat {hosts_file}", "--rejoin_timeout=10",
+                      "--discovery_interval=1", "--max_restarts=2", "--backoff=1", "--",
+                      *train_flags(work, data_dir, steps)],
+                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    r = {"cut_at": None, "continued_s": None, "offered_at": None, "joined_at": None,
+         "joined_s": None}
+
+    def last():
+        return (rows(work) or [{"step": 0, "replicas": 0}])[-1]
+
+    def wait(condition):
+        while not condition():
+            if p.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    if wait(lambda: last()["step"] >= at_step):
+        r["cut_at"] = last()["step"]
+        net.kill(1)
+        net.partition(1)
+        killed = time.monotonic()
+        if wait(lambda: any(x["replicas"] == 1 for x in rows(work))):
+            r["continued_s"] = round(time.monotonic() - killed, 1)
+            if grow and wait(lambda: last()["step"] >= GROW_AT):
+                r["offered_at"] = last()["step"]
+                with open(hosts_file, "a") as f:
+                    f.write(f"{net.address(2)}:1\n")
+                offered = time.time()
+                if wait(lambda: last()["replicas"] == 2):
+                    joined = next(x for x in rows(work)
+                                  if x["step"] > r["offered_at"] and x["replicas"] == 2)
+                    r["joined_at"] = joined["step"]
+                    r["joined_s"] = round(joined["time"] - joined["step_time"] - offered, 1)
+    wait(lambda: False)  # until the launcher ends (or the deadline)
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+    reader.join(timeout=10)
+    r.update(exit=p.returncode, output="".join(out), rows=rows(work))
+    resumed = re.findall(r"resuming from \S+ at step (\d+) of", r["output"])
+    r["resumed_at"] = [int(s) for s in resumed]
+    return r
+
+
+def verdict(r, reference, steps=STEPS, grow=True):
+    """The checks of a trial (module doc), by name."""
+    logged = r["rows"]
+    diff = (max(abs(a["loss"] - b) for a, b in zip(logged, reference))
+            if len(logged) == len(reference) else None)
+    checks = {
+        "exit 0": r["exit"] == 0,
+        "continued within bound": r["continued_s"] is not None and r["continued_s"] <= CONTINUE_BOUND,
+        "steps once": [x["step"] for x in logged] == list(range(1, steps + 1)),
+        "global batch constant": bool(logged) and all(x["global_batch"] == BATCH for x in logged),
+        "losses equal": diff is not None and diff <= TOLERANCE,
+    }
+    if grow:
+        checks["joined within bound"] = r["joined_s"] is not None and r["joined_s"] <= JOIN_BOUND
+    return checks, diff
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--strategy", default="multi_worker_mirrored",
+                    choices=["multi_worker_mirrored", "horovod"])
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = args.out or os.path.join(ROOT, "bench_results", f"chaos-elastic-{args.strategy}.json")
+    rng = random.Random(args.seed)
+    tmp = tempfile.mkdtemp(prefix="tfdist-elastic-")
+    data_dir = prepare_data(os.path.join(tmp, "data"))
+    ref = os.path.join(tmp, "reference")
+    uninterrupted(ref, data_dir, args.strategy, flags=train_flags(ref, data_dir))
+    reference = [x["loss"] for x in rows(ref)]
+    table = []
+    for trial in range(args.trials):
+        work, at = os.path.join(tmp, f"trial{trial}"), rng.randint(8, 30)
+        t = time.monotonic()
+        with NetCluster(3, rate="1gbit") as net:
+            r = elastic_trial(net, work, data_dir, args.strategy, at)
+        checks, diff = verdict(r, reference)
+        table.append({"trial": trial, "kill_at_step": r["cut_at"], "resumed_at": r["resumed_at"],
+                      "continued_on_1_after_s": r["continued_s"], "offered_at_step": r["offered_at"],
+                      "joined_at_step": r["joined_at"], "joined_after_s": r["joined_s"],
+                      "exit": r["exit"],
+                      "max_loss_diff": diff, **{k.replace(" ", "_"): v for k, v in checks.items()},
+                      "wall_s": round(time.monotonic() - t, 1), "passed": all(checks.values())})
+        print(json.dumps(table[-1]), flush=True)
+        if not table[-1]["passed"]:
+            print(r["output"][-4000:], flush=True)
+    head = ("trial", "kill at", "resumed at", "on 1 after", "offered at", "joined at", "exit",
+            "steps once", "batch", "loss diff", "wall", "passed")
+    return report(table, head, lambda x: (
+        x["trial"], x["kill_at_step"], ",".join(map(str, x["resumed_at"])),
+        f"{x['continued_on_1_after_s']} s", x["offered_at_step"], x["joined_at_step"], x["exit"],
+        yes(x["steps_once"]), yes(x["global_batch_constant"]),
+        "-" if x["max_loss_diff"] is None else f"{x['max_loss_diff']:.1e}", f"{x['wall_s']:.0f} s",
+        yes(x["passed"])), args.strategy, out, steps=STEPS, backup_every=EVERY, batch=BATCH,
+        bound_s=CONTINUE_BOUND, join_bound_s=JOIN_BOUND, tolerance=TOLERANCE,
+        seed=args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

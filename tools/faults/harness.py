@@ -1,0 +1,164 @@
+"""One harness for the tests and the tools: the command lines that start tfdist's processes (a
+command, a local cluster through `tfdist launch`, the fault driver `tools/faults/faulty_train.py`),
+running them with a bound, and reading what a run left (metrics.json, the steps each worker ran,
+the weights) to compare runs. The tests use it through tests/helpers.py, the benchmarks and chaos
+trials directly; it imports neither.
+
+Example (what a finished run left):
+
+    >>> import json, os, tempfile
+    >>> from tools.faults import harness
+    >>> run = tempfile.mkdtemp()
+    >>> with open(os.path.join(run, "metrics.json"), "w") as f:
+    ...     json.dump({"steps": [{"step": 1, "loss": 5.5}, {"step": 2, "loss": 5.2}], "evals": []}, f)
+    >>> harness.losses(run)
+    [5.5, 5.2]
+    >>> harness.launch_argv(["--config=configs/gpt_nano.py"], strategy="horovod")[2:6]
+    ['tfdist', 'launch', '--strategy=horovod', '--workers=2']
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DRIVER = os.path.join(ROOT, "tools", "faults", "faulty_train.py")
+
+
+# -- command lines -------------------------------------------------------------------------------
+
+def tfdist_argv(*args):
+    """`python -m tfdist ARGS`."""
+    return [sys.executable, "-m", "tfdist", *args]
+
+
+def launch_argv(rest, strategy=None, workers=2, ps=None, max_restarts=2, backoff=0.5, extra=()):
+    """`tfdist launch` of `workers` processes (with `ps` ps tasks, for the parameter server)
+    running `rest`: `tfdist train` flags, or a command."""
+    return tfdist_argv("launch", *([f"--strategy={strategy}"] if strategy else []),
+                       f"--workers={workers}", *([f"--ps={ps}"] if ps else []),
+                       f"--max_restarts={max_restarts}", f"--backoff={backoff}", *extra, "--",
+                       *rest)
+
+
+def driver_argv(workdir, overrides, *extra):
+    """The fault driver (tools/faults/faulty_train.py) on `workdir` with config `overrides`."""
+    return [sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra]
+
+
+# -- running -------------------------------------------------------------------------------------
+
+def run_group(cmd, timeout, env=None, cwd=ROOT):
+    """Runs `cmd` in a process group of its own; on timeout that group (ours) is killed and
+    `TimeoutError` raised with the end of its output. Returns the CompletedProcess."""
+    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise TimeoutError(f"{cmd[:6]} timed out after {timeout} s\n{out[-3000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def wait_until(condition, timeout, what, proc=None, describe=lambda: ""):
+    """Polls `condition()` until it is true. Fails (saying `what`, and `describe()`) if `proc`
+    ends first, or after `timeout` seconds: a guard against a hang, not a measurement."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process ended (status {proc.returncode}) before {what}\n"
+                                 f"{describe()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout} s\n{describe()}")
+        time.sleep(0.05)
+
+
+def tagged(stdout, tag, prefix=r"\[w(\d+)\] "):
+    """{process index: JSON} of the `<prefix><tag> {...}` lines of a launcher's output
+    (`[w1] DRIVER_RESULT {...}`; horovodrun's is `[1]<stdout>:`)."""
+    import re
+    found = re.findall(rf"^{prefix}{re.escape(tag)} (.*)$", stdout, re.M)
+    return {int(i): json.loads(r) for i, r in found}
+
+
+# -- what a run left ------------------------------------------------------------------------------
+
+def metrics(workdir):
+    """The run's metrics.json: {"steps": [per logged step], "evals": [per evaluation]}."""
+    with open(os.path.join(workdir, "metrics.json")) as f:
+        return json.load(f)
+
+
+def losses(workdir):
+    """The logged training loss of every step."""
+    return [r["loss"] for r in metrics(workdir)["steps"]]
+
+
+def executed_steps(workdir):
+    """The fault driver's executed_steps.txt: one [worker, pid, loss] per step run, across
+    restarts."""
+    path = os.path.join(workdir, "executed_steps.txt")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line.split() for line in f]
+
+
+def steps_by_worker(workdir):
+    """{worker index: steps it ran}, from executed_steps.txt."""
+    counts = {}
+    for worker, _, _ in executed_steps(workdir):
+        counts[int(worker)] = counts.get(int(worker), 0) + 1
+    return counts
+
+
+def weights(workdir, worker):
+    """The weights the fault driver's --dump-weights wrote for `worker` (weights-w<i>.npz)."""
+    import numpy as np
+    with np.load(os.path.join(workdir, f"weights-w{worker}.npz")) as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def final_weights(workdir):
+    """The weights of the run's saved model.keras."""
+    import keras
+    import numpy as np
+    import tfdist.models.gpt  # noqa: F401  (registers the classes)
+    m = keras.saving.load_model(os.path.join(workdir, "model.keras"), compile=False)
+    return [np.asarray(w) for w in m.weights]
+
+
+def max_diff(a, b):
+    """Largest absolute difference between two equally long lists of arrays."""
+    import numpy as np
+    assert len(a) == len(b)
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def committed_step(backup_dir):
+    """The step the `checkpoint` index of `backup_dir` names as the latest (0: none yet)."""
+    import re
+    try:
+        with open(os.path.join(backup_dir, "checkpoint")) as f:
+            found = re.search(r'^model_checkpoint_path: "ckpt-(\d+)"', f.read(), re.M)
+    except FileNotFoundError:
+        return 0
+    return int(found.group(1)) if found else 0
+
+
+def write_in_flight(backup_dir):
+    """The step of a backup being written, read from the files: its `ckpt-N.index` is on disk
+    while the `checkpoint` index names an earlier step (or none). None when no write is seen."""
+    import re
+    try:
+        names = os.listdir(backup_dir)
+    except FileNotFoundError:
+        return None
+    committed = committed_step(backup_dir)
+    steps = [int(m.group(1)) for m in map(re.compile(r"ckpt-(\d+)\.index$").match, names) if m]
+    newer = [n for n in steps if n > committed]
+    return max(newer) if newer else None
