@@ -64,6 +64,7 @@ def single_reference(tmp_path_factory, data_dir):
     """The run of helpers.single_overrides (its weights dumped: `weights(d, 0)`), made once per
     test run; its DRIVER_RESULT is in result.json."""
     import json
+
     from tests.helpers import driver, once, single_overrides
 
     def make(d):

@@ -34,9 +34,22 @@ import pytest
 
 from tfdist.launch.local import children, task_of  # noqa: F401  (for the tests)
 from tools.faults import harness
-from tools.faults.harness import (DRIVER, ROOT, driver_argv, executed_steps, final_weights,  # noqa: F401
-                           launch_argv, losses, max_diff, metrics, steps_by_worker, tagged,
-                           tfdist_argv, wait_until, weights)
+from tools.faults.harness import (  # noqa: F401
+    DRIVER,
+    ROOT,
+    driver_argv,
+    executed_steps,
+    final_weights,
+    launch_argv,
+    losses,
+    max_diff,
+    metrics,
+    steps_by_worker,
+    tagged,
+    tfdist_argv,
+    wait_until,
+    weights,
+)
 
 
 # -- tiers ---------------------------------------------------------------------------------------
@@ -102,6 +115,7 @@ def _fork_server():
     global _FORKS
     if _FORKS is None:
         import atexit
+
         from tests.support.forkserver import ForkServer
         _FORKS = ForkServer()
         atexit.register(_FORKS.close)

@@ -13,12 +13,21 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import (
+    DRIVER,
+    ROOT,
+    assert_usage_error,
+    driver,
+    executed_steps,
+    final_weights,
+    harness,
+    tree_digest,
+    wait_until,
+)
 from tfdist import callbacks as cb
 from tfdist.errors import EXIT_PREEMPTED, UsageError
-from tfdist.runtime.lock import LOCK_NAME
 from tfdist.models.gpt import GPT
-from tests.helpers import (DRIVER, ROOT, assert_usage_error, driver, executed_steps, harness,
-                           final_weights, tree_digest, wait_until)
+from tfdist.runtime.lock import LOCK_NAME
 
 STEPS, PER_EPOCH = 30, 10
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import assert_usage_error, tfdist
 from tfdist import config
+from tfdist.errors import UsageError
 from tfdist.parallel import buckets
 from tfdist.runtime import profiling
-from tfdist.errors import UsageError
-from tests.helpers import assert_usage_error, tfdist
 
 
 def test_buckets_take_the_last_variables_first_and_close_at_the_size():
@@ -78,6 +78,7 @@ def test_under_zero_the_step_reduce_scatters_instead_of_the_buckets(stage):
     shard (tfdist.parallel.zero), and the strategy's reduction, the one that overlaps in buckets
     (`Strategy.reduce_gradients`), is not called; without ZeRO it is, once per step."""
     import keras
+
     from tfdist import strategies
     from tfdist.parallel import zero
     from tfdist.parallel.layout import Layout

@@ -5,9 +5,17 @@ import sys
 
 import pytest
 
+from tests.helpers import (
+    ROOT,
+    assert_usage_error,
+    driver,
+    load_config,
+    metrics,
+    run,
+    tfdist,
+    tree_digest,
+)
 from tfdist.runtime.lock import LOCK_NAME
-from tests.helpers import (ROOT, assert_usage_error, driver, load_config, metrics, run, tfdist,
-                           tree_digest)
 
 STEPS, PER_EPOCH = 20, 10  # of the finished run below
 

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from tfdist.runtime import cluster
-from tfdist.errors import UsageError
 from tests.helpers import assert_usage_error, first_fast, run
+from tfdist.errors import UsageError
+from tfdist.runtime import cluster
 
 GOOD = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
         "task": {"type": "worker", "index": 1}}

@@ -16,8 +16,8 @@ import sys
 import pytest
 import yaml
 
-from tfdist.launch.local import loopback_shim
 from tests.helpers import ROOT, free_port_run, run
+from tfdist.launch.local import loopback_shim
 from tfdist.runtime import cluster
 from tools.cluster.slurm_local import missing as slurm_missing
 

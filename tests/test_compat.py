@@ -186,6 +186,7 @@ def test_unknown_patch_names_are_refused():
 def test_one_gradient_reduction_per_optimizer():
     """Optimizer wrapping composes explicitly: a second wrap raises instead of stacking."""
     import keras
+
     from tfdist import compat
     opt = compat.set_gradient_reduction(keras.optimizers.SGD(), lambda gv: gv)
     with pytest.raises(ValueError, match="already set"):

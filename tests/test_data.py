@@ -10,11 +10,10 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfdist import config
-from tfdist.data import ByteTokenizer, Windows, open_store, sources, store, tokenizer
-from tfdist.data import build
-from tfdist.errors import UsageError
 from tests.helpers import write_nanogpt
+from tfdist import config
+from tfdist.data import ByteTokenizer, Windows, build, open_store, sources, store, tokenizer
+from tfdist.errors import UsageError
 
 BYTES = ByteTokenizer.vocab_size  # the byte tokenizer's vocabulary
 VAL_FRACTION = config.default_config().data.val_fraction  # validation tail of a corpus

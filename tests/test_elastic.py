@@ -15,10 +15,10 @@ import pytest
 
 from tests.helpers import ROOT, wait_until
 from tfdist.launch.elastic import Membership, parse_hosts
+from tools.cluster.netcluster import NetCluster, missing
 from tools.faults import chaos_elastic
 from tools.faults.chaos_elastic import BATCH, elastic_trial, rows, train_flags, verdict
 from tools.faults.chaos_partition import uninterrupted
-from tools.cluster.netcluster import NetCluster, missing
 
 
 # -- which hosts are there --------------------------------------------------------------------------

@@ -8,10 +8,23 @@ import sys
 
 import pytest
 
-from tfdist.strategies.horovod import horovodrun_argv
-from tests.helpers import (DRIVER, OVERLAP_BUCKET_MB, ROOT, assert_overlap, driver, losses,
-                           max_diff, reference_run, run_group, steps_by_worker, tagged, weights)
+from tests.helpers import (
+    DRIVER,
+    OVERLAP_BUCKET_MB,
+    ROOT,
+    assert_overlap,
+    driver,
+    losses,
+    max_diff,
+    reference_run,
+    run_group,
+    steps_by_worker,
+    tagged,
+    weights,
+)
 from tests.helpers import SINGLE_STEPS as STEPS
+from tfdist.strategies.horovod import horovodrun_argv
+
 CHAOS_STEPS = 24
 RANKS = 2
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -129,6 +142,7 @@ def test_fp16_compression_and_gradient_accumulation(tmp_path, data_dir):
 
 def test_learning_rate_scaling_keeps_the_warmup():
     import keras
+
     from tfdist.compat import learning_rate_schedule
     from tfdist.strategies.horovod import scale_learning_rate
 

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from tfdist.strategies.horovod import horovodrun_argv
 from tests.helpers import ROOT, run, run_group, tagged
+from tfdist.strategies.horovod import horovodrun_argv
 
 RANKS = 2
 TFDIST = "import tfdist.horovod.keras as hvd  # the Horovod Keras API"

@@ -13,10 +13,24 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, OVERLAP_BUCKET_MB, ROOT, assert_overlap, children,
-                           final_weights, load_config, losses, max_diff, reference_run, run,
-                           steps_by_worker, tagged, weights)
+from tests.helpers import (
+    DRIVER,
+    OVERLAP_BUCKET_MB,
+    ROOT,
+    assert_overlap,
+    children,
+    final_weights,
+    load_config,
+    losses,
+    max_diff,
+    reference_run,
+    run,
+    steps_by_worker,
+    tagged,
+    weights,
+)
 from tests.helpers import SINGLE_STEPS as STEPS
+
 CHAOS_STEPS = 30
 WORKERS = 2
 

@@ -14,14 +14,31 @@ import threading
 
 import pytest
 
-from tests.helpers import (DRIVER, ROOT, final_weights, losses, max_diff, metrics, reference_run,
-                           steps_by_worker, wait_until)
+from tests.helpers import (
+    DRIVER,
+    ROOT,
+    final_weights,
+    losses,
+    max_diff,
+    metrics,
+    reference_run,
+    steps_by_worker,
+    wait_until,
+)
 from tests.helpers import SINGLE_STEPS as STEPS
-from tools.faults.chaos_partition import (PARTITION_BOUND, PS_EPOCH, PS_LAUNCH, PS_STEPS,
-                                   logged_steps, partition_trial, ps_flags, ps_verdict,
-                                   train_flags, uninterrupted)
 from tools.cluster.netcluster import NetCluster, leftovers, missing, namespaces, root_links
-
+from tools.faults.chaos_partition import (
+    PARTITION_BOUND,
+    PS_EPOCH,
+    PS_LAUNCH,
+    PS_STEPS,
+    logged_steps,
+    partition_trial,
+    ps_flags,
+    ps_verdict,
+    train_flags,
+    uninterrupted,
+)
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 PORT = 12345  # every host has its own address space: one port for all

@@ -10,8 +10,18 @@ import sys
 
 import pytest
 
-from tests.helpers import (ROOT, assert_usage_error, driver, final_weights, first_fast, free_port,
-                           max_diff, run, tfdist, weights)
+from tests.helpers import (
+    ROOT,
+    assert_usage_error,
+    driver,
+    final_weights,
+    first_fast,
+    free_port,
+    max_diff,
+    run,
+    tfdist,
+    weights,
+)
 
 PROBE = os.path.join(ROOT, "tests", "support", "pipeline_probe.py")
 

@@ -12,8 +12,16 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import (ROOT, assert_usage_error, metrics, run, tfdist, tree_digest, wait_until,
-                           write_nanogpt)
+from tests.helpers import (
+    ROOT,
+    assert_usage_error,
+    metrics,
+    run,
+    tfdist,
+    tree_digest,
+    wait_until,
+    write_nanogpt,
+)
 from tfdist.data import ByteTokenizer
 
 BYTES = ByteTokenizer.vocab_size  # the byte tokenizer's vocabulary

@@ -5,9 +5,9 @@ import sys
 import pytest
 
 import tfdist.strategies
+from tests.helpers import SINGLE_STEPS, driver, losses, run, single_overrides
 from tfdist import config
 from tfdist.errors import UsageError
-from tests.helpers import SINGLE_STEPS, driver, losses, run, single_overrides
 
 
 def test_registry_lists_plugins_and_refuses_unknown_names():
@@ -37,6 +37,7 @@ def test_a_model_compiled_in_the_scope_and_stepped_by_tfdist_is_prepared_once(mo
     learning-rate scaling) must apply once, not once for each (the rate x ranks², found in
     review)."""
     import keras
+
     from tfdist.parallel.layout import Layout
     from tfdist.step import TrainStep
     strategy = tfdist.strategies.get("single")

@@ -11,8 +11,18 @@ import keras
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, assert_usage_error, driver, final_weights, first_fast,
-                           max_diff, metrics, run_group, tfdist, weights)
+from tests.helpers import (
+    DRIVER,
+    assert_usage_error,
+    driver,
+    final_weights,
+    first_fast,
+    max_diff,
+    metrics,
+    run_group,
+    tfdist,
+    weights,
+)
 from tests.test_pipeline import common, probe
 from tfdist.strategies.horovod import horovodrun_argv
 

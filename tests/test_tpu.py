@@ -11,7 +11,15 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_usage_error, first_fast, free_port, one_error_line, run, tfdist
+from tests.helpers import (
+    ROOT,
+    assert_usage_error,
+    first_fast,
+    free_port,
+    one_error_line,
+    run,
+    tfdist,
+)
 from tfdist import config as config_lib
 
 # No TPU hardware here: everything that needs one is marked so.

@@ -13,8 +13,19 @@ import keras
 import numpy as np
 import pytest
 
-from tests.helpers import (DRIVER, assert_usage_error, driver, first_fast, load_config, losses,
-                           max_diff, metrics, run_group, tfdist, weights)
+from tests.helpers import (
+    DRIVER,
+    assert_usage_error,
+    driver,
+    first_fast,
+    load_config,
+    losses,
+    max_diff,
+    metrics,
+    run_group,
+    tfdist,
+    weights,
+)
 from tfdist.parallel import zero
 from tfdist.strategies.horovod import horovodrun_argv
 
@@ -83,6 +94,7 @@ def test_one_replica_zero_step_equals_the_plain_optimizer(stage, accumulate):
     and a decaying learning rate, given the mean of every `accumulate` gradients, over 9 calls
     in a tf.function (ZeRO-2 accumulates its own shard only)."""
     import tensorflow as tf
+
     import tfdist.strategies
     from tfdist.parallel.layout import Layout
     from tfdist.step import TrainStep

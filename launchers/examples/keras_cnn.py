@@ -46,6 +46,7 @@ def main(argv):
     import keras
     import numpy as np
     import tensorflow as tf
+
     import tfdist.parallel.zero
     import tfdist.strategies
 

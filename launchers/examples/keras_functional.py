@@ -26,6 +26,7 @@ def main(argv):
     import keras
     import numpy as np
     import tensorflow as tf
+
     import tfdist.strategies
 
     strategy = tfdist.strategies.get(_STRATEGY.value)  # reads TF_CONFIG for multi_worker_mirrored

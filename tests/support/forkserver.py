@@ -117,6 +117,7 @@ def _child(request, out, err):
 def _serve():
     import signal
     import time
+
     import keras  # noqa: F401  (the point of it all)
     import tensorflow  # noqa: F401
     for line in sys.stdin:

@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist.strategies  # noqa: E402
-from tfdist.models.gpt import GPT, loss_fn  # noqa: E402
 from tfdist.models import state  # noqa: E402
+from tfdist.models.gpt import GPT, loss_fn  # noqa: E402
 from tfdist.models.pipeline import Pipeline  # noqa: E402
 from tfdist.parallel.layout import Layout, configure_logical_cpus  # noqa: E402
 from tfdist.step import TrainStep  # noqa: E402

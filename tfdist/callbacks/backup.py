@@ -11,12 +11,12 @@ import keras
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import zero
-from tfdist.parallel.zero import shards
 from tfdist.callbacks.log import read_json, steps_in, write_json_atomic
 from tfdist.callbacks.snapshot import Snapshot, Writer
 from tfdist.errors import UsageError
 from tfdist.models import state
+from tfdist.parallel import zero
+from tfdist.parallel.zero import shards
 
 
 def model_signature(model):

@@ -25,8 +25,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.runtime import progress
 from tfdist.data.store import write_atomic
+from tfdist.runtime import progress
 
 
 def write_json_atomic(path, obj):

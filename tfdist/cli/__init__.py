@@ -15,9 +15,9 @@ import sys
 
 from absl import app, flags, logging
 
+from tfdist.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, PeerLost, UsageError
 from tfdist.runtime import cluster
 from tfdist.runtime.console import NOISE, pass_on_stderr, quiet_tensorflow_import, verbose  # noqa: F401
-from tfdist.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, PeerLost, UsageError
 
 #: The repository (its configs/), and the config a command reads without --config.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -35,11 +35,27 @@ from tfdist import cli
 from tfdist.errors import UsageError
 from tfdist.plan.benchmarks import measured
 from tfdist.plan.machine import cpu_device, fit_to_one_process, precision_efficiency, read_bench
-from tfdist.plan.model import GB, Cluster, Model, Options, memory, model_from_config, planned, search
-from tfdist.plan.published import (CPU, DEVICES, MODELS, PUBLISHED, calibrated, validate,
-                                   zero_figure1)
-
+from tfdist.plan.model import (
+    GB,
+    Cluster,
+    Model,
+    Options,
+    memory,
+    model_from_config,
+    planned,
+    search,
+)
+from tfdist.plan.published import (
+    CPU,
+    DEVICES,
+    MODELS,
+    PUBLISHED,
+    calibrated,
+    validate,
+    zero_figure1,
+)
 from tfdist.plan.report import load_config, report
+
 
 def _define_flags():
     from absl import flags

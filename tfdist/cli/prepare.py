@@ -12,7 +12,6 @@ and tokens/s; an interrupted prepare is finished by running it again, and gives 
 (same fingerprint). See `tfdist/data/store.py` for the format, `tfdist/data/build.py` for the
 build.
 """
-import os
 import sys
 
 from absl import flags

@@ -23,6 +23,7 @@ def load_model(path):
     """Loads a tfdist .keras model; UsageError if the file is missing or not a tfdist GPT."""
     import keras
     import tensorflow as tf
+
     from tfdist.errors import UsageError
     from tfdist.models.gpt import GPT
 
@@ -42,7 +43,9 @@ def load_tokenizer(model_path, model):
     """The tokenizer saved beside the model (`<workdir>/tokenizer/`, written by `tfdist train`);
     bytes for an older run without one, if the model's vocabulary is the byte tokenizer's."""
     import json
+
     import tensorflow as tf
+
     from tfdist.data import tokenizer
     from tfdist.errors import UsageError
 

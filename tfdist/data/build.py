@@ -31,7 +31,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfdist.data import sources, store, tokenizer as tokenizers
+from tfdist.data import sources, store
+from tfdist.data import tokenizer as tokenizers
 from tfdist.errors import UsageError
 
 BPE_SAMPLE_BYTES = 1 << 30  # a BPE is trained on at most the first 1 GiB of the training text

@@ -56,11 +56,11 @@ import tempfile
 import threading
 import time
 
-from tfdist.runtime import cluster as cluster_lib
 from tfdist.errors import EXIT_PREEMPTED
 from tfdist.launch.bind import loopback_shim  # noqa: F401  (tfdist.launch.local's, for callers)
 from tfdist.launch.hosts import DEFAULT_PORT, Host, passed_on, send
 from tfdist.launch.output import Output
+from tfdist.runtime import cluster as cluster_lib
 
 MAX_BACKOFF = 60.0
 RESIZE = "resize"  # what `Supervisor._wait` returns when an elastic group is to be resized

@@ -14,13 +14,47 @@ This package re-exports their public names.
     print(best.layout, best.tflops_per_device)
 """
 from tfdist.parallel.layout import Layout  # noqa: F401  (the class the planner prices)
-from tfdist.plan.model import (GB, STATE_BYTES, Cluster, Device, Model, Options, Plan,  # noqa: F401
-                               activation_bytes_per_layer, allreduce_seconds, evaluate, layouts,
-                               memory, model_from_config, planned, search, stage_params, step_time)
-from tfdist.plan.published import (CPU, DEVICES, MEGATRON_OPTIONS, MODELS, PUBLISHED, MiB,  # noqa: F401
-                                   calibrated, calibrated_options, fit_efficiency, validate,
-                                   zero_figure1)
 from tfdist.plan.benchmarks import measured  # noqa: F401
 from tfdist.plan.machine import BENCH_HINT, allreduce_bandwidth, cpu_device, read_bench  # noqa: F401
-from tfdist.plan.report import (base_config, chart, format_table, load_config,  # noqa: F401
-                                report, runnable, strategy_command, tfdist_command)
+from tfdist.plan.model import (  # noqa: F401
+                               GB,
+                               STATE_BYTES,
+                               Cluster,
+                               Device,
+                               Model,
+                               Options,
+                               Plan,
+                               activation_bytes_per_layer,
+                               allreduce_seconds,
+                               evaluate,
+                               layouts,
+                               memory,
+                               model_from_config,
+                               planned,
+                               search,
+                               stage_params,
+                               step_time,
+)
+from tfdist.plan.published import (  # noqa: F401
+                               CPU,
+                               DEVICES,
+                               MEGATRON_OPTIONS,
+                               MODELS,
+                               PUBLISHED,
+                               MiB,
+                               calibrated,
+                               calibrated_options,
+                               fit_efficiency,
+                               validate,
+                               zero_figure1,
+)
+from tfdist.plan.report import (  # noqa: F401
+                               base_config,
+                               chart,
+                               format_table,
+                               load_config,
+                               report,
+                               runnable,
+                               strategy_command,
+                               tfdist_command,
+)

@@ -7,8 +7,17 @@ import glob
 import math
 import os
 
-from tfdist.plan.machine import (BENCH_HINT, FP32, RING, allreduce_time, collective, host, link_rate,
-                                 one_core, read_bench)
+from tfdist.plan.machine import (
+    BENCH_HINT,
+    FP32,
+    RING,
+    allreduce_time,
+    collective,
+    host,
+    link_rate,
+    one_core,
+    read_bench,
+)
 from tfdist.plan.model import GB, Cluster, memory, planned, step_time
 from tfdist.plan.published import fit_efficiency
 

@@ -10,8 +10,8 @@ published.py.
 import dataclasses
 import math
 
-from tfdist.parallel.layout import Layout
 from tfdist.models import arithmetic
+from tfdist.parallel.layout import Layout
 
 GB = 1e9
 

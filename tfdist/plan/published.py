@@ -4,8 +4,18 @@ checked against the others (`tfdist plan --validate`).
 """
 import dataclasses
 
-from tfdist.plan.model import (GB, Cluster, Device, Model, Options, evaluate, memory, planned,
-                               search, step_time)
+from tfdist.plan.model import (
+    GB,
+    Cluster,
+    Device,
+    Model,
+    Options,
+    evaluate,
+    memory,
+    planned,
+    search,
+    step_time,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Devices (the fields: tfdist.plan.model.Device).

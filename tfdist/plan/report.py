@@ -22,6 +22,7 @@ import os
 
 from tfdist.plan.model import GB, Options
 
+
 def strategy_command(layout, cluster, flags=()):
     """(plugin class, command) that runs `layout` with `flags` on the cluster's devices, from the
     strategy plugins (`Strategy.plan_command`): a process's pipeline stages and tensor-parallel

@@ -12,7 +12,6 @@ import os
 import sys
 import tempfile
 
-
 # What TensorFlow's C++ runtime prints while it loads, whatever TF_CPP_MIN_LOG_LEVEL says: the
 # absl pre-initialisation warning, the oneDNN notice (twice) and the CPU-feature notice. It
 # carries nothing about the run.
@@ -34,8 +33,8 @@ def quiet_tensorflow_import(argv=None):
     if "tensorflow" in sys.modules:
         return
     if verbose(argv):  # its messages shown, as TensorFlow prints them
-        import tensorflow  # noqa: F401
         import keras  # noqa: F401
+        import tensorflow  # noqa: F401
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.stderr.flush()
@@ -43,8 +42,8 @@ def quiet_tensorflow_import(argv=None):
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
-            import tensorflow  # noqa: F401
             import keras  # noqa: F401
+            import tensorflow  # noqa: F401
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)

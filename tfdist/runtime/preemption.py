@@ -44,8 +44,8 @@ import threading
 
 import keras
 
-from tfdist.runtime import early
 from tfdist.errors import EXIT_PREEMPTED
+from tfdist.runtime import early
 
 
 class Preempted(SystemExit):

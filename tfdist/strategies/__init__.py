@@ -18,8 +18,8 @@ import importlib
 import os
 
 from tfdist import config
-from tfdist.runtime import cluster
 from tfdist.errors import UsageError, install_excepthook
+from tfdist.runtime import cluster
 from tfdist.strategies.base import Strategy  # noqa: F401
 
 install_excepthook(cluster.report_exit)  # a user's program: an uncaught UsageError is one line

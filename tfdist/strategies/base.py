@@ -43,7 +43,9 @@ import contextlib
 import dataclasses
 
 from tfdist.errors import PeerLost, UsageError
-from tfdist.runtime.lazy import tf  # a plugin is read without TensorFlow (the registry, the planner)
+from tfdist.runtime.lazy import (
+    tf,  # a plugin is read without TensorFlow (the registry, the planner)
+)
 from tfdist.strategies.keras_program import KerasProgram
 
 
@@ -248,7 +250,8 @@ class Strategy(KerasProgram):
         own = self.callbacks() if strategy_callbacks is None else list(strategy_callbacks)
         callbacks = own + list(callbacks or [])  # the strategy's first (Horovod's
         # broadcast must precede the first step; its log averaging, the loggers)
-        from tfdist import callbacks as callbacks_lib, compat
+        from tfdist import callbacks as callbacks_lib
+        from tfdist import compat
         if getattr(model, "steps_per_execution", 1) > 1:  # Keras reports once per execution
             callbacks.insert(0, callbacks_lib.StepsPerCall())
         if verbose not in (0, False) and self.is_chief:  # one per cluster; last: it shows what

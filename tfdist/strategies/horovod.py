@@ -52,8 +52,8 @@ import weakref
 
 import numpy as np
 
-from tfdist.parallel import buckets
 from tfdist.errors import UsageError
+from tfdist.parallel import buckets
 from tfdist.runtime.lazy import keras, tf
 from tfdist.strategies.base import Launch, Strategy
 

@@ -4,8 +4,8 @@ On a machine without GPUs, `devices=N` splits the CPU into N logical devices, on
 (useful for tests and for checking a multi-replica set-up before it goes to GPUs). With GPUs,
 `devices=N` uses the first N (0: all).
 """
-from tfdist.runtime.lazy import tf
 from tfdist.parallel.layout import configure_logical_cpus
+from tfdist.runtime.lazy import tf
 from tfdist.strategies.base import Strategy
 
 _CROSS_DEVICE_OPS = {

@@ -8,9 +8,9 @@ import os
 import re
 import zlib
 
+from tfdist.errors import UsageError
 from tfdist.parallel import buckets
 from tfdist.runtime import cluster as cluster_lib
-from tfdist.errors import UsageError
 from tfdist.runtime.lazy import tf
 from tfdist.strategies.base import Launch, Strategy
 

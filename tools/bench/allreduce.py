@@ -70,6 +70,7 @@ def horovod_worker(sizes):
 
 def tf_worker(sizes):
     import tensorflow as tf
+
     import tfdist.strategies
     plugin = tfdist.strategies.get("multi_worker_mirrored", cross_device_ops="ring")
     strategy = plugin.tf_strategy
@@ -111,6 +112,7 @@ def main(argv):
     if _WORKER.value:
         return run_worker()
     import numpy as np
+
     from tfdist.strategies.horovod import horovodrun_argv
     me = [sys.executable, os.path.abspath(__file__), f"--sizes_mb={','.join(_SIZES.value)}",
           f"--iters={_ITERS.value}", f"--warmup={_WARMUP.value}"]
@@ -162,7 +164,7 @@ def main(argv):
         link = _bits(_LINK.value) / 8 / 1e9
         result["planner_busbw_GBps"] = {n: link * (2 if "fp16" in n else 1) for n in names}
         big = rows[-1]
-        print(f"planner (ring at the link's rate): " + ", ".join(
+        print("planner (ring at the link's rate): " + ", ".join(
             f"{n} {result['planner_busbw_GBps'][n]:.3f} GB/s "
             f"({result['planner_busbw_GBps'][n] / big[n]['busbw_GBps'] - 1:+.0%} at "
             f"{big['size_mb']:g} MiB)" for n in names))

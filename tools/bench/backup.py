@@ -45,12 +45,13 @@ _SKIP_TRAINING = flags.DEFINE_bool("skip_training", False, "Stall only.")
 
 def stall(name):
     """{mode: seconds blocked per save, ...} of `name`'s model and AdamW state."""
-    import keras
+    import importlib
+
     import tensorflow as tf
+
     from tfdist import callbacks as cb
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
-    import importlib
     c = importlib.import_module(f"configs.{name}").get_config()
     c.model.vocab_size = c.model.vocab_size or 256  # (0: the tokenizer's; the default corpus's bytes)
     model = GPT.from_model_config(c.model)

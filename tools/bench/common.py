@@ -15,8 +15,8 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfdist import cli  # noqa: E402
-from tools.faults import harness  # noqa: E402
 from tools.bench.matmul_peak import measure as matmul_peak  # noqa: E402,F401
+from tools.faults import harness  # noqa: E402
 
 _CONFIG = cli.define_config_flag(
     "config", os.path.join(ROOT, "configs", "gpt_mini.py"), "Model/training config to benchmark.")

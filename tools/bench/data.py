@@ -58,6 +58,7 @@ def stdlib_bytes():
 def make_store(directory, n_tokens):
     """A byte store of `n_tokens` train tokens (the stdlib repeated) and 1 M validation tokens."""
     import numpy as np
+
     from tfdist.data import store
     m = store.read_manifest(directory)
     if m is not None and m["splits"]["train"]["tokens"] == n_tokens:
@@ -175,12 +176,14 @@ def input_main():
     import keras
     import numpy as np
     import tensorflow as tf
-    from tfdist import config as config_lib, plan, strategies
+
+    from tfdist import config as config_lib
+    from tfdist import plan, strategies
     from tfdist.callbacks import TrainingLog  # noqa: F401  (the same imports as tfdist train)
     from tfdist.data import Windows, open_store, store
-    from tfdist.parallel.layout import Layout
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
+    from tfdist.parallel.layout import Layout
     from tfdist.step import TrainStep
 
     # 1. windows/s read from the big store, GPT-2 shapes (1,025 tokens a window, 64 a batch)

@@ -24,6 +24,7 @@ def measure(n=2048, repeats=10, dtype=None):
     """FLOP/s of the best of `repeats` n^3 `tf.matmul`s (fp32 unless `dtype`), TF's default
     threads."""
     import time
+
     import tensorflow as tf
     a = tf.random.normal((n, n), dtype=dtype or tf.float32)
     b = tf.random.normal((n, n), dtype=dtype or tf.float32)
@@ -42,6 +43,7 @@ def measure_products(shapes, dtype=None, repeats=5):
     transpose_b] each: an (m x k) times (k x n) product whose operands are stored transposed as
     said), one after another in one `tf.function`, TF's default threads."""
     import time
+
     import tensorflow as tf
     dtype = dtype or tf.float32
     operands = [(tf.random.normal((k, m) if ta else (m, k), dtype=dtype),

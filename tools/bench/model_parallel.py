@@ -73,6 +73,7 @@ def worker(spec):
     from tfdist.parallel.layout import Layout, configure_logical_cpus
     configure_logical_cpus(spec["stages"] * spec["tensor"])
     import keras
+
     from tfdist import strategies
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.models.pipeline import Pipeline
@@ -112,6 +113,7 @@ def kept_worker(spec):
     import collections
 
     import tensorflow as tf
+
     from tfdist.parallel.layout import configure_logical_cpus
     configure_logical_cpus(2)
     from tfdist.models.gpt import GPT, loss_fn

@@ -21,8 +21,20 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tools.bench.common import (  # noqa: E402
-    INTER, LINK, ROUNDS, STEPS, WARMUP, WORKERS, cli, config, config_filename,
-    link_suffix, params, train_run, write_json)
+    INTER,
+    LINK,
+    ROUNDS,
+    STEPS,
+    WARMUP,
+    WORKERS,
+    cli,
+    config,
+    config_filename,
+    link_suffix,
+    params,
+    train_run,
+    write_json,
+)
 
 _BUCKETS = flags.DEFINE_list("buckets", ["1", "4", "25", "100"], "Bucket sizes (MiB).")
 
@@ -31,9 +43,11 @@ def main(argv):
     """Overlapped against not, and the bucket sizes, for both synchronous strategies."""
     del argv
     import tempfile
+
     import numpy as np
-    from tfdist.runtime import profiling
+
     from tfdist.plan.model import allreduce_seconds, exposed_allreduce
+    from tfdist.runtime import profiling
 
     n, steps = WORKERS.value, WARMUP.value + STEPS.value
     c = config()

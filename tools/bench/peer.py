@@ -112,6 +112,7 @@ def peer_shape(c):
 def export_tokens(c, path, limit=1 << 24):
     """The train split's first `limit` tokens as nanoGPT's train.bin (raw uint16)."""
     import numpy as np
+
     from tfdist.data import open_store
     store = open_store(c.data)
     split = store.split("train")

@@ -40,6 +40,7 @@ def load_config(path):
 def serve(shape, precision, variant, reply_fd):
     import keras
     import tensorflow as tf
+
     from tools.bench.matmul_peak import measure, measure_products
 
     reply = os.fdopen(reply_fd, "w")
@@ -91,6 +92,7 @@ def serve(shape, precision, variant, reply_fd):
         return
     # plain Keras: the same GPT, Keras's own step and clipping, batches held in memory
     import numpy as np
+
     from tfdist.data import Windows, open_store
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer

@@ -16,7 +16,15 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tools.bench.common import (  # noqa: E402
-    ROUNDS, STEPS, WARMUP, cli, config, config_filename, train_run, write_json)
+    ROUNDS,
+    STEPS,
+    WARMUP,
+    cli,
+    config,
+    config_filename,
+    train_run,
+    write_json,
+)
 
 _MICROBATCHES = flags.DEFINE_list("microbatches", ["1", "2", "4", "8", "16"], "M values.")
 
@@ -25,6 +33,7 @@ def main(argv):
     del argv
     """K=2 stages on 2 logical CPU devices, M microbatches, vs the unsplit model."""
     import tempfile
+
     import numpy as np
 
     c = config()

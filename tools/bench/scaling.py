@@ -23,8 +23,24 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tools.bench.common import (  # noqa: E402
-    COMPRESSION, HOROVOD, INTER, LINK, ROUNDS, STEPS, STRAGGLER, WARMUP, WORKERS,
-    cli, config, config_filename, link_suffix, params, ps_run, train_run, write_json)
+    COMPRESSION,
+    HOROVOD,
+    INTER,
+    LINK,
+    ROUNDS,
+    STEPS,
+    STRAGGLER,
+    WARMUP,
+    WORKERS,
+    cli,
+    config,
+    config_filename,
+    link_suffix,
+    params,
+    ps_run,
+    train_run,
+    write_json,
+)
 
 _PS = flags.DEFINE_bool("ps", False, "The parameter server instead: 2 workers + 1 ps vs 1 worker "
                         "+ 1 ps, in steps/s.")
@@ -48,6 +64,7 @@ def predicted_efficiency(stdout, tps1, tokens_1, fp16):
 
 def ps_scaling():
     import tempfile
+
     import numpy as np
 
     steps = 10 * max(2, STEPS.value // 2 + 1)  # reports come every 10 steps; the first is warm-up
@@ -79,6 +96,7 @@ def ps_scaling():
 
 def scaling():
     import tempfile
+
     import numpy as np
 
     n, steps = WORKERS.value, WARMUP.value + STEPS.value

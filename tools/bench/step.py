@@ -22,7 +22,15 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tools.bench.common import (  # noqa: E402
-    ROUNDS, STEPS, WARMUP, cli, config, config_filename, matmul_peak, write_json)
+    ROUNDS,
+    STEPS,
+    WARMUP,
+    cli,
+    config,
+    config_filename,
+    matmul_peak,
+    write_json,
+)
 
 _JIT = flags.DEFINE_bool("jit", True, "Also time jit_compile=True.")
 
@@ -32,12 +40,13 @@ def main(argv):
     import keras
     import numpy as np
     import tensorflow as tf
+
     from tfdist import config as config_lib
     from tfdist import strategies
     from tfdist.data import Windows, open_store
     from tfdist.models.gpt import GPT, loss_fn
-    from tfdist.parallel.layout import Layout
     from tfdist.optimizers import make_optimizer
+    from tfdist.parallel.layout import Layout
     from tfdist.step import TrainStep
 
     c = config_lib.validate(config())

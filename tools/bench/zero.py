@@ -75,12 +75,13 @@ def worker(stage):
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
+
     from tfdist import strategies
     from tfdist.config import default_config
-    from tfdist.parallel.layout import Layout
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
     from tfdist.parallel import zero
+    from tfdist.parallel.layout import Layout
     from tfdist.step import TrainStep
     strategy = strategies.get(_STRATEGY.value)
     keras.utils.set_random_seed(0)
@@ -154,6 +155,7 @@ def cgroups_of(name):
 
 def measure(stage):
     import tempfile
+
     from tfdist.strategies.horovod import horovodrun_argv
     me = [sys.executable, os.path.abspath(__file__), f"--worker={stage}", f"--steps={_STEPS.value}",
           f"--batch={_BATCH.value}", f"--strategy={_STRATEGY.value}", f"--model={_MODEL.value}"]

@@ -52,8 +52,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from tools.faults.harness import (driver_argv, final_weights, launch_argv, metrics,  # noqa: E402
-                           steps_by_worker)
+from tools.faults.harness import driver_argv, final_weights, launch_argv, metrics, steps_by_worker  # noqa: E402
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 

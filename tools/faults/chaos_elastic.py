@@ -35,9 +35,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from tools.cluster.netcluster import NetCluster  # noqa: E402
 from tools.faults.chaos_partition import prepare_data, report, uninterrupted, yes  # noqa: E402
 from tools.faults.harness import metrics  # noqa: E402
-from tools.cluster.netcluster import NetCluster  # noqa: E402
 
 STEPS, EVERY, BATCH, GROW_AT = 200, 5, 16, 50
 CONTINUE_BOUND = 60.0  # seconds from the kill to a step trained by the smaller group

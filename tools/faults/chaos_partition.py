@@ -33,8 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tools.faults.harness import final_weights, launch_argv, max_diff, metrics  # noqa: E402
 from tools.cluster.netcluster import NetCluster  # noqa: E402
+from tools.faults.harness import final_weights, launch_argv, max_diff, metrics  # noqa: E402
 
 PARTITION_BOUND = 120  # seconds after the partition's end by which training must move on
 STEPS, EVERY = 40, 5

@@ -85,12 +85,14 @@ def main():
     args = ap.parse_args()
 
     import importlib
+
     import keras
     import numpy as np
     import tensorflow as tf
-    from tfdist.runtime import cluster
+
     from tfdist import config as config_lib
     from tfdist.parallel import zero
+    from tfdist.runtime import cluster
     from tfdist.train import Hooks, train
 
     spec = cluster.from_environment()

@@ -127,6 +127,7 @@ def final_weights(workdir):
     """The weights of the run's saved model.keras."""
     import keras
     import numpy as np
+
     import tfdist.models.gpt  # noqa: F401  (registers the classes)
     m = keras.saving.load_model(os.path.join(workdir, "model.keras"), compile=False)
     return [np.asarray(w) for w in m.weights]

@@ -44,15 +44,28 @@ try:
 except ImportError as e:  # one line, as every tfdist error
     raise ImportError(f"tfdist.horovod.keras needs Horovod ({e}); build it with `make horovod`") from None
 
-from horovod.tensorflow import (Average, Compression, Sum, allgather, allreduce, broadcast,  # noqa: F401
-                                cross_rank, cross_size, global_process_set, is_initialized,
-                                local_rank, local_size, rank, shutdown, size)
+from horovod.tensorflow import (  # noqa: F401
+    Average,
+    Compression,
+    Sum,
+    allgather,
+    allreduce,
+    broadcast,
+    cross_rank,
+    cross_size,
+    global_process_set,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
 
 from tfdist import compat
+from tfdist.horovod.keras.notes import note  # noqa: E402
 from tfdist.parallel import gradients
 from tfdist.strategies import horovod as _plugin
-
-from tfdist.horovod.keras.notes import note  # noqa: E402
 
 
 def init(*args, **kwargs):
@@ -131,5 +144,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     return model
 
 
-from tfdist.horovod.keras import callbacks  # noqa: E402,F401  (hvd.callbacks.*; uses the above)
-from tfdist.horovod.keras import elastic  # noqa: E402,F401  (hvd.elastic.*)
+from tfdist.horovod.keras import (
+    callbacks,  # noqa: E402,F401  (hvd.callbacks.*; uses the above)
+    elastic,  # noqa: E402,F401  (hvd.elastic.*)
+)

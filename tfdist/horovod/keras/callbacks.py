@@ -14,8 +14,8 @@ The learning rate is set through `optimizer.learning_rate`, so the optimizer nee
 (not a `LearningRateSchedule`). `momentum_correction` has no effect: Keras 3's momentum is a
 constant of the compiled step.
 """
-import keras
 import horovod.tensorflow as _hvd
+import keras
 
 from tfdist.horovod.keras.notes import note
 from tfdist.strategies import horovod as _plugin

@@ -49,16 +49,15 @@ and `LearningRateWarmupCallback` read `size()` once, when they are made.
 """
 import functools
 
+import horovod.tensorflow as _hvd
 import keras
 import tensorflow as tf
-
 from horovod._keras import elastic as _impl
 from horovod.common.elastic import ObjectState, State, run_fn  # noqa: F401  (as Horovod has them)
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from horovod.tensorflow.elastic import _reset
 from horovod.tensorflow.functions import broadcast_object
 from horovod.tensorflow.mpi_ops import rank
-import horovod.tensorflow as _hvd
 
 from tfdist.strategies import horovod as _plugin
 
