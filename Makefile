@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
-.PHONY: setup horovod demo test test-fast bench bench-peer bench-scaling bench-scaling-ps bench-scaling-horovod \
+.PHONY: setup horovod demo lint test test-fast bench bench-peer bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-backup bench-elastic bench-data test-long chaos chaos-write \
         chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition chaos-elastic plan-validate plan-measured clean cluster-tools
 
@@ -46,7 +46,12 @@ demo: $(STAMP)
 PYTEST_PROCS := -n 2 --dist loadfile
 
 # The machine's fp32 matmul rate before and after (tools/bench/matmul_peak.py): a slow day shows.
-test: $(STAMP) $(HOROVOD) cluster-tools
+# ruff first (pyproject.toml: its rule sets, lines of at most 100 characters): a finding fails the
+# target before any test runs.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) $(HOROVOD) cluster-tools lint
 	@$(BIN)/python tools/bench/matmul_peak.py --when=before
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_PROCS) -m 'not long'; \
 	  status=$$?; echo "make test: pytest took $$(( $$(date +%s) - start )) s"; \
@@ -58,7 +63,7 @@ test-long: $(STAMP) $(HOROVOD) cluster-tools
 
 # Under 3 minutes from a fresh clone (pip's wheel cache warm): no Horovod build, no training in
 # subprocesses, one case of each family of CLI error cases (tests/helpers.py first_fast).
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
 	$(BIN)/python -m pytest -q -ra -m 'not slow and not horovod'
 
 bench: $(STAMP)
