@@ -42,7 +42,8 @@ def default_config():
     # directories, "tfds:<name>[/<config>]" for a TFDS dataset already prepared in data_dir,
     # "nanogpt:<dir>" (train.bin/val.bin), or "store:<dir>" (a store from `tfdist prepare`).
     c.data.source = "stdlib"
-    c.data.data_dir = ""  # TFDS data_dir and home of prepared stores; "" means ~/tensorflow_datasets
+    # TFDS data_dir and home of prepared stores; "" means ~/tensorflow_datasets
+    c.data.data_dir = ""
     # "byte", "bpe" (trained on the corpus), or a tokenizer file: GPT-2 vocab.json (merges.txt
     # beside it), a Hugging Face tokenizer.json, or a SentencePiece .model.
     c.data.tokenizer = "byte"
@@ -101,8 +102,8 @@ def default_config():
     c.tensor.parallel = 1
     c.tensor.sequence_parallel = False  # norms and residuals split along the sequence (Megatron)
 
-    # ZeRO (tfdist/parallel/zero/): 1 shards the optimizer states over the data-parallel replicas, 2 also
-    # the gradients, 3 also the weights; 0 keeps them whole on every replica.
+    # ZeRO (tfdist/parallel/zero/): 1 shards the optimizer states over the data-parallel
+    # replicas, 2 also the gradients, 3 also the weights; 0 keeps them whole on every replica.
     c.zero = ml_collections.ConfigDict()
     c.zero.stage = 0
 
@@ -113,8 +114,8 @@ def default_config():
     c.backup.keep = 2
     c.backup.delete_on_success = True
     c.backup.asynchronous = True  # written in the background while training goes on
-    # Preemption (tfdist/runtime/preemption.py): on these signals the run finishes its step, writes a
-    # backup within grace_secs and exits with status 75 ("resume me").
+    # Preemption (tfdist/runtime/preemption.py): on these signals the run finishes its step,
+    # writes a backup within grace_secs and exits with status 75 ("resume me").
     c.backup.preemption_signals = "TERM,USR1"
     c.backup.grace_secs = 30.0
 
@@ -186,14 +187,17 @@ _RULES = {
     "strategy.name": (lambda v: bool(v), "a strategy name"),
     "train.steps_per_execution": (_positive_int, "an integer > 0"),
     "pipeline.stages": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
-    "pipeline.microbatches": (lambda v: isinstance(v, int) and 1 <= v <= 4096, "an integer in [1, 4096]"),
-    "pipeline.layers_per_stage": (lambda v: v == "" or all(p.strip().isdigit() for p in v.split(",")),
-                                  "comma-separated block counts, e.g. 2,4 (\"\": balanced)"),
+    "pipeline.microbatches": (lambda v: isinstance(v, int) and 1 <= v <= 4096,
+                              "an integer in [1, 4096]"),
+    "pipeline.layers_per_stage": (
+        lambda v: v == "" or all(p.strip().isdigit() for p in v.split(",")),
+        "comma-separated block counts, e.g. 2,4 (\"\": balanced)"),
     "pipeline.schedule": (lambda v: v in ("gpipe", "1f1b"), "gpipe or 1f1b"),
     "tensor.parallel": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
     "tensor.sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
     "zero.stage": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
-    "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: epoch ends only)"),
+    "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0,
+                           "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
     "backup.asynchronous": (lambda v: isinstance(v, bool), "True or False"),
     "backup.preemption_signals": (
@@ -221,12 +225,13 @@ def _walk(reference, given, prefix=""):
             continue
         ok_types = (int, float) if isinstance(ref, float) else (type(ref),)
         if isinstance(val, bool) != isinstance(ref, bool) or not isinstance(val, ok_types):
-            raise UsageError(
-                f"config key '{path}' must be {type(ref).__name__}, got {val!r} ({type(val).__name__})")
+            raise UsageError(f"config key '{path}' must be {type(ref).__name__}, got {val!r} "
+                             f"({type(val).__name__})")
 
 
 def validate(c):
-    """Checks `c` against the schema of `default_config()`; raises UsageError on the first problem."""
+    """Checks `c` against the schema of `default_config()`; raises UsageError on the first
+    problem."""
     _walk(default_config(), c)
     for path, (check, what) in _RULES.items():
         section, _, key = path.rpartition(".")
@@ -240,11 +245,13 @@ def validate(c):
     _check_options(c)
     m, t = c.model, c.train
     if m.n_embd % m.n_head:
-        raise UsageError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+        raise UsageError(f"model.n_embd ({m.n_embd}) must be divisible by "
+                         f"model.n_head ({m.n_head})")
     if t.min_learning_rate > t.learning_rate:
         raise UsageError("train.min_learning_rate must not exceed train.learning_rate")
     if t.warmup_steps >= t.steps:
-        raise UsageError(f"train.warmup_steps ({t.warmup_steps}) must be less than train.steps ({t.steps})")
+        raise UsageError(f"train.warmup_steps ({t.warmup_steps}) must be less than "
+                         f"train.steps ({t.steps})")
     if t.steps_per_epoch % t.steps_per_execution:
         raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) must divide "
                          f"train.steps_per_epoch ({t.steps_per_epoch})")

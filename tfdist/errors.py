@@ -7,8 +7,9 @@ with status 2, without a traceback (`install_excepthook`). Other exceptions are 
 import os
 import sys
 
-#: The exit status of a preempted run (`tfdist.runtime.preemption`): sysexits.h's EX_TEMPFAIL, "try again
-#: later". `tfdist launch` and launchers/slurm/tfdist.sbatch resume on it instead of giving up.
+#: The exit status of a preempted run (`tfdist.runtime.preemption`): sysexits.h's EX_TEMPFAIL,
+#: "try again later". `tfdist launch` and launchers/slurm/tfdist.sbatch resume on it instead of
+#: giving up.
 EXIT_PREEMPTED = 75
 
 

@@ -65,7 +65,8 @@ class TrainStep:
 
     def __init__(self, model, strategy, layout, clipnorm=0.0, reduce=None, collectives=None,
                  zero_options=None):
-        self.model, self.layout, self.clipnorm = model, layout, clipnorm
+        self.model, self.layout = model, layout
+        self.clipnorm = clipnorm
         self.optimizer = optimizer = strategy.prepared(model.optimizer)
         # The gradients are reduced here: Keras's optimizer must not all-reduce them again.
         compat.reduce_nothing_in_apply(optimizer)

@@ -1,4 +1,5 @@
-"""A training run, top to bottom: config -> layout -> strategy -> data -> model -> fit -> model.keras.
+"""A training run, top to bottom: config -> layout -> strategy -> data -> model -> fit ->
+model.keras.
 
 `tfdist train` (its command line: `tfdist/cli/train.py`) calls `train(config, workdir)`:
 
@@ -226,8 +227,9 @@ def _resume(run, held, overwrite):
     t = c.train
     if strategy.is_chief:  # one run per workdir: before anything there is read or removed
         held.enter_context(WorkdirLock(run.workdir))
-    if strategy.is_chief or not overwrite:  # after every input has been checked; only the
-        prepare_workdir(run.workdir, run.backup_dir, overwrite)  # chief deletes
+    # after every input has been checked; only the chief deletes
+    if strategy.is_chief or not overwrite:
+        prepare_workdir(run.workdir, run.backup_dir, overwrite)
     run.backup = cb.BackupAndRestore(  # removed at the end, once model.keras is written
         run.backup_dir, every_steps=c.backup.every_steps, total_steps=t.steps,
         keep=c.backup.keep, delete_on_success=False, is_chief=strategy.is_chief,
@@ -315,8 +317,10 @@ def _finish(run):
               "val_bits_per_byte": last_eval.get("bits_per_byte"),
               "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": run.workdir}
     sharded = zero.of(model)
-    if sharded and sharded.stage == 3:  # every process gathers the whole model (a collective),
-        sharded.materialize()  # into local variables (outside the scope: none is mirrored)
+    if sharded and sharded.stage == 3:
+        # every process gathers the whole model (a collective), into local variables (outside
+        # the scope: none is mirrored)
+        sharded.materialize()
     if run.strategy.is_chief:
         # The plain GPT (tensor-parallel shards joined): it samples on any device.
         plain_gpt(model).save(os.path.join(run.workdir, "model.keras"))
@@ -380,7 +384,8 @@ def peak_rss_mib():
 def _apply_recommended(c, strategy):
     """The strategy's recommended config values (TPU: bfloat16, several steps per execution),
     applied where the config still has tfdist's defaults. Returns what to say of them."""
-    defaults, said = config_lib.default_config(), []
+    defaults = config_lib.default_config()
+    said = []
     for key, value in strategy.recommended.items():
         section, name = key.split(".")
         if c[section][name] != defaults[section][name]:

@@ -22,15 +22,15 @@ Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resum
 """
 from tfdist.callbacks.backup import BackupAndRestore, model_signature  # noqa: F401
 from tfdist.callbacks.log import (  # noqa: F401
-                                  EXTRA_LOG_PREFIX,
-                                  STEPS_KEY,
-                                  ProfileStep,
-                                  Progress,
-                                  StepsPerCall,
-                                  TrainingLog,
-                                  plot_losses,
-                                  read_json,
-                                  steps_in,
-                                  write_json_atomic,
+    EXTRA_LOG_PREFIX,
+    STEPS_KEY,
+    ProfileStep,
+    Progress,
+    StepsPerCall,
+    TrainingLog,
+    plot_losses,
+    read_json,
+    steps_in,
+    write_json_atomic,
 )
 from tfdist.callbacks.workers import Calls, ReadOnlyBackup, Scratch  # noqa: F401

@@ -67,17 +67,25 @@ class BackupAndRestore(keras.callbacks.Callback):
         #: Asynchronous saves write the state's values at the save (False, a companion test's:
         #: the live variables, which training changes while the write runs).
         self.freeze = True
-        self._writer, self._snapshot, self._in_flight = Writer(), None, None
+        self._writer = Writer()
+        self._snapshot = None
+        self._in_flight = None  # the step being written in the background
         self.stalls = []  # seconds each save kept its caller (training) waiting
         # (manager, step) -> writes the checkpoint; a test driver's hook may fail inside it
         self.save_checkpoint = save_checkpoint or (lambda m, step: m.save(checkpoint_number=step))
-        self.backup_dir, self.every_steps, self.total_steps = backup_dir, every_steps, total_steps
-        self.keep, self.delete_on_success = keep, delete_on_success
+        self.backup_dir = backup_dir
+        self.every_steps = every_steps
+        self.total_steps = total_steps
+        self.keep = keep
+        self.delete_on_success = delete_on_success
         self.signature = signature or {}  # extra facts that must match (model config, data ...)
-        self.is_chief, self.worker_index, self.collective = is_chief, worker_index, collective
+        self.is_chief = is_chief
+        self.worker_index = worker_index
+        self.collective = collective
         self.barrier = barrier or (lambda: None)  # every process meets (ZeRO: shards written)
         self.step = None  # tf.Variable, created with the checkpoint
-        self._ckpt = self._manager = None
+        self._ckpt = None
+        self._manager = None
         self._last_saved = -1
 
     @property
@@ -191,7 +199,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             in_shards = shards.shard_weight_names(self.backup_dir, step)
             weights = {k: v for k, v in self._held.items() if k in in_shards}
         rest = {k: v for k, v in self._opt.items() if k not in slots}
-        parts = {**self._parts, "weights": {k: v for k, v in self._held.items() if k not in weights}}
+        parts = {**self._parts,
+                 "weights": {k: v for k, v in self._held.items() if k not in weights}}
         tf.train.Checkpoint(optimizer=rest, **parts).restore(path).assert_existing_objects_matched()
         if sharded:
             shards.restore_slots(self.backup_dir, step, slots, weights)
@@ -207,7 +216,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         A save that fails (a full disk, a lost mount) is a `UsageError` in one line (raised by
         the next save or `wait()` when asynchronous): this step's partial files are removed and
         the previous backup stays as it was."""
-        step, start = int(self.step.numpy()), time.perf_counter()
+        step = int(self.step.numpy())
+        start = time.perf_counter()
         if step != self._in_flight and step != self._last_saved:
             self.wait()
             if self.asynchronous:
@@ -238,10 +248,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not self.stalls:
             return "backups: none written"
         how = "in the background" if self.asynchronous else "synchronously"
-        return (f"backups: {len(self.stalls)} written {how}; training blocked "
+        text = (f"backups: {len(self.stalls)} written {how}; training blocked "
                 f"{statistics.median(self.stalls):.3f} s per save (median; longest "
-                f"{max(self.stalls):.3f} s)" + (f"; host copy {self.host_bytes / 2**20:,.1f} MiB"
-                                                if self.asynchronous else ""))
+                f"{max(self.stalls):.3f} s)")
+        if self.asynchronous:
+            text += f"; host copy {self.host_bytes / 2**20:,.1f} MiB"
+        return text
 
     @property
     def host_bytes(self):

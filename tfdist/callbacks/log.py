@@ -72,7 +72,9 @@ class Progress(keras.callbacks.Callback):
 
     def __init__(self, every=1):
         super().__init__()
-        self.every, self.bar, self.seen = every, None, 0
+        self.every = every
+        self.bar = None
+        self.seen = 0  # steps of this epoch shown
 
     def on_epoch_begin(self, epoch, logs=None):
         print(f"Epoch {epoch + 1}/{self.params.get('epochs')}", flush=True)
@@ -94,7 +96,6 @@ def _shown_logs(logs):
             and np.ndim(v) == 0}
 
 
-
 class TrainingLog(keras.callbacks.Callback):
     """Per-step loss, learning rate and tokens/s: on the progress bar, in TensorBoard and in
     `metrics.json`; a loss-curve PNG at the end. Files are written by the chief only.
@@ -114,9 +115,13 @@ class TrainingLog(keras.callbacks.Callback):
                  val_bytes_per_token=None, flush_every_steps=0, batch=None):
         super().__init__()
         self.batch = batch  # {"global_batch": rows, "replicas": n}: logged with every step
-        self.workdir, self.tokens_per_step = workdir, tokens_per_step
-        self.step, self.total_steps, self.is_chief = initial_step, total_steps, is_chief
-        self.log_every_steps, self.plot = log_every_steps, plot
+        self.workdir = workdir
+        self.tokens_per_step = tokens_per_step
+        self.step = initial_step
+        self.total_steps = total_steps
+        self.is_chief = is_chief
+        self.log_every_steps = log_every_steps
+        self.plot = plot
         self.flush_every_steps = flush_every_steps  # metrics.json as of each backup, and epoch end
         self.val_bytes_per_token = val_bytes_per_token
         self.metrics_path = os.path.join(workdir, "metrics.json")
@@ -161,7 +166,8 @@ class TrainingLog(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None and "val_loss" in logs and self.val_bytes_per_token:
-            logs["val_bits_per_byte"] = float(logs["val_loss"]) / math.log(2) / self.val_bytes_per_token
+            logs["val_bits_per_byte"] = (float(logs["val_loss"]) / math.log(2)
+                                         / self.val_bytes_per_token)
         evals = {k[4:]: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
         if evals:
             self.history["evals"].append({"step": self.step, "epoch": epoch + 1, **evals})
@@ -173,7 +179,8 @@ class TrainingLog(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.flush()
-        if self.plot and self.is_chief and (self.total_steps is None or self.step >= self.total_steps):
+        if self.plot and self.is_chief and (self.total_steps is None
+                                            or self.step >= self.total_steps):
             plot_losses(self.history, os.path.join(self.workdir, "loss.png"))
 
     def steady_tokens_per_sec(self, warmup=3):
@@ -200,7 +207,8 @@ def plot_losses(history, path):
     ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, label="train loss")
     evals = [e for e in history["evals"] if "loss" in e]
     if evals:
-        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", label="validation loss")
+        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-",
+                label="validation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross entropy (nats/token)")
     ax.grid(alpha=0.3)
@@ -224,7 +232,10 @@ class ProfileStep(keras.callbacks.Callback):
 
     def __init__(self, step, logdir, log):
         super().__init__()
-        self.target, self.logdir, self.log, self._on = step, logdir, log, False
+        self.target = step
+        self.logdir = logdir
+        self.log = log
+        self._on = False  # profiling now
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.log.step + 1 == self.target:

@@ -80,7 +80,9 @@ class Writer:
     `wait(timeout)` returns when none is in flight, and raises what the last one raised (once)."""
 
     def __init__(self):
-        self._thread, self._error, self.what = None, None, None
+        self._thread = None
+        self._error = None  # what the last write raised, until `wait` raises it
+        self.what = None
 
     @property
     def busy(self):

@@ -60,8 +60,6 @@ class ReadOnlyBackup(Scratch):
         remove(self.scratch)  # not the chief's backup
 
 
-
-
 class Calls(keras.callbacks.Callback):
     """A callback made of functions: `Calls(name, on_train_begin=f, ...)` calls
     `f(model, *args, **kwargs)` at that hook with Keras's arguments, as Keras passes them

@@ -26,6 +26,7 @@ DEFAULT_CONFIG = os.path.join(REPO, "configs", "gpt_nano.py")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show TensorFlow's start-up messages (also: "
                              "TFDIST_VERBOSE=1).")
 
+
 def command_help(module_name, prog):
     """`<prog> --help`: the command's docstring and its own flags with their defaults."""
     module = sys.modules[module_name]
@@ -69,7 +70,8 @@ def _parse_flags(argv):
         if arg == "--":
             break
         if arg.startswith("--config=") and not os.path.isfile(arg[len("--config="):]):
-            fail(f"config file '{arg[len('--config='):]}' not found; pass --config=configs/<name>.py")
+            fail(f"config file '{arg[len('--config='):]}' not found; "
+                 "pass --config=configs/<name>.py")
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
@@ -103,9 +105,11 @@ def run(main, argv, tensorflow=True):
             os._exit(EXIT_PEER_LOST)
         except SystemExit as e:  # (a preempted run's 75)
             cluster.report_exit(e.code)
-            if e.code == EXIT_PREEMPTED:  # its backup is written: no teardown, during which
-                sys.stdout.flush()       # Python has put TERM's default back (srun's TERM
-                sys.stderr.flush()       # to the tasks still exiting made them 143)
+            if e.code == EXIT_PREEMPTED:
+                # its backup is written: no teardown, during which Python has put TERM's default
+                # back (srun's TERM to the tasks still exiting made them 143)
+                sys.stdout.flush()
+                sys.stderr.flush()
                 os._exit(EXIT_PREEMPTED)
             raise
 

@@ -5,8 +5,8 @@
     tfdist launch --strategy=horovod --workers 2 -- --config=configs/gpt_nano.py
     tfdist launch --workers 2 -- python my_keras_program.py --its --flags
     tfdist launch --hosts=node1,node2 --workers 2 -- --config=configs/gpt_nano.py  # one per host
-    tfdist launch --workers 2 --min_workers 1 --max_workers 3 --discovery="cat hosts.txt" \
-        -- --config=configs/gpt_nano.py    # elastic: tfdist/launch/elastic.py
+    tfdist launch --workers 2 --min_workers 1 --max_workers 3 --discovery="cat hosts.txt" \\
+                  -- --config=configs/gpt_nano.py    # elastic: tfdist/launch/elastic.py
 
 See `tfdist/launch/local.py` for what it does, and its exit status.
 """
@@ -36,7 +36,8 @@ _BIND = flags.DEFINE_enum("bind", "loopback", ["loopback", "all"],
 _HOSTS = flags.DEFINE_list("hosts", None, "Hosts (names or addresses) to run the tasks on, round "
                            "robin; those not this machine through ssh (same paths there). Default: "
                            "all here, on 127.0.0.1.")
-_PORT = flags.DEFINE_integer("port", DEFAULT_PORT, "With --hosts: the first port of the tasks on each host.")
+_PORT = flags.DEFINE_integer("port", DEFAULT_PORT,
+                             "With --hosts: the first port of the tasks on each host.")
 _LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write each process's output to "
                                "<worker_logs>/<name>.log (w0, w1, ..., c0, ps0).")
 
@@ -175,7 +176,8 @@ def main(argv):
         sys.exit(code)
     counts = {"chief": 1, "worker": n, "ps": _PS.value}
     if spec.wrapper:  # one process (e.g. horovodrun) that starts and stops the ranks itself
-        argv, roles = spec.wrapper(n, argv, hosts), [("worker", 0)]
+        argv = spec.wrapper(n, argv, hosts)
+        roles = [("worker", 0)]
     else:
         roles = [(role, i) for role in spec.roles for i in range(counts[role])]
     code = Supervisor(argv, roles, restart_alone=spec.restart_alone, servers=spec.servers,

@@ -1,20 +1,22 @@
-"""`tfdist plan`: for a model and a cluster, which parallel layout fits in memory, and which is fastest.
+"""`tfdist plan`: for a model and a cluster, which parallel layout fits in memory, and which is
+fastest.
 
 A first-principles model: devices, models, layouts, memory per device, time per step and the
 search (tfdist/plan/model.py), the published devices, models and runs (published.py), this
 machine's benches (machine.py), and the command line (this file). It covers data parallelism
 (DP), pipeline stages (PP: K stages, M microbatches), tensor parallelism (TP) and ZeRO-1/2/3
 sharding of the optimizer state, the gradients and (ZeRO-3) the weights, whose gathered layers
-it counts too. The recommended command is the best layout tfdist runs (`tfdist.parallel.layout.Layout`
-accepts it: ZeRO-2 without pipeline stages, a process's stages and
-tensor-parallel devices on one node, the embedding and head kept whole as tfdist keeps them).
+it counts too. The recommended command is the best layout tfdist runs
+(`tfdist.parallel.layout.Layout` accepts it: ZeRO-2 without pipeline stages, a process's stages
+and tensor-parallel devices on one node, the embedding and head kept whole as tfdist keeps them).
 The transformer's arithmetic (parameters, FLOPs, activation and model-state bytes) is
 tfdist.models.arithmetic's, which the GPT and the pipeline's memory estimate use too.
 
 One number is fitted: the fraction of peak FLOP/s that matrix multiplies reach. It is calibrated
 on Megatron-LM's GPT-3 175B run and then checked, without refitting, against Megatron's 1T run and
-LLaMA-2 70B's published cost (`tfdist plan --validate`). On this machine it is fitted to the bench's
-measured step time instead, and the bench's other figures are predicted (`tfdist plan --measured`).
+LLaMA-2 70B's published cost (`tfdist plan --validate`). On this machine it is fitted to the
+bench's measured step time instead, and the bench's other figures are predicted
+(`tfdist plan --measured`).
 
     tfdist plan --config=configs/gpt2_xl.py --device=a100-80gb --devices=16 --batch=512
     tfdist plan --model=llama2-70b --device=a100-80gb --devices=2048 --batch=1024
@@ -60,17 +62,20 @@ from tfdist.plan.report import load_config, report
 def _define_flags():
     from absl import flags
 
-    cli.define_config_flag("config", None, "A tfdist config (configs/*.py): its model, batch and sequence.")
+    cli.define_config_flag("config", None,
+                           "A tfdist config (configs/*.py): its model, batch and sequence.")
     f = flags
     f.DEFINE_string("model", None, f"A published model instead of --config: {', '.join(MODELS)}.")
     for name, text in (("n_layer", "layers"), ("n_embd", "width"), ("n_head", "attention heads"),
                        ("vocab_size", "vocabulary")):
-        f.DEFINE_integer(name, None, f"Model {text} (sizes given directly; overrides --config/--model).")
+        f.DEFINE_integer(name, None,
+                         f"Model {text} (sizes given directly; overrides --config/--model).")
     f.DEFINE_integer("seq_len", None, "Sequence length (default: the config's block_size).")
     f.DEFINE_float("params", None, "Use this parameter count for the model states (e.g. 7.5e9).")
-    f.DEFINE_integer("batch", None, "Global batch in sequences per optimizer step (default: the config's).")
-    f.DEFINE_string("device", "a100-80gb", f"Device type: {', '.join(DEVICES)} or {CPU} (this machine, "
-                    f"from `make bench`).")
+    f.DEFINE_integer("batch", None,
+                     "Global batch in sequences per optimizer step (default: the config's).")
+    f.DEFINE_string("device", "a100-80gb", f"Device type: {', '.join(DEVICES)} or {CPU} "
+                    f"(this machine, from `make bench`).")
     f.DEFINE_integer("devices", 8, "Number of devices.")
     f.DEFINE_integer("per_node", None, "Devices per node (default: the device's usual node).")
     f.DEFINE_float("intra_node_gbps", None, "Per-device bandwidth inside a node, GB/s one way.")
@@ -84,13 +89,15 @@ def _define_flags():
                    "on Megatron-LM's 175B run; on the CPU, on the bench).")
     f.DEFINE_bool("overlap", True, "Model the data-parallel all-reduce in buckets of --bucket_mb "
                   "that start during the backward pass, as tfdist's multi_worker_mirrored and "
-                  "horovod run it by default (not with ZeRO); --nooverlap: after the backward pass.")
+                  "horovod run it by default (not with ZeRO); --nooverlap: after the backward "
+                  "pass.")
     f.DEFINE_float("bucket_mb", 25.0, "Gradient bucket size in MiB (tfdist's strategy.bucket_mb).")
     f.DEFINE_integer("top", 10, "Feasible layouts to list.")
     f.DEFINE_string("out", "runs/plan", "Directory for plan.png and plan.json.")
     f.DEFINE_string("bench_dir", "bench_results", "Where `make bench*` wrote its JSON.")
     f.DEFINE_bool("validate", False, "Print predictions against the published runs and exit.")
-    f.DEFINE_bool("measured", False, "Print predictions against this machine's benchmarks and exit.")
+    f.DEFINE_bool("measured", False,
+                  "Print predictions against this machine's benchmarks and exit.")
     return flags.FLAGS
 
 
@@ -104,7 +111,8 @@ _SET_BY_PLAN = ("train.batch_size", "train.precision", "train.grad_accum_steps",
 
 
 def _model_overrides(model, keys):
-    return " ".join(f"--config.model.{'block_size' if k == 'seq_len' else k}={getattr(model, k)}" for k in keys)
+    return " ".join(f"--config.model.{'block_size' if k == 'seq_len' else k}={getattr(model, k)}"
+                    for k in keys)
 
 
 def _model_from_flags(F):
@@ -126,13 +134,15 @@ def _model_from_flags(F):
         model, batch, config_arg = None, None, None
     else:
         raise UsageError("say which model: --config=configs/<name>.py, --model=<name> "
-                         f"({', '.join(MODELS)}), or its sizes (--n_layer --n_embd --n_head --vocab_size)")
+                         f"({', '.join(MODELS)}), or its sizes "
+                         "(--n_layer --n_embd --n_head --vocab_size)")
     sizes = {k: F[k].value for k in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len")
              if F[k].value is not None}
     for k, v in sizes.items():
         _positive(k, v)
     if model is None:
-        missing = [k for k in ("n_layer", "n_embd", "n_head") if k not in sizes] if not F.params else []
+        missing = ([k for k in ("n_layer", "n_embd", "n_head") if k not in sizes]
+                   if not F.params else [])
         if missing:
             raise UsageError(f"sizes given directly need --{' --'.join(missing)} too")
         model = Model(name="custom", n_layer=sizes.get("n_layer", 0), n_embd=sizes.get("n_embd", 0),
@@ -141,10 +151,11 @@ def _model_from_flags(F):
     else:
         model = dataclasses.replace(model, **sizes)
     if config_arg is None:  # tfdist's GPT (GELU, full attention) of the same sizes
-        config_arg = "--config=configs/gpt2.py " + _model_overrides(model, ("n_layer", "n_embd", "n_head",
-                                                                            "vocab_size", "seq_len"))
+        config_arg = "--config=configs/gpt2.py " + _model_overrides(
+            model, ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len"))
     else:  # the config file, the user's own overrides, then the sizes given directly
-        own = [a for a in sys.argv if a.startswith("--config.") and a.split("=")[0][9:] not in _SET_BY_PLAN]
+        own = [a for a in sys.argv
+               if a.startswith("--config.") and a.split("=")[0][9:] not in _SET_BY_PLAN]
         config_arg = " ".join([config_arg, *own, _model_overrides(model, sizes)]).strip()
     if F.params is not None:
         _positive("params", F.params)
@@ -158,28 +169,34 @@ def main(argv):
     del argv
     F = _FLAGS
     if F.validate:
-        print(f"fraction of peak that matmuls reach, calibrated on Megatron-LM 175B: {calibrated():.3f}")
+        print(f"fraction of peak that matmuls reach, calibrated on Megatron-LM 175B: "
+              f"{calibrated():.3f}")
         for r in validate():
-            print(f"{r['role']:<11} {r['run']}\n            {r['metric']}: published {r['published']:,.1f}, "
-                  f"predicted {r['predicted']:,.1f} ({r['error']:+.1%})\n            source: {r['source']}")
+            print(f"{r['role']:<11} {r['run']}\n"
+                  f"            {r['metric']}: published {r['published']:,.1f}, "
+                  f"predicted {r['predicted']:,.1f} ({r['error']:+.1%})\n"
+                  f"            source: {r['source']}")
         z = zero_figure1()
         print("ZeRO Figure 1 (7.5B parameters, 64 devices), GB per device: " + ", ".join(
             f"{k} {z[i]:.2f}" for i, k in enumerate(("baseline", "ZeRO-1", "ZeRO-2", "ZeRO-3")))
             + " (paper: 120, 31.4, 16.6, 1.9)")
         return
     if F.device != CPU and F.device not in DEVICES:
-        raise UsageError(f"unknown --device '{F.device}'; choose one of {', '.join(DEVICES)}, {CPU}")
-    for name in ("devices", "per_node", "intra_node_gbps", "inter_node_gbps", "batch", "top", "dp", "tp",
-                 "pp", "microbatch", "efficiency"):
+        raise UsageError(f"unknown --device '{F.device}'; "
+                         f"choose one of {', '.join(DEVICES)}, {CPU}")
+    for name in ("devices", "per_node", "intra_node_gbps", "inter_node_gbps", "batch", "top",
+                 "dp", "tp", "pp", "microbatch", "efficiency"):
         _positive(name, F[name].value)
     if F.zero is not None and F.zero not in (0, 1, 2, 3):
         raise UsageError(f"--zero={F.zero} must be 0, 1, 2 or 3")
     if F.efficiency is not None and F.efficiency > 1:
-        raise UsageError(f"--efficiency={F.efficiency} is a fraction of peak: give a number in (0, 1]")
+        raise UsageError(f"--efficiency={F.efficiency} is a fraction of peak: "
+                         f"give a number in (0, 1]")
     model, config_batch, config_arg = _model_from_flags(F)
     if F.measured:
         if not model.n_layer:
-            raise UsageError("--measured needs a model with sizes (e.g. --config=configs/gpt_mini.py)")
+            raise UsageError("--measured needs a model with sizes "
+                             "(e.g. --config=configs/gpt_mini.py)")
         for r in measured(F.bench_dir, model):  # one line per benchmark row (and input)
             if "missing" in r:
                 print(f"{r['figure']:<64} not measured here: run `{r['missing']}`")
@@ -187,7 +204,8 @@ def main(argv):
                 print(f"{r['figure']:<64} input: {r['input']}")
             else:
                 verdict = "fitted" if r.get("fitted") else "within 10 %" if r["within"] else "OFF"
-                print(f"{r['figure']:<64} measured {r['measured']:6.3f}  predicted {r['predicted']:6.3f}  "
+                print(f"{r['figure']:<64} measured {r['measured']:6.3f}  "
+                      f"predicted {r['predicted']:6.3f}  "
                       f"{r['error']:+6.1%}  {verdict:<11}  {r.get('reason') or r['note']}")
         return
     device = cpu_device(F.bench_dir) if F.device == CPU else DEVICES[F.device]
@@ -201,7 +219,8 @@ def main(argv):
     if F.device == CPU and not eff:
         s = read_bench(F.bench_dir, "scaling.json")
         if s and model.n_layer:
-            mini = model_from_config(load_config(os.path.join(cli.REPO, "configs", "gpt_mini.py")), "gpt_mini")
+            mini = model_from_config(
+                load_config(os.path.join(cli.REPO, "configs", "gpt_mini.py")), "gpt_mini")
             eff = precision_efficiency(F.bench_dir, "float32" if precision == "float32" else
                                        "bfloat16", fit_to_one_process(device, mini, s))
         else:
@@ -211,7 +230,8 @@ def main(argv):
         raise UsageError(f"--bucket_mb={F.bucket_mb:g} must be a gradient bucket size in MiB > 0")
     opts = Options(precision=precision, schedule=F.schedule, efficiency=eff, overlap=F.overlap,
                    bucket_bytes=F.bucket_mb * 2 ** 20)
-    fixed = {k: F[k].value for k in ("dp", "tp", "pp", "microbatch", "zero") if F[k].value is not None}
+    fixed = {k: F[k].value for k in ("dp", "tp", "pp", "microbatch", "zero")
+             if F[k].value is not None}
     if F.recompute != "search":
         fixed["recompute"] = F.recompute == "on"
     _check_fixed(model, cluster, batch, fixed)
@@ -219,11 +239,13 @@ def main(argv):
     if not model.n_layer:  # only a parameter count: model states per device, ZeRO stages
         for z in (0, 1, 2, 3):
             lay = planned(batch, fixed.get("dp", cluster.count), zero=z)
-            print(f"ZeRO-{z}: {memory(model, lay, opts)['total'] / GB:.2f} GB of model states per device")
+            print(f"ZeRO-{z}: {memory(model, lay, opts)['total'] / GB:.2f} GB "
+                  f"of model states per device")
         return
     if not plans:
         raise UsageError(f"no layout of {cluster.count} devices splits a batch of {batch} and "
-                         f"{model.n_layer} layers as asked; change --batch, --devices or the fixed dims")
+                         f"{model.n_layer} layers as asked; change --batch, --devices or the "
+                         f"fixed dims")
     report(model, cluster, batch, plans, opts, config_arg, F.top, F.out)
 
 
@@ -235,7 +257,8 @@ def _check_fixed(model, cluster, batch, fixed):
     if model.n_layer and pp > model.n_layer:
         raise UsageError(f"--pp={pp} is more stages than the model's {model.n_layer} layers")
     if "dp" in fixed and ("tp" in fixed and "pp" in fixed) and fixed["dp"] * tp * pp != g:
-        raise UsageError(f"dp x tp x pp = {fixed['dp'] * tp * pp} but --devices={g}; make them equal")
+        raise UsageError(f"dp x tp x pp = {fixed['dp'] * tp * pp} but --devices={g}; "
+                         f"make them equal")
     if g % (tp * pp):
         raise UsageError(f"--devices={g} is not a multiple of tp x pp = {tp * pp}")
     if fixed.get("zero", 0) == 2 and pp > 1:

@@ -12,7 +12,8 @@ from tfdist import cli
 _MODEL = flags.DEFINE_string("model", None, "A .keras file written by `tfdist train`.")
 _PROMPT = flags.DEFINE_string("prompt", "\n", "Text to continue.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.", lower_bound=1)
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature (> 0).", lower_bound=1e-6)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature (> 0).",
+                                  lower_bound=1e-6)
 _TOP_K = flags.DEFINE_integer("top_k", 40, "Sample from the k most likely tokens (0: all).",
                               lower_bound=0)
 _NUM = flags.DEFINE_integer("num_samples", 1, "How many samples.", lower_bound=1)
@@ -33,7 +34,8 @@ def load_model(path):
     try:
         model = keras.saving.load_model(path, compile=False)
     except Exception as e:  # zip/JSON/deserialization errors: one line
-        raise UsageError(f"cannot load {path} as a Keras model ({str(e).splitlines()[0][:150]})") from None
+        raise UsageError(f"cannot load {path} as a Keras model "
+                         f"({str(e).splitlines()[0][:150]})") from None
     if not isinstance(model, GPT):
         raise UsageError(f"{path} holds a {type(model).__name__}, not a tfdist GPT")
     return model
@@ -54,8 +56,9 @@ def load_tokenizer(model_path, model):
     if not tf.io.gfile.exists(config_path):
         if model.vocab_size == 256:
             return tokenizer.ByteTokenizer()
-        raise UsageError(f"no tokenizer beside {model_path} ({config_path} is missing); sample from "
-                         f"a model in the workdir `tfdist train` wrote, with its tokenizer/")
+        raise UsageError(f"no tokenizer beside {model_path} ({config_path} is missing); "
+                         f"sample from a model in the workdir `tfdist train` wrote, with its "
+                         f"tokenizer/")
     with tf.io.gfile.GFile(config_path) as f:
         config = json.load(f)
     if config["kind"] == "ids":

@@ -34,6 +34,7 @@ _PREPARE_ONLY = flags.DEFINE_bool(
     "--overwrite), then exit without training. `tfdist launch` runs this once before it starts "
     "the workers.")
 
+
 def resolve_config():
     """The config from flags, with --strategy / --devices applied, validated."""
     c = _CONFIG.value

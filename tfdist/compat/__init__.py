@@ -23,28 +23,38 @@ Example:
     'keras-team/keras#20585'
 """
 from tfdist.compat.optimizers import (  # noqa: F401
-                                      adam_slots,
-                                      has_gradient_reduction,
-                                      learning_rate_schedule,
-                                      local_variables,
-                                      optimizer_strategy,
-                                      reduce_nothing_in_apply,
-                                      set_gradient_reduction,
-                                      set_learning_rate_schedule,
-                                      update_on_variable_device,
+    adam_slots,
+    has_gradient_reduction,
+    learning_rate_schedule,
+    local_variables,
+    optimizer_strategy,
+    reduce_nothing_in_apply,
+    set_gradient_reduction,
+    set_learning_rate_schedule,
+    update_on_variable_device,
 )
 from tfdist.compat.routing import keras_method, route_keras  # noqa: F401
-from tfdist.compat.runtime import Tensors, pending_closures, slurm_tasks_per_node, xspace  # noqa: F401
+from tfdist.compat.runtime import (  # noqa: F401
+    Tensors,
+    pending_closures,
+    slurm_tasks_per_node,
+    xspace,
+)
 from tfdist.compat.table import PATCHES, PINNED, TESTED, disable, fingerprint, using  # noqa: F401
 from tfdist.compat.trainer import (  # noqa: F401
-                                      build_for,
-                                      fix_fit_under_multi_worker,
-                                      flatten_metrics,
-                                      redirect_backup,
-                                      replace_sublayer,
-                                      take_initial_epoch,
-                                      test_step_given,
-                                      track_loss,
-                                      train_step_loss,
+    build_for,
+    fix_fit_under_multi_worker,
+    flatten_metrics,
+    redirect_backup,
+    replace_sublayer,
+    take_initial_epoch,
+    test_step_given,
+    track_loss,
+    train_step_loss,
 )
-from tfdist.compat.variables import has_storage, release_storage, restore_storage, storage  # noqa: F401
+from tfdist.compat.variables import (  # noqa: F401
+    has_storage,
+    release_storage,
+    restore_storage,
+    storage,
+)

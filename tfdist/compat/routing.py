@@ -62,8 +62,8 @@ def route_keras(owner_of):
                 _inside.active = False
         return call
 
-    _trainer.Trainer.compile = compile  # Trainer's: Keras compiles a loaded model only when
-    # `compile` is Trainer's own
+    # Trainer's: Keras compiles a loaded model only when `compile` is Trainer's own
+    _trainer.Trainer.compile = compile
     for method in ("fit", "evaluate", "predict"):
         setattr(_tf_trainer.TensorFlowTrainer, method, routed(method))
     keras.Model.save = routed("save")

@@ -31,7 +31,6 @@ def slurm_tasks_per_node(text):
     return slurm.expand_tasks_per_node(text)
 
 
-
 class Tensors(tf.__internal__.tracking.Trackable):
     """A value that `tf.train.Checkpoint` saves as one tensor (under the key a variable's value
     has) and restores from one ("trackable_tensors"). A subclass defines `value()`, the tensor

@@ -50,26 +50,28 @@ class Patch:
 
 PATCHES = {
     "no_second_reduction": Patch(
-        ("reduce_nothing_in_apply",), (f"{_OPT}._backend_update_step",
-                                       f"{_OPT}._all_reduce_sum_gradients"),
+        ("reduce_nothing_in_apply",),
+        (f"{_OPT}._backend_update_step", f"{_OPT}._all_reduce_sum_gradients"),
         "keras-team/keras#19308 (open: Keras 3 dropped tf.keras's skip_gradients_aggregation; "
         "its TF optimizer always sums the gradients in apply)",
         "tfdist's training step reduces the gradients itself; Keras's apply would all-reduce "
         "them a second time under a tf.distribute strategy (N replicas: N times the gradient)",
-        "tests/test_strategies.py::test_mirrored_on_2_logical_cpus_matches_single_step_for_step", "835f108ef081"),
+        "tests/test_strategies.py::test_mirrored_on_2_logical_cpus_matches_single_step_for_step",
+        "835f108ef081"),
     "gradient_reduction": Patch(
-        ("set_gradient_reduction",), (f"{_OPT}._backend_update_step",
-                                      f"{_OPT}._all_reduce_sum_gradients",
-                                      "keras.src.optimizers.base_optimizer:"
-                                      "BaseOptimizer._backend_apply_gradients"),
+        ("set_gradient_reduction",),
+        (f"{_OPT}._backend_update_step", f"{_OPT}._all_reduce_sum_gradients",
+         "keras.src.optimizers.base_optimizer:BaseOptimizer._backend_apply_gradients"),
         "tensorflow/tensorflow#33929 and horovod/horovod#1346 (open: clipping before the "
         "all-reduce); duplicate sparse rows: none found (tf.keras's "
         "_deduplicate_indexed_slices is gone from Keras 3)",
         "a user's Keras 3 optimizer under a strategy: global_clipnorm clips each replica's partial "
         "gradient, and Adam squares duplicate IndexedSlices one by one",
-        "tests/test_strategies.py::test_optimizer_corrections_make_mirrored_equal_single", "6ba939acea68"),
+        "tests/test_strategies.py::test_optimizer_corrections_make_mirrored_equal_single",
+        "6ba939acea68"),
     "symbolic_build_under_mwms": Patch(
-        ("fix_fit_under_multi_worker", "_maybe_symbolic_build"), (f"{_K}._maybe_symbolic_build",),
+        ("fix_fit_under_multi_worker", "_maybe_symbolic_build"),
+        (f"{_K}._maybe_symbolic_build",),
         "keras-team/keras#20585",
         "TensorFlowTrainer._maybe_symbolic_build reduces the first PerReplica batch and fails "
         "under MultiWorkerMirroredStrategy ('Attempt to convert a value (PerReplica...')",
@@ -82,14 +84,15 @@ PATCHES = {
         "(axis 0) or reports worker 0's loss only",
         "tests/test_multi_worker.py::test_each_keras_correction_is_needed[2]", "1def5ef1659f"),
     "keras_methods_follow_the_strategy": Patch(
-        ("route_keras", "keras_method", "_bind"), ("keras.src.trainers.trainer:Trainer.compile",
-                                          f"{_K}.fit", f"{_K}.evaluate", f"{_K}.predict",
-                                          "keras.src.models.model:Model.save"),
+        ("route_keras", "keras_method", "_bind"),
+        ("keras.src.trainers.trainer:Trainer.compile", f"{_K}.fit", f"{_K}.evaluate",
+         f"{_K}.predict", "keras.src.models.model:Model.save"),
         "keras-team/keras#18624 (no ParameterServerStrategy path in fit); Keras 3 has no hook "
         "for a strategy that is not a tf.distribute one (Horovod)",
         "a user's compile/fit/evaluate/predict/save under tfdist's strategies: gradient "
         "all-reduce without wrap_optimizer, split input, the parameter server's coordinator",
-        "tests/test_keras_programs.py::test_without_routing_horovod_ranks_read_whole_batches", "3ca7514a8954"),
+        "tests/test_keras_programs.py::test_without_routing_horovod_ranks_read_whole_batches",
+        "3ca7514a8954"),
     "loss_tracker": Patch(
         ("track_loss", "train_step_loss", "test_step_given"),
         (f"{_K}.train_step", f"{_K}.test_step", "keras.src.trainers.trainer:Trainer._compute_loss",
@@ -99,9 +102,11 @@ PATCHES = {
         "unscale it, with a private function)",
         "tfdist's step and the parameter server's closures would log no loss, or a mean mixing "
         "steps and resets",
-        "tests/test_pipeline.py::test_losses_over_ten_steps_equal_the_unsplit_model", "cedc6323e135"),
+        "tests/test_pipeline.py::test_losses_over_ten_steps_equal_the_unsplit_model",
+        "cedc6323e135"),
     "update_on_variable_device": Patch(
-        ("update_on_variable_device",), (f"{_OPT}._distributed_tf_update_step",),
+        ("update_on_variable_device",),
+        (f"{_OPT}._distributed_tf_update_step",),
         "none found: Keras 3 (TF backend, default strategy) leaves the optimizer's update math "
         "without a device",
         "a pipeline's updates would all run on its first device",
@@ -115,38 +120,45 @@ PATCHES = {
         "Horovod's linear learning-rate scaling could not wrap the schedule, warmup included",
         "tests/test_horovod.py::test_learning_rate_scaling_keeps_the_warmup", "b950aca13f8b"),
     "optimizer_strategy": Patch(
-        ("optimizer_strategy",), (f"{_OPT}.__init__",),
+        ("optimizer_strategy",),
+        (f"{_OPT}.__init__",),
         "none found: no public way to ask which tf.distribute strategy an optimizer belongs to "
         "(TF: 'Mixing different tf.distribute.Strategy objects'; related: keras-team/keras#17187)",
         "an optimizer a user built outside strategy.scope() would fail at its first step",
-        "tests/test_keras_programs.py::test_an_optimizer_built_outside_the_scope_is_rebuilt_or_refused", "54b71302e6e7"),
+        "tests/test_keras_programs.py::"
+        "test_an_optimizer_built_outside_the_scope_is_rebuilt_or_refused", "54b71302e6e7"),
     "local_variables": Patch(
-        ("local_variables",), ("tensorflow.python.distribute.numpy_dataset:SingleDevice",
-                               "tensorflow.python.distribute.mirrored_strategy:"
-                               "MirroredExtended._create_variable"),
+        ("local_variables",),
+        ("tensorflow.python.distribute.numpy_dataset:SingleDevice",
+         "tensorflow.python.distribute.mirrored_strategy:MirroredExtended._create_variable"),
         "tensorflow/tensorflow#42701 (closed: no public way to make a variable that is not "
         "mirrored in a MirroredStrategy's scope); TF skips mirroring only for "
         "colocate_with=numpy_dataset.SingleDevice",
         "ZeRO's per-worker slot shards under multi_worker_mirrored would be broadcast from "
         "worker 0 (every worker then updates with worker 0's moments)",
-        "tests/test_zero.py::test_zero_under_multi_worker_mirrored_equals_plain_data_parallel", "37a79ae46d67"),
+        "tests/test_zero.py::test_zero_under_multi_worker_mirrored_equals_plain_data_parallel",
+        "37a79ae46d67"),
     "symbolic_build": Patch(
-        ("build_for",), ("keras.src.trainers.trainer:Trainer._symbolic_build",),
+        ("build_for",),
+        ("keras.src.trainers.trainer:Trainer._symbolic_build",),
         "none found: no public way to build a model, its compiled loss and metrics and its "
         "optimizer from a dataset's specs, as fit does",
         "under Horovod and the parameter server a subclassed model would have no variables to "
         "broadcast (or create on the ps) before its first step",
         "tests/test_keras_programs.py::test_the_same_program_under_every_strategy", "904fa3a44e90"),
     "adam_slots": Patch(
-        ("adam_slots",), ("keras.src.optimizers.adam:Adam.update_step",
-                          "keras.src.optimizers.base_optimizer:BaseOptimizer._get_variable_index"),
+        ("adam_slots",),
+        ("keras.src.optimizers.adam:Adam.update_step",
+         "keras.src.optimizers.base_optimizer:BaseOptimizer._get_variable_index"),
         "none found (related: keras-team/keras#19992, Keras 3's optimizers dropped tf.keras 2's "
         "fused raw ops): Keras 3 keeps Adam's moments in private lists",
         "tfdist's AdamW (tfdist.optimizers) could not update a variable in one op and would run "
         "Keras's dozen ops per variable",
-        "tests/test_fast_step.py::test_adamw_updates_each_variable_in_one_op_as_keras_would", "3ec6bc5c68c9"),
+        "tests/test_fast_step.py::test_adamw_updates_each_variable_in_one_op_as_keras_would",
+        "3ec6bc5c68c9"),
     "metrics_order": Patch(
-        ("flatten_metrics",), ("keras.src.trainers.trainer:Trainer._flatten_metrics_in_order",),
+        ("flatten_metrics",),
+        ("keras.src.trainers.trainer:Trainer._flatten_metrics_in_order",),
         "none found: evaluate(return_dict=False)'s order is private",
         "evaluate under Horovod and the parameter server would return its metrics in another "
         "order than Keras's",
@@ -163,14 +175,16 @@ PATCHES = {
         "tests/test_keras_programs.py::test_keras_backup_and_restore_resumes_every_process",
         "dcf596057796"),
     "replace_sublayer": Patch(
-        ("replace_sublayer",), ("keras.src.utils.tracking:Tracker.untrack",),
+        ("replace_sublayer",),
+        ("keras.src.utils.tracking:Tracker.untrack",),
         "keras-team/keras#18601 (open: allow sublayer reassignment)",
         "a tensor-parallel GPT would keep the unsplit Dense layers as well (their variables "
         "unused but saved)",
         "tests/test_tensor_parallel.py::test_gradients_equal_the_unsplit_model", "cc1b2a5c1fd7"),
     "trackable_tensors": Patch(
-        ("Tensors",), ("tensorflow.python.trackable.base:Trackable._serialize_to_tensors",
-                       "tensorflow.python.trackable.base:Trackable._restore_from_tensors"),
+        ("Tensors",),
+        ("tensorflow.python.trackable.base:Trackable._serialize_to_tensors",
+         "tensorflow.python.trackable.base:Trackable._restore_from_tensors"),
         "none found: tf.train.Checkpoint saves an object as tensors of its own only through "
         "Trackable's private protocol (tf.__internal__.tracking.Trackable)",
         "a tensor-parallel layer's shards would be saved as shards: a backup could not restore "
@@ -178,23 +192,26 @@ PATCHES = {
         "tests/test_tensor_parallel.py::"
         "test_a_backup_of_two_shards_restores_into_one_and_into_two_stages_of_two", "26c2b69e0a68"),
     "pending_closures": Patch(
-        ("pending_closures",), ("tensorflow.python.distribute.coordinator.cluster_coordinator:"
-                                "_CoordinatedClosureQueue.__init__",
-                                "tensorflow.python.distribute.coordinator.cluster_coordinator:"
-                                "Cluster.__init__"),
+        ("pending_closures",),
+        ("tensorflow.python.distribute.coordinator.cluster_coordinator:"
+         "_CoordinatedClosureQueue.__init__",
+         "tensorflow.python.distribute.coordinator.cluster_coordinator:Cluster.__init__"),
         "none found: tf.distribute.coordinator.ClusterCoordinator has no public queue length",
         "polling a step counter on the ps instead costs the ps and the chief about a quarter "
         "core each",
-        "tests/test_parameter_server.py::test_a_paused_worker_does_not_stop_the_other", "2260062c9d7d"),
+        "tests/test_parameter_server.py::test_a_paused_worker_does_not_stop_the_other",
+        "2260062c9d7d"),
     "xspace": Patch(
-        ("xspace",), ("tensorflow.tsl.profiler.protobuf.xplane_pb2",),
+        ("xspace",),
+        ("tensorflow.tsl.profiler.protobuf.xplane_pb2",),
         "tensorflow/tensorflow#60060 (closed: no public reader of the profiler's xplane.pb; "
         "TensorBoard's profile plugin parses it with the same generated module)",
         "tfdist.runtime.profiling could not read a profiled step (the overlap of the all-reduce)",
         "tests/test_buckets.py::test_overlap_is_read_from_the_order_of_the_trace", "103506923aba"),
     "slurm_tasks_per_node": Patch(
-        ("slurm_tasks_per_node",), ("tensorflow.python.distribute.cluster_resolver."
-                                    "slurm_cluster_resolver:expand_tasks_per_node",),
+        ("slurm_tasks_per_node",),
+        ("tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver:"
+         "expand_tasks_per_node",),
         "none found: TF's SlurmClusterResolver keeps its SLURM_TASKS_PER_NODE parser private",
         "task counts such as '2(x3),1' would be read otherwise than TF's resolver reads them",
         "tests/test_cluster.py::test_slurm_environment_builds_the_cluster", "880b0270c455"),

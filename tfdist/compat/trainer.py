@@ -28,7 +28,8 @@ def train_step_loss(model, batch):
     variables are on the ps, shared by every worker and reset by the chief at each report, so that
     mean mixed steps and resets (logged losses from 0.4 to 20 where the steps' were near 2.5)."""
     using("loss_tracker")
-    seen, tracker = [], model._loss_tracker
+    seen = []  # the losses the step passed to the tracker
+    tracker = model._loss_tracker
     update = tracker.update_state
     tracker.update_state = lambda values, **kw: seen.append(values) or update(values, **kw)
     try:

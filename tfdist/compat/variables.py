@@ -1,6 +1,6 @@
 """A Keras variable without its storage, and with it again: ZeRO-3's sharded weights
-(`tfdist.parallel.zero.weights`). Keras 3 has no public way to drop a variable's value on the TF backend: its
-`keras.distribution` shards variables on JAX only (keras-team/keras#18473, open)."""
+(`tfdist.parallel.zero.weights`). Keras 3 has no public way to drop a variable's value on the TF
+backend: its `keras.distribution` shards variables on JAX only (keras-team/keras#18473, open)."""
 from tfdist.compat.table import using
 
 
@@ -25,7 +25,8 @@ def release_storage(variable, why=None):
 
     def refuse(shape, dtype=None):
         raise ValueError(message)
-    variable._value, variable._initializer = None, refuse
+    variable._value = None
+    variable._initializer = refuse
 
 
 def restore_storage(variable, value):

@@ -95,7 +95,8 @@ def _nanogpt(src, data_config):
     out = default_out(data_config, "nanogpt", h.hexdigest()[:12])
     with _lock(out):
         if store.read_manifest(out) is None:
-            store.import_nanogpt(src, out, vocab, tokenizer=tok, shard_tokens=data_config.shard_tokens)
+            store.import_nanogpt(src, out, vocab, tokenizer=tok,
+                                 shard_tokens=data_config.shard_tokens)
     return store.TokenStore(out)
 
 
@@ -267,7 +268,8 @@ def _quiet_children():
         yield None
         return
     sys.stderr.flush()
-    captured, saved = tempfile.TemporaryFile(), os.dup(2)
+    captured = tempfile.TemporaryFile()
+    saved = os.dup(2)  # this process's stderr, restored on exit
     os.dup2(captured.fileno(), 2)
     try:
         yield captured
@@ -301,7 +303,9 @@ def _tokenize_unit(args):
         _TOKENIZER[key] = tokenizers.load(out, tok_config)
     tok = _TOKENIZER[key]
     sep = [tok.eot] if tok.eot is not None else list(tok.encode("\n"))
-    parts, nbytes, docs = [], 0, 0
+    parts = []  # the ids, in pieces
+    nbytes = 0  # bytes of text
+    docs = 0
     for text, n, ends_document in sources.read_unit(unit):
         if text:
             parts.append(np.asarray(tok.encode(text), np.uint32))
@@ -326,7 +330,11 @@ class _Progress:
         from tfdist.runtime.progress import Progress
         total = max(total_bytes / 1e6, 1e-3)
         self.bar = Progress(total, unit="MB", every=max(total / 20, 1e-3)) if show else None
-        self.t0, self.bytes, self.tokens, self.new_bytes, self.new_tokens = time.perf_counter(), 0, 0, 0, 0
+        self.t0 = time.perf_counter()
+        self.bytes = 0  # read so far, units done before included
+        self.tokens = 0
+        self.new_bytes = 0  # read by this prepare (its rates)
+        self.new_tokens = 0
 
     def add(self, stats, done_before=False):
         self.bytes += stats["bytes"]
@@ -337,7 +345,8 @@ class _Progress:
         if self.bar:
             dt = max(time.perf_counter() - self.t0, 1e-9)
             self.bar.update(self.bytes / 1e6, {"MB/s": self.new_bytes / 1e6 / dt,
-                                               "tok/s": self.new_tokens / dt, "tokens": self.tokens})
+                                               "tok/s": self.new_tokens / dt,
+                                               "tokens": self.tokens})
 
     def close(self):
         if self.bar and self.bytes / 1e6 < self.bar.target:  # the bar is at self.bytes

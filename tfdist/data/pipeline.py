@@ -42,11 +42,15 @@ class Windows:
 
     def __init__(self, split, block_size, global_batch, seed, on_input=None):
         if split.num_tokens < block_size + 2:
-            raise UsageError(f"the {split.name} split has {split.num_tokens:,} tokens, shorter than "
-                             f"one window of {block_size + 1}; use more text or a smaller "
+            raise UsageError(f"the {split.name} split has {split.num_tokens:,} tokens, shorter "
+                             f"than one window of {block_size + 1}; use more text or a smaller "
                              f"model.block_size")
-        self.split, self.num_tokens, self.block_size = split, split.num_tokens, block_size
-        self.global_batch, self.seed, self.on_input = global_batch, seed, on_input
+        self.split = split
+        self.num_tokens = split.num_tokens
+        self.block_size = block_size
+        self.global_batch = global_batch
+        self.seed = seed
+        self.on_input = on_input
 
     def offsets(self, step):
         """Start offsets (int64, global_batch) of the windows of global step `step`."""
@@ -60,21 +64,25 @@ class Windows:
         Graph-friendly: the parameter-server loop calls it inside the step it schedules."""
         b = self.global_batch // replicas
         rows = self.offsets(step)[replica * b:(replica + 1) * b]
-        w = tf.ensure_shape(self.split.windows(rows, self.block_size + 1), [b, self.block_size + 1])  # static shapes, as XLA on TPUs needs
+        # static shapes, as XLA on TPUs needs
+        w = tf.ensure_shape(self.split.windows(rows, self.block_size + 1),
+                            [b, self.block_size + 1])
         return w[:, :-1], w[:, 1:]
 
     def dataset_fn(self, start_step, num_steps, repeat=False):
         """Returns `fn(input_context) -> tf.data.Dataset` of per-replica (x, y) batches.
 
-        Steps `start_step .. start_step + num_steps - 1`. With `input_context=None` the dataset yields
-        whole global batches (one replica). With `repeat=True` the same steps cycle forever (fixed
-        validation batches).
+        Steps `start_step .. start_step + num_steps - 1`. With `input_context=None` the dataset
+        yields whole global batches (one replica). With `repeat=True` the same steps cycle forever
+        (fixed validation batches).
         """
         def fn(input_context=None):
             if self.on_input and not repeat:
                 self.on_input(self, input_context)
             if input_context is None:
-                replicas, pipelines, pipeline_id = 1, 1, 0
+                replicas = 1
+                pipelines = 1
+                pipeline_id = 0
             else:
                 replicas = input_context.num_replicas_in_sync
                 pipelines = input_context.num_input_pipelines
@@ -84,7 +92,8 @@ class Windows:
                                  f"{replicas} replicas")
             local = replicas // pipelines  # replicas fed by this input pipeline
 
-            def element(k):  # k-th element of this pipeline: (step, local replica)
+            def element(k):
+                """The k-th element of this pipeline: (step, local replica)."""
                 step = start_step + k // local
                 return self.batch(step, pipeline_id * local + k % local, replicas)
 
@@ -94,7 +103,8 @@ class Windows:
             opts = tf.data.Options()
             opts.deterministic = True
             # Sharding is done above, per replica; TF must not shard again.
-            opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+            opts.experimental_distribute.auto_shard_policy = (
+                tf.data.experimental.AutoShardPolicy.OFF)
             return (ds.map(element, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
                     .prefetch(tf.data.AUTOTUNE).with_options(opts))
 
@@ -107,12 +117,14 @@ def every_nth(dataset, n, index):
     """A per-worker dataset_fn of `dataset`: worker `index()` of `n` reads batches index,
     index + n, ... The dataset is rebuilt on each worker from its serialized graph (as TF sends a
     dataset), so that the workers do not train on the same batches."""
+    # external_state_policy 0: warn about state it cannot send
     graph = tf.raw_ops.DatasetToGraphV2(input_dataset=tf.data.experimental.to_variant(dataset),
                                         external_state_policy=0, strip_device_assignment=True)
-    spec = dataset.element_spec  # external_state_policy 0: warn about state it cannot send
+    spec = dataset.element_spec
 
     def dataset_fn():
-        copy = tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
+        copy = tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=graph),
+                                                 spec)
         return copy.shard(n, index())
     return dataset_fn
 

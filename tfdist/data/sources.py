@@ -40,7 +40,8 @@ SCHEMES = ("stdlib", "tfds", "nanogpt", "store")
 
 
 def stdlib_files():
-    """Sorted .py files of this Python's standard library, test suites and site-packages left out."""
+    """Sorted .py files of this Python's standard library, test suites and site-packages left
+    out."""
     root = sysconfig.get_paths()["stdlib"]
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -55,16 +56,18 @@ def _is_text(path):
 
 
 def text_files(paths):
-    """Expands files and directories into a sorted list of text files; UsageError if one is missing."""
+    """Expands files and directories into a sorted list of text files; UsageError if one is
+    missing."""
     out = []
     for p in paths:
         if not tf.io.gfile.exists(p):
-            raise UsageError(f"data path '{p}' does not exist; set --config.data.source to existing "
-                             f"text files or directories, or to 'stdlib'")
+            raise UsageError(f"data path '{p}' does not exist; set --config.data.source to "
+                             f"existing text files or directories, or to 'stdlib'")
         if tf.io.gfile.isdir(p):
             for dirpath, dirnames, filenames in tf.io.gfile.walk(p):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-                out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
+                out += [os.path.join(dirpath, f) for f in sorted(filenames)
+                        if not f.startswith(".")]
         else:
             out.append(p)
     out = [f for f in out if _is_text(f)]
@@ -105,7 +108,8 @@ def resolve(data_config):
     if kind == "tfds":
         return _tfds(rest, data_config)
     if kind == "stdlib":
-        files, name = stdlib_files(), "python_stdlib"
+        files = stdlib_files()
+        name = "python_stdlib"
     elif kind == "files":
         files = text_files([p.strip() for p in rest.split(",") if p.strip()])
         name = "files"
@@ -116,13 +120,16 @@ def resolve(data_config):
 
 def _files(files, name, val_fraction):
     """Units over the concatenation of `files`: (path, start, end, last-of-file) byte ranges."""
-    sizes, h = [], hashlib.sha256()
+    sizes = []
+    h = hashlib.sha256()  # the key: each file's path, size and time
     for f in files:
         st = tf.io.gfile.stat(f)
         sizes.append(st.length)
-        h.update(f"{os.path.abspath(f) if '://' not in f else f}:{st.length}:{st.mtime_nsec}\n".encode())
+        path = os.path.abspath(f) if "://" not in f else f
+        h.update(f"{path}:{st.length}:{st.mtime_nsec}\n".encode())
     total = sum(sizes)
-    cut = total - int(total * val_fraction)  # the validation text starts at the first line start >= cut
+    # the validation text starts at the first line start >= cut
+    cut = total - int(total * val_fraction)
     units = {"train": [], "val": []}
     pos = 0
     for f, size in zip(files, sizes):
@@ -146,7 +153,8 @@ def _tfds(name, data_config):
                          f"check the name or --config.data.data_dir") from None
     if not builder.is_prepared():
         raise UsageError(f"TFDS dataset '{name}' is not prepared in {data_dir}; prepare it there "
-                         f"first (`tfds build {name} --data_dir {data_dir}` where there is network)")
+                         f"first (`tfds build {name} --data_dir {data_dir}` where there is "
+                         f"network)")
     key = data_config.text_key
     if key not in builder.info.features:
         raise UsageError(f"TFDS dataset '{name}' has no feature '{key}' (it has "
@@ -154,7 +162,8 @@ def _tfds(name, data_config):
     splits = builder.info.splits
     n = splits["train"].num_examples
     if "validation" in splits:
-        ranges = {"train": ("train", 0, n), "val": ("validation", 0, splits["validation"].num_examples)}
+        ranges = {"train": ("train", 0, n),
+                  "val": ("validation", 0, splits["validation"].num_examples)}
     else:
         k = max(1, int(n * data_config.val_fraction))
         ranges = {"train": ("train", 0, n - k), "val": ("train", n - k, n)}
@@ -164,8 +173,10 @@ def _tfds(name, data_config):
     for split, (tfds_split, a, b) in ranges.items():
         units[split] = [("tfds", name, data_dir, tfds_split, i, min(i + per_unit, b), key)
                         for i in range(a, b, per_unit)]
-    ident = f"tfds:{name}:{builder.info.version}:{key}:{[(s, splits[s].num_examples) for s in splits]}"
-    return Source(name.replace("/", "_"), hashlib.sha256(ident.encode()).hexdigest()[:16], units, total)
+    counts = [(s, splits[s].num_examples) for s in splits]
+    ident = f"tfds:{name}:{builder.info.version}:{key}:{counts}"
+    return Source(name.replace("/", "_"), hashlib.sha256(ident.encode()).hexdigest()[:16], units,
+                  total)
 
 
 def data_dir_of(data_config):

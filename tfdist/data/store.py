@@ -45,10 +45,12 @@ import tensorflow as tf
 
 from tfdist.errors import UsageError
 
-FORMAT, VERSION = "tfdist-token-store", 1
+FORMAT = "tfdist-token-store"
+VERSION = 1
 MANIFEST = "manifest.json"
 # 128 Ki tokens (256 KiB at uint16): a window reads its whole shard (TF has no ranged read), so
-# smaller shards read less per window; 2 MiB shards cost 4.4 ms a window here, 4 % of a gpt_mini step.
+# smaller shards read less per window; 2 MiB shards cost 4.4 ms a window here, 4 % of a gpt_mini
+# step.
 SHARD_TOKENS = 1 << 17
 SPLITS = ("train", "val")
 
@@ -75,9 +77,15 @@ class ShardWriter:
     `close`). Hashes the ids as they go. Holds at most one shard in memory."""
 
     def __init__(self, directory, split, dtype, shard_tokens=SHARD_TOKENS):
-        self.dir, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.dir = directory
+        self.split = split
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
         tf.io.gfile.makedirs(os.path.join(directory, split))
-        self.buffer, self.buffered, self.shards, self.tokens = [], 0, 0, 0
+        self.buffer = []  # the parts of the shard being filled
+        self.buffered = 0  # ids in `buffer`
+        self.shards = 0  # shards written
+        self.tokens = 0  # ids written
         self.hash = hashlib.sha256()
 
     def write(self, ids):
@@ -94,7 +102,8 @@ class ShardWriter:
         if not self.buffered:
             return
         data = np.concatenate(self.buffer).tobytes()
-        self.buffer, self.buffered = [], 0
+        self.buffer = []
+        self.buffered = 0
         write_atomic(shard_path(self.dir, self.split, self.shards), data)
         self.hash.update(data)
         self.shards += 1
@@ -147,7 +156,9 @@ class TokenStore:
             raise UsageError(f"{self.dir} is not a prepared token store (no {MANIFEST}); prepare "
                              f"it with `tfdist prepare` or point data.source at one")
         self.manifest = m
-        self.vocab_size, self.dtype, self.fingerprint = m["vocab_size"], m["dtype"], m["fingerprint"]
+        self.vocab_size = m["vocab_size"]
+        self.dtype = m["dtype"]
+        self.fingerprint = m["fingerprint"]
         self.shard_tokens = m["shard_tokens"]
         self._check_shards()
 
@@ -160,10 +171,10 @@ class TokenStore:
                 path = shard_path(self.dir, name, i)
                 size = tf.io.gfile.stat(path).length if tf.io.gfile.exists(path) else None
                 if size != want:
+                    got = "missing" if size is None else f"{size:,} bytes"
                     raise UsageError(
-                        f"token store shard {path} is {'missing' if size is None else f'{size:,} bytes'}"
-                        f", not {want:,}; the store is damaged: remove {self.dir} and prepare it "
-                        f"again")
+                        f"token store shard {path} is {got}, not {want:,}; the store is damaged: "
+                        f"remove {self.dir} and prepare it again")
 
     @property
     def tokenizer_config(self):
@@ -179,8 +190,9 @@ class TokenStore:
     def describe(self):
         from tfdist.data.tokenizer import describe
         s = self.manifest["splits"]
-        return (f"token store {self.dir} ({self.manifest['source']}, {describe(self.tokenizer_config)}"
-                f"): {s['train']['tokens']:,} train / {s['val']['tokens']:,} validation tokens")
+        return (f"token store {self.dir} ({self.manifest['source']}, "
+                f"{describe(self.tokenizer_config)}): {s['train']['tokens']:,} train / "
+                f"{s['val']['tokens']:,} validation tokens")
 
 
 class Split:
@@ -188,8 +200,10 @@ class Split:
 
     def __init__(self, store, name):
         meta = store.manifest["splits"][name]
-        self.store, self.name = store, name
-        self.num_tokens, self.bytes = meta["tokens"], meta.get("bytes")
+        self.store = store
+        self.name = name
+        self.num_tokens = meta["tokens"]
+        self.bytes = meta.get("bytes")  # of the text the tokens encode (None: not known)
         self.shard_tokens = min(store.shard_tokens, max(self.num_tokens, 1))
         self._prefix = os.path.join(store.dir, name) + "/"
         self._width = np.dtype(store.dtype).itemsize
@@ -202,7 +216,8 @@ class Split:
 
     def _read(self, shard, start, count):
         """`count` ids from `start` in shard `shard` (int64 scalars), as a byte string."""
-        path = tf.strings.join([self._prefix, tf.strings.as_string(shard, width=6, fill="0"), ".bin"])
+        path = tf.strings.join([self._prefix, tf.strings.as_string(shard, width=6, fill="0"),
+                                ".bin"])
         return tf.strings.substr(tf.io.read_file(path), start * self._width, count * self._width)
 
     def windows(self, offsets, length):
@@ -222,7 +237,8 @@ class Split:
             return data
 
         raw = tf.map_fn(window, tf.cast(offsets, tf.int64), fn_output_signature=tf.string)
-        ids = tf.io.decode_raw(raw, self._dtype, little_endian=True, fixed_length=length * self._width)
+        ids = tf.io.decode_raw(raw, self._dtype, little_endian=True,
+                               fixed_length=length * self._width)
         return tf.cast(ids, tf.int32)
 
 
@@ -273,7 +289,8 @@ def import_nanogpt(src, out, vocab_size, tokenizer=None, shard_tokens=SHARD_TOKE
     created = not tf.io.gfile.exists(out)
     tf.io.gfile.makedirs(out)
     try:
-        return _import_nanogpt(paths, src, out, vocab_size, tokenizer, tok_config, shard_tokens, chunk)
+        return _import_nanogpt(paths, src, out, vocab_size, tokenizer, tok_config, shard_tokens,
+                               chunk)
     except BaseException:
         if created:  # leave nothing behind that we made
             tf.io.gfile.rmtree(out)
@@ -283,7 +300,8 @@ def import_nanogpt(src, out, vocab_size, tokenizer=None, shard_tokens=SHARD_TOKE
 def _import_nanogpt(paths, src, out, vocab_size, tokenizer, tok_config, shard_tokens, chunk):
     if tokenizer is not None:
         tok_config = {**tokenizer.save(out), "vocab_size": vocab_size}
-    splits, h = {}, hashlib.sha256()
+    splits = {}
+    h = hashlib.sha256()  # the key: the splits' ids
     for name, path in paths.items():
         w = ShardWriter(out, name, "uint16", shard_tokens)
         with tf.io.gfile.GFile(path, "rb") as f:

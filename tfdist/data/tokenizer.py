@@ -47,7 +47,8 @@ class ByteTokenizer:
     def decode(self, ids):
         ids = np.asarray(ids)
         if ids.size and (ids.min() < 0 or ids.max() > 255):
-            raise ValueError("byte tokens must be in [0, 255]; the model produced an id out of range")
+            raise ValueError("byte tokens must be in [0, 255]; the model produced an id out of "
+                             "range")
         return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def save(self, directory):
@@ -136,8 +137,8 @@ def train_bpe(texts, vocab_size):
     strings. Memory grows with the number of distinct words, not with the text."""
     from tokenizers import models, pre_tokenizers, trainers
     if vocab_size < 257:
-        raise UsageError(f"data.vocab_size ({vocab_size}) must be at least 257 for a byte-level BPE "
-                         f"(256 bytes and the end-of-text token)")
+        raise UsageError(f"data.vocab_size ({vocab_size}) must be at least 257 for a byte-level "
+                         f"BPE (256 bytes and the end-of-text token)")
     tok = _byte_level(models.BPE())
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -175,7 +176,8 @@ def from_file(path):
         raise
     except Exception as e:  # bad JSON, a corrupt model file, ...
         raise UsageError(f"cannot load tokenizer '{path}' ({' '.join(str(e).split())[:150]}); "
-                         f"give a GPT-2 vocab.json, a tokenizer.json or a SentencePiece .model") from None
+                         f"give a GPT-2 vocab.json, a tokenizer.json or a SentencePiece "
+                         f".model") from None
 
 
 def _gpt2(vocab_json, merges_txt):

@@ -23,7 +23,8 @@ def loopback_shim():
                          f"pass --bind=all (workers then listen on every interface)")
     with open(src, "rb") as f:
         digest = hashlib.sha1(f.read()).hexdigest()[:12]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tfdist")
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                         "tfdist")
     so = os.path.join(cache, f"loopback_bind-{digest}.so")
     if os.path.exists(so):
         return so

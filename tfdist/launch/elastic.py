@@ -23,10 +23,10 @@ What changes the size, always at a step boundary and from a consistent state:
   ends (exit 1). Progress lost: the steps since the newest backup.
 * **Growing.** When the hosts offer more slots than the group has (up to `--max_workers`), the
   group is asked to stop after its step in progress: the processes get SIGUSR1, agree after the
-  step (`tfdist.runtime.preemption`; `tfdist train` holds the signal while it starts, `tfdist.runtime.early`),
-  back that step up and exit 75. The group starts again at the new size from that backup: no
-  step is lost. (A program that does not handle SIGUSR1, or `horovod` with no rank on this
-  machine, restarts from its newest backup instead.)
+  step (`tfdist.runtime.preemption`; `tfdist train` holds the signal while it starts,
+  `tfdist.runtime.early`), back that step up and exit 75. The group starts again at the new size
+  from that backup: no step is lost. (A program that does not handle SIGUSR1, or `horovod` with
+  no rank on this machine, restarts from its newest backup instead.)
 
 The global batch is the same at every size: `tfdist train`'s `train.batch_size` is the global
 batch, each of N replicas reads its N-th of the same rows (`tfdist.data.pipeline`), and the step
@@ -84,10 +84,15 @@ class Membership:
     DISCOVERY_TIMEOUT = 10.0
 
     def __init__(self, *, hosts=None, discovery=None, max_workers, port, say=print):
-        self.discovery, self.max_workers, self.port, self.say = discovery, max_workers, port, say
-        names, counts = hosts or ["127.0.0.1"], {}
-        for k in range(max(max_workers, len(names))):  # round robin, as --hosts places a fixed
-            counts[names[k % len(names)]] = counts.get(names[k % len(names)], 0) + 1  # group
+        self.discovery = discovery
+        self.max_workers = max_workers
+        self.port = port
+        self.say = say
+        names = hosts or ["127.0.0.1"]
+        counts = {}
+        # round robin, as --hosts places a fixed group
+        for k in range(max(max_workers, len(names))):
+            counts[names[k % len(names)]] = counts.get(names[k % len(names)], 0) + 1
         self.offered = [] if discovery and not hosts else list(counts.items())
         self._lock = threading.Lock()  # (the launcher's loop and its watcher both ask)
         self._hosts = {}
@@ -110,7 +115,8 @@ class Membership:
             for name, _ in hosts:
                 self.host(name)  # resolvable
         except (ValueError, UsageError, OSError, subprocess.TimeoutExpired) as e:
-            why = (f"took over {self.DISCOVERY_TIMEOUT:g} s" if isinstance(e, subprocess.TimeoutExpired)
+            why = (f"took over {self.DISCOVERY_TIMEOUT:g} s"
+                   if isinstance(e, subprocess.TimeoutExpired)
                    else str(e).replace("--hosts: ", ""))
             if why != self._said:  # once per distinct failure, not every interval
                 self.say(f"--discovery={self.discovery!r} failed: {why}; keeping the hosts it "
@@ -156,14 +162,20 @@ class ElasticSupervisor(Supervisor):
     def __init__(self, program, membership, *, workers, min_workers, rejoin_timeout, interval,
                  wrapper=None, **kwargs):
         super().__init__(program, [("worker", 0)], tf_config=wrapper is None, **kwargs)
-        self.program, self.membership, self.wrapper = program, membership, wrapper
+        self.program = program
+        self.membership = membership
+        self.wrapper = wrapper
         membership.say = self.say
         self.base_env = dict(self.env)
-        self.start_workers, self.min_workers = workers, min_workers
-        self.rejoin_timeout, self.interval = rejoin_timeout, interval
+        self.start_workers = workers
+        self.min_workers = min_workers
+        self.rejoin_timeout = rejoin_timeout
+        self.interval = interval
         self.workers = None  # the host of each worker of the group
         self._grow = threading.Event()
-        self._watching, self._offered, self._done = None, [], threading.Event()
+        self._watching = None
+        self._offered = []
+        self._done = threading.Event()
 
     def _place(self):
         if self.workers is None:  # the first start: the hosts there, within the bound
@@ -175,14 +187,17 @@ class ElasticSupervisor(Supervisor):
             self.workers = offer[:max(self.start_workers, self.min_workers)]
         n = len(self.workers)
         remote = [h for h in self.workers if not self.membership.host(h).local]
-        self.n, self.hosts = n, ([self.membership.host(h) for h in self.workers] if remote else None)
+        self.n = n
+        self.hosts = [self.membership.host(h) for h in self.workers] if remote else None
         if self.wrapper:
             self.argv = self.wrapper(n, self.program, self.workers if remote else None)
             # horovodrun across hosts binds its own servers (on the interface the hosts share),
             # so the loopback bind shim is for a group on this machine only (as in cli.py)
             preload = self.base_env.get("LD_PRELOAD", "").split()
-            self.env["LD_PRELOAD"] = " ".join(x for x in preload if not (remote and "loopback_bind" in x))
-            self.roles, self.hosts = [("worker", 0)], None
+            self.env["LD_PRELOAD"] = " ".join(x for x in preload
+                                              if not (remote and "loopback_bind" in x))
+            self.roles = [("worker", 0)]
+            self.hosts = None
         else:
             self.roles = [("worker", i) for i in range(n)]
         self.say(f"elastic: {n} worker(s) on {self.membership.describe(self.workers)} "
@@ -216,12 +231,14 @@ class ElasticSupervisor(Supervisor):
                 if len(self._offered) > len(workers):
                     self._grow.set()
 
-    def _resize_wanted(self):  # (the watcher may have judged a group that has since grown)
+    def _resize_wanted(self):
+        # (the watcher may have judged a group that has since grown)
         return self._grow.is_set() and len(self._offered) > len(self.workers)
 
     def _stop_to_resize(self, procs):
         """SIGUSR1 to the processes: they back up the step in progress and exit 75."""
-        ranks, grown = None, self._offered
+        ranks = None
+        grown = self._offered
         self.say(f"elastic: {self.membership.describe(grown)} offered; stopping the group after "
                  f"its step in progress to grow from {self.n} to {len(grown)} worker(s)")
         if self.wrapper:  # the ranks on this machine (horovodrun forwards no signal)
@@ -245,9 +262,10 @@ class ElasticSupervisor(Supervisor):
         if code != EXIT_PREEMPTED and not by_signal and not (self.wrapper and not ranks):
             return self.roles[0], code
         self.resized += 1
-        self.say(f"elastic: the group stopped (exit {code}: " + ("it backed up its step" if code
-                 == EXIT_PREEMPTED else "it resumes from its newest backup") +
-                 f"); growing to {len(grown)} worker(s)")
+        self.say(f"elastic: the group stopped (exit {code}: "
+                 + ("it backed up its step" if code == EXIT_PREEMPTED
+                    else "it resumes from its newest backup")
+                 + f"); growing to {len(grown)} worker(s)")
         self.workers = grown
         return RESIZE
 
@@ -267,8 +285,9 @@ class ElasticSupervisor(Supervisor):
         offer = self._await(back)
         if back(offer):
             return None  # every host is there again: the usual restart
-        gone = [h if group.count(h) == 1 else f"{group.count(h) - offer.count(h)} of {h}'s "
-                f"{group.count(h)} slots" for h in dict.fromkeys(group) if offer.count(h) < group.count(h)]
+        gone = [h if group.count(h) == 1
+                else f"{group.count(h) - offer.count(h)} of {h}'s {group.count(h)} slots"
+                for h in dict.fromkeys(group) if offer.count(h) < group.count(h)]
         if len(offer) < self.min_workers:
             self.say(f"error: {', '.join(gone)} not back within --rejoin_timeout="
                      f"{self.rejoin_timeout:g} s, and {len(offer)} worker slot(s) are below "

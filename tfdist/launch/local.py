@@ -1,5 +1,5 @@
-"""The local launcher behind `tfdist launch` (its flags: `tfdist/cli/launch.py`): N worker processes
-on 127.0.0.1 with their TF_CONFIG, supervised.
+"""The local launcher behind `tfdist launch` (its flags: `tfdist/cli/launch.py`): N worker
+processes on 127.0.0.1 with their TF_CONFIG, supervised.
 
     tfdist launch --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/nano-2w
     tfdist launch --workers 2 -- python my_keras_program.py --its --flags
@@ -10,21 +10,20 @@ in the cluster in TF_CONFIG, as under a Kubernetes TFJob.
 
 What it does:
 
-1. `tfdist train` form only: runs `tfdist train --prepare_only` once. That checks the flags, prepares
-   the dataset once (not N times at once) and applies `--overwrite`. `--overwrite` is not passed
-   on to the workers, because a restarted group must resume, not start over.
+1. `tfdist train` form only: runs `tfdist train --prepare_only` once. That checks the flags,
+   prepares the dataset once (not N times at once) and applies `--overwrite`. `--overwrite` is
+   not passed on to the workers, because a restarted group must resume, not start over.
 2. Picks free 127.0.0.1 ports and starts the workers. Worker i gets TF_CONFIG
    `{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}` and
    TFDIST_RESTART_COUNT. Output is streamed with a `[w<i>]` prefix (and also written to
    `--worker_logs/w<i>.log` if given).
 3. Supervises (abort and restart, TF's own design for synchronous training). When a worker exits
    non-zero, the others are stopped (SIGTERM, then SIGKILL) and the group starts again on fresh
-   ports. The restart waits `--backoff` seconds, doubling each
-   time up to 60 s, and there are at most `--max_restarts` of them. `tfdist train` resumes from
-   its backup at the exact step.
+   ports. The restart waits `--backoff` seconds, doubling each time up to 60 s, and there are at
+   most `--max_restarts` of them. `tfdist train` resumes from its backup at the exact step.
 
-Preemption (`tfdist.runtime.preemption`): SIGTERM or SIGUSR1 to the launcher is passed on to the workers,
-which back up the step in progress and exit 75; the launcher waits for them (at most
+Preemption (`tfdist.runtime.preemption`): SIGTERM or SIGUSR1 to the launcher is passed on to the
+workers, which back up the step in progress and exit 75; the launcher waits for them (at most
 `preemption_grace` seconds, then SIGKILL) and exits 75 too, which means "run the same command to
 resume". A worker that exits 75 by itself (it alone was signalled) restarts the group at once,
 without counting a restart.
@@ -33,7 +32,8 @@ Exit status: 0 when the run completed. 2 for bad usage: this launcher's flags, t
 or a worker that exited 2 (restarting cannot fix that). 1 when the restart budget ran out.
 75 when preempted, as above. 128+N when the launcher was stopped by signal N otherwise (the
 workers are stopped too). Under horovodrun, which exits 1 whatever a rank's status was, the
-ranks' own statuses count: each records its own in TFDIST_EXIT_DIR (`tfdist.runtime.cluster.report_exit`).
+ranks' own statuses count: each records its own in TFDIST_EXIT_DIR
+(`tfdist.runtime.cluster.report_exit`).
 
 Other hosts (`--hosts=a,b,...`): task k runs on host k mod N, at `<host>:<port>` (from
 `--port` on each host); a host that is not this machine is reached with `ssh` (see `Host`),
@@ -65,6 +65,7 @@ from tfdist.runtime import cluster as cluster_lib
 MAX_BACKOFF = 60.0
 RESIZE = "resize"  # what `Supervisor._wait` returns when an elastic group is to be resized
 
+
 def free_ports(n):
     """n distinct ports free on 127.0.0.1 right now."""
     socks = []
@@ -95,10 +96,12 @@ def children(pid):
 
 def descendants(pid):
     """PIDs of every process below process `pid` (children, theirs, ...)."""
-    found, todo = [], [pid]
+    found = []
+    todo = [pid]
     while todo:
         kids = children(todo.pop())
-        found, todo = found + kids, todo + kids
+        found = found + kids
+        todo = todo + kids
     return found
 
 
@@ -147,13 +150,17 @@ class Supervisor:
     def __init__(self, argv, roles, *, restart_alone=(), servers=(), max_restarts=3, backoff=2.0,
                  env=None, log_dir=None, output=None, tf_config=True, server_argv=None,
                  hosts=None, port=DEFAULT_PORT):
-        self.argv, self.roles, self.tf_config = argv, list(roles), tf_config
+        self.argv = argv
+        self.roles = list(roles)
+        self.tf_config = tf_config
         self.hosts = [Host(h) for h in hosts] if hosts else None
         self.port = port
         self.server_argv = server_argv
-        self.restart_alone, self.servers = tuple(restart_alone), tuple(servers)
+        self.restart_alone = tuple(restart_alone)
+        self.servers = tuple(servers)
         self.n = sum(role == "worker" for role, _ in self.roles)
-        self.max_restarts, self.backoff = max_restarts, backoff
+        self.max_restarts = max_restarts
+        self.backoff = backoff
         self.env = dict(os.environ if env is None else env)
         self.log_dir = log_dir
         self.out = output or Output()
@@ -168,7 +175,8 @@ class Supervisor:
         self.out.line(f"tfdist launch: {message}")
 
     def _cluster(self):
-        cluster, self.placed = {}, {}
+        cluster = {}
+        self.placed = {}
         if self.hosts:  # round robin; on each host the tasks take ports from --port on
             used = {}
             for k, (role, index) in enumerate(self.roles):
@@ -185,10 +193,12 @@ class Supervisor:
 
     def _spawn(self, cluster, role, index):
         name = f"{'c' if role == 'chief' else 'w' if role == 'worker' else 'ps'}{index}"
-        env = {**self.env, "PYTHONUNBUFFERED": "1", "TFDIST_RESTART_COUNT":
-               str(self.restarts + self.preemptions + self.resized), cluster_lib.EXIT_DIR: self.exit_dir}
+        env = {**self.env, "PYTHONUNBUFFERED": "1",
+               "TFDIST_RESTART_COUNT": str(self.restarts + self.preemptions + self.resized),
+               cluster_lib.EXIT_DIR: self.exit_dir}
         if self.tf_config:
-            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
+            env["TF_CONFIG"] = json.dumps({"cluster": cluster,
+                                           "task": {"type": role, "index": index}})
         else:  # one process that starts the others itself (horovodrun)
             name = "hvd"
         host = self.placed.get((role, index))
@@ -218,7 +228,8 @@ class Supervisor:
         for name in os.listdir(self.exit_dir):  # the last group's statuses
             os.remove(os.path.join(self.exit_dir, name))
         cluster = self._cluster()
-        procs, pumps = {}, []
+        procs = {}
+        pumps = []
         for role, index in self.roles:
             procs[role, index], pump = self._spawn(cluster, role, index)
             pumps.append(pump)
@@ -270,7 +281,8 @@ class Supervisor:
                     self.stop_tasks([procs[k] for k in others])
                     for k, c in codes.items():
                         if c not in (None, 0) and k != chief:
-                            self.say(f"{k[0]} {k[1]} {describe_exit(c)} after the chief had finished")
+                            self.say(f"{k[0]} {k[1]} {describe_exit(c)} "
+                                     f"after the chief had finished")
                     return None
             failed = [(k, self.own_status(c)) for k, c in codes.items() if c not in (None, 0)]
             if chief_done is None and not failed and self._resize_wanted():
@@ -336,7 +348,8 @@ class Supervisor:
             failure = self._wait(cluster, procs, pumps)
             preempted = self.stop_signal in (signal.SIGTERM, signal.SIGUSR1)
             if preempted:  # passed on: each worker backs up its step and exits 75
-                self.stop_tasks(list(procs.values()), grace=self.preemption_grace, sig=self.stop_signal)
+                self.stop_tasks(list(procs.values()), grace=self.preemption_grace,
+                                sig=self.stop_signal)
             elif failure == RESIZE:
                 failure = self._stop_to_resize(procs)
             elif failure or self.stop_signal:
@@ -356,7 +369,8 @@ class Supervisor:
                 what = ("the chief finished" if self.roles[0][0] == "chief" else
                         f"{self.n} worker(s) finished" if self.tf_config else
                         f"{os.path.basename(self.argv[0])} finished")
-                self.say(f"done: {what}" + (f" after {self.restarts} restart(s)" if self.restarts else ""))
+                self.say(f"done: {what}"
+                         + (f" after {self.restarts} restart(s)" if self.restarts else ""))
                 return 0
             if failure == RESIZE:
                 continue

@@ -66,7 +66,8 @@ class Output:
             *lines, buf = buf.split(b"\n")
             for raw in lines:
                 if header:
-                    header, _ = None, header(raw.decode(errors="replace").strip())
+                    header(raw.decode(errors="replace").strip())
+                    header = None
                     continue
                 self.line(_ranks(prefix + _last_state(raw)), log)
             if b"\r" in buf:
@@ -93,8 +94,8 @@ def _last_state(raw):
 
 
 def _is_noise(text):
-    """TF's start-up notices (tfdist.runtime.console.NOISE), from any program the workers run: N workers
-    would print them 2N times. They carry no information about the run."""
+    """TF's start-up notices (tfdist.runtime.console.NOISE), from any program the workers run: N
+    workers would print them 2N times. They carry no information about the run."""
     return console.is_noise(text)
 
 

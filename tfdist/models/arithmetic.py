@@ -24,9 +24,12 @@ Example: GPT-2 124M, one sequence of 1,024 tokens.
 (124439808, 123653376)
 >>> gpt2.flops_per_token()
 855166464
->>> gpt2.activation_bytes_per_layer(tokens=1024, precision="mixed") / 2**20  # s h (34 + 5 a s / h), MiB
+
+One layer's activations in MiB, s h (34 + 5 a s / h), and with recomputation only its input:
+
+>>> gpt2.activation_bytes_per_layer(tokens=1024, precision="mixed") / 2**20
 85.5
->>> gpt2.activation_bytes_per_layer(tokens=1024, precision="mixed", recompute=True) / 2**20  # its input
+>>> gpt2.activation_bytes_per_layer(tokens=1024, precision="mixed", recompute=True) / 2**20
 1.5
 >>> state_bytes_per_param("mixed"), state_bytes_per_param("float32")
 ((2, 2, 12), (4, 4, 8))
@@ -139,7 +142,8 @@ class Transformer:
             return self.hidden_bytes(tokens, precision)
         h, t = self.n_embd, tp
         value = 2 if precision == "float32" else 1  # in units of the paper's 2-byte values
-        masks = 2 if self.dropout else 0  # attention-output and MLP-output dropout masks, 1 byte each
+        # attention-output and MLP-output dropout masks, 1 byte each
+        masks = 2 if self.dropout else 0
         unsplit = 8 * value + masks  # two norms' inputs 4, attention and MLP inputs 4
         split = (4 + 4 * self.kv / h + (8 if self.gated_mlp else 4) * self.ffn_width / h) * value
         scores = 0 if self.flash_attention else (

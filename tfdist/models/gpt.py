@@ -67,8 +67,11 @@ class CausalSelfAttention(keras.layers.Layer):
 
     def __init__(self, n_embd, n_head, n_layer, dropout=0.0, bias=True, **kwargs):
         super().__init__(**kwargs)
-        self.n_embd, self.n_head, self.n_layer = n_embd, n_head, n_layer
-        self.dropout, self.bias = dropout, bias
+        self.n_embd = n_embd
+        self.n_head = n_head
+        self.n_layer = n_layer
+        self.dropout = dropout
+        self.bias = bias
         self.c_attn = _dense(3 * n_embd, 0.02, bias, "c_attn")
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer).
         self.c_proj = _dense(n_embd, 0.02 / math.sqrt(2 * n_layer), bias, "c_proj")
@@ -91,8 +94,11 @@ class Block(keras.layers.Layer):
 
     def __init__(self, n_embd, n_head, n_layer, dropout=0.0, bias=True, **kwargs):
         super().__init__(**kwargs)
-        self.n_embd, self.n_head, self.n_layer = n_embd, n_head, n_layer
-        self.dropout, self.bias = dropout, bias
+        self.n_embd = n_embd
+        self.n_head = n_head
+        self.n_layer = n_layer
+        self.dropout = dropout
+        self.bias = bias
         self.ln_1 = LayerNorm(epsilon=1e-5, center=bias, name="ln_1")
         self.attn = CausalSelfAttention(n_embd, n_head, n_layer, dropout, bias, name="attn")
         self.ln_2 = LayerNorm(epsilon=1e-5, center=bias, name="ln_2")
@@ -117,12 +123,18 @@ class GPT(keras.Model):
     def __init__(self, vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64,
                  dropout=0.0, bias=True, **kwargs):
         super().__init__(**kwargs)
-        self.vocab_size, self.block_size = vocab_size, block_size
-        self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
-        self.dropout, self.bias = dropout, bias
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.n_layer = n_layer
+        self.n_head = n_head
+        self.n_embd = n_embd
+        self.dropout = dropout
+        self.bias = bias
         init = keras.initializers.RandomNormal(stddev=0.02)
-        self.wte = keras.layers.Embedding(vocab_size, n_embd, embeddings_initializer=init, name="wte")
-        self.wpe = keras.layers.Embedding(block_size, n_embd, embeddings_initializer=init, name="wpe")
+        self.wte = keras.layers.Embedding(vocab_size, n_embd, embeddings_initializer=init,
+                                          name="wte")
+        self.wpe = keras.layers.Embedding(block_size, n_embd, embeddings_initializer=init,
+                                          name="wpe")
         self.drop = keras.layers.Dropout(dropout)
         self.blocks = [Block(n_embd, n_head, n_layer, dropout, bias, name=f"h_{i}")
                        for i in range(n_layer)]
@@ -135,9 +147,8 @@ class GPT(keras.Model):
         if not model_config["vocab_size"]:
             raise ValueError("model.vocab_size is 0 (the tokenizer's): set it from the token store "
                              "first (tfdist.train.model_vocab) or give it")
-        return cls(**{k: model_config[k] for k in
-                      ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")},
-                   **kwargs)
+        keys = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
+        return cls(**{k: model_config[k] for k in keys}, **kwargs)
 
     def build(self, input_shape=None):
         # Build every weight now so that checkpoints can be restored before the first step and
@@ -191,7 +202,8 @@ class GPT(keras.Model):
         """Training FLOPs per token (forward + backward), nanoGPT / PaLM: 6N + 12 L H Q T."""
         return self.arch.flops_per_token(seq_len)
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, vocab_size=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None,
+                 vocab_size=None):
         """Samples `max_new_tokens` after the prompt `idx` (int array (B, T) or (T,)).
 
         temperature scales the logits; top_k keeps only the k most likely tokens (None/0: all);

@@ -62,11 +62,13 @@ def balanced_split(costs, stages, first_extra=0.0, last_extra=0.0):
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
     best = {}
 
-    def cost(i, j, s):  # blocks i..j-1 as stage s
-        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0) + \
-            (last_extra if s == stages - 1 else 0)
+    def cost(i, j, s):
+        """Blocks i..j-1 as stage s."""
+        return (prefix[j] - prefix[i] + (first_extra if s == 0 else 0)
+                + (last_extra if s == stages - 1 else 0))
 
-    def solve(i, s):  # (max cost, counts) for blocks i.. as stages s..
+    def solve(i, s):
+        """(max cost, counts) for blocks i.. as stages s.."""
         if s == stages - 1:
             return cost(i, n, s), [n - i]
         if (i, s) not in best:
@@ -82,12 +84,14 @@ def balanced_split(costs, stages, first_extra=0.0, last_extra=0.0):
 
 def default_devices(n):
     """The first `n` devices of this process: its GPUs if it has enough, else its (logical)
-    CPUs. (`tfdist.parallel.layout.Layout.split_cpu` and `place_devices` judge and place a run's devices.)"""
+    CPUs. (`tfdist.parallel.layout.Layout.split_cpu` and `place_devices` judge and place a run's
+    devices.)"""
     for kind in ("GPU", "CPU"):
         found = tf.config.list_logical_devices(kind)
         if len(found) >= n:
             return [d.name for d in found[:n]]
-    raise ValueError(f"{n} devices wanted; split the CPU first (tfdist.parallel.layout.configure_logical_cpus)")
+    raise ValueError(f"{n} devices wanted; split the CPU first "
+                     f"(tfdist.parallel.layout.configure_logical_cpus)")
 
 
 def _backend(variable):
@@ -114,9 +118,9 @@ class Pipeline(keras.Model):
 
     `layers_per_stage`: blocks per stage (default: balanced by compute). `devices`: stages x t
     device names, stage by stage (default: `default_devices`). Build it through
-    `tfdist.parallel.layout.Layout.build_model`, which judges the layout first. Checkpoints hold the GPT's
-    variables under the GPT's names whatever the layout (tfdist.models.state), so a backup of one
-    layout restores into another.
+    `tfdist.parallel.layout.Layout.build_model`, which judges the layout first. Checkpoints hold
+    the GPT's variables under the GPT's names whatever the layout (tfdist.models.state), so a
+    backup of one layout restores into another.
     """
 
     def __init__(self, gpt, stages=2, microbatches=1, layers_per_stage=None, devices=None,
@@ -136,9 +140,14 @@ class Pipeline(keras.Model):
         counts = list(layers_per_stage or balanced_split(blocks, stages, embed, head))
         t = tensor_parallel
         devices = list(devices or default_devices(stages * t))
-        self.gpt, self.stages, self.microbatches = gpt, stages, microbatches
-        self.layers_per_stage, self.devices, self.recompute = counts, devices, recompute
-        self.tensor_parallel, self.sequence_parallel = t, bool(sequence_parallel) and t > 1
+        self.gpt = gpt
+        self.stages = stages
+        self.microbatches = microbatches
+        self.layers_per_stage = counts
+        self.devices = devices
+        self.recompute = recompute
+        self.tensor_parallel = t
+        self.sequence_parallel = bool(sequence_parallel) and t > 1
         self.mesh = keras.distribution.DeviceMesh((stages, t), ["stage", tp.AXIS], devices)
         self.stage_devices = [list(row) for row in self.mesh.devices]  # [stage][shard]
         self.homes = [row[0] for row in self.stage_devices]  # embed, norms, residuals, head
@@ -153,10 +162,12 @@ class Pipeline(keras.Model):
     def _make_stage(self, s):
         g = self.gpt
 
-        def body(x, training):  # the stage's blocks, and the head on the last stage
+        def body(x, training):
+            """The stage's blocks, and the head on the last stage."""
             devices = self.stage_devices[s]
-            split = self.sequence_parallel and x.shape[1] is not None \
-                and x.shape[1] % len(devices) == 0  # (else, as generate() may: whole)
+            # split along the sequence where it divides (else, as generate() may: whole)
+            split = (self.sequence_parallel and x.shape[1] is not None
+                     and x.shape[1] % len(devices) == 0)
             if split:
                 x = tp.scatter_sequence(x, devices)
             for i in self.stage_blocks[s]:  # (tensor parallel: `tp.parallel_block`)
@@ -189,7 +200,8 @@ class Pipeline(keras.Model):
         if self.built:
             return
         self.built = True
-        g = self.gpt  # two tokens: the shapes need no more (tfdist.models.gpt.GPT.build)
+        g = self.gpt
+        # two tokens: the shapes need no more (tfdist.models.gpt.GPT.build)
         x = ops.zeros((1, min(2, g.block_size)), dtype="int32")
         for s in range(self.stages):
             with tf.device(self.homes[s]):
@@ -231,9 +243,11 @@ class Pipeline(keras.Model):
                       for s in range(k)]
         var_stage = {i: s for s in range(k) for i in stage_vars[s]}
         done = []  # done[j][s]: stage s finished microbatch j's backward
-        losses, total = [], [None] * len(variables)
+        losses = []
+        total = [None] * len(variables)  # the gradients summed over the microbatches so far
         for j, (xj, yj) in enumerate(zip(tf.split(x, m), tf.split(y, m))):
-            h, inputs = xj, []
+            h = xj
+            inputs = []  # each stage's input
             for s in range(k):
                 with tf.device(self.homes[s]):
                     if j - (k - s) >= 0:
@@ -290,7 +304,8 @@ class Pipeline(keras.Model):
         for s, row in enumerate(self.stage_devices):
             for r, d in enumerate(row):
                 want = tf.DeviceSpec.from_string(d)
-                if (want.device_type, want.device_index) == (device.device_type, device.device_index):
+                if ((want.device_type, want.device_index)
+                        == (device.device_type, device.device_index)):
                     return s, r
         return None, None
 
@@ -305,16 +320,21 @@ class Pipeline(keras.Model):
         pass. Per block and microbatch of b sequences those are Korthikanti et al. 2022's
         b*T*C*(34 + 5*H*T/C) bytes in mixed precision (eq. 2; twice that in float32, less without
         dropout masks: `activation_bytes_per_layer`), of which 24 + 5HT/C are split over the t
-        tensor-parallel devices and the rest (norms' and residual inputs) stays on the stage's first
-        device, or, with sequence parallelism, is split over the t devices too (eq. 4). GPipe keeps all M microbatches' (1F1B: at most K - s on stage s; with recomputation, which wraps each stage whole,
-        only the stage's input per microbatch, plus one stage's full set while it is recomputed),
-        and the last stage each microbatch's float32 logits."""
-        g, arch, m, t = self.gpt, self.gpt.arch, self.microbatches, self.tensor_parallel
+        tensor-parallel devices and the rest (norms' and residual inputs) stays on the stage's
+        first device, or, with sequence parallelism, is split over the t devices too (eq. 4).
+        GPipe keeps all M microbatches' (1F1B: at most K - s on stage s; with recomputation, which
+        wraps each stage whole, only the stage's input per microbatch, plus one stage's full set
+        while it is recomputed), and the last stage each microbatch's float32 logits."""
+        g = self.gpt
+        arch = g.arch
+        m = self.microbatches
+        t = self.tensor_parallel
         tokens = batch_size // m * g.block_size
         per_block = arch.activation_bytes_per_layer(tokens, precision, tp=t,
                                                     sp=self.sequence_parallel)
-        kept = 0 if self.sequence_parallel else \
-            arch.activation_bytes_per_layer(tokens, precision, tp=float("inf"))  # unsplit part
+        # the unsplit part (on a stage's first device only)
+        kept = 0 if self.sequence_parallel else arch.activation_bytes_per_layer(
+            tokens, precision, tp=float("inf"))
         per_param = sum(arithmetic.state_bytes_per_param(precision, optimizer_slots))
         params = {}
         for v in self.trainable_weights:  # the ones stored here (ZeRO-3: this replica's)
@@ -323,8 +343,8 @@ class Pipeline(keras.Model):
         out = []
         for s in range(self.stages):
             n = len(self.stage_blocks[s])
-            m = self.microbatches if self.schedule == "gpipe" else min(self.microbatches,
-                                                                       self.stages - s)
+            m = (self.microbatches if self.schedule == "gpipe"
+                 else min(self.microbatches, self.stages - s))
             for r, device in enumerate(self.stage_devices[s]):
                 mine = per_block if r == 0 else per_block - kept  # per block and microbatch
                 if self.recompute:

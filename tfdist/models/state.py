@@ -50,7 +50,8 @@ def _shard_index(model):
 def weights(model):
     """{name: variable, or the tensor-parallel shards shown as one} for every weight of `model`
     (dropout RNG states excepted: tfdist.callbacks saves those by position)."""
-    shards, out = _shard_index(model), {}
+    shards = _shard_index(model)
+    out = {}
     for v in model.weights:
         if "seed_generator" in v.path:
             continue
@@ -85,7 +86,9 @@ def optimizer_state(optimizer, model, trainables=None):
     name. A LossScaleOptimizer's inner optimizer is under "inner/". `trainables`: the variables
     the optimizer was built with (default: the model's trainable weights; under ZeRO-3 those this
     replica holds, `tfdist.parallel.zero`)."""
-    shards, out, placed = _shard_index(model), {}, set()
+    shards = _shard_index(model)
+    out = {}
+    placed = set()  # ids of the variables named so far
     trainables = model.trainable_weights if trainables is None else trainables
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None:
@@ -123,8 +126,9 @@ def shapes(model):
 
 
 def _value(v):
-    return v.value() if callable(getattr(v, "value", None)) and not isinstance(v, keras.Variable) \
-        else tf.convert_to_tensor(v)
+    if callable(getattr(v, "value", None)) and not isinstance(v, keras.Variable):
+        return v.value()
+    return tf.convert_to_tensor(v)
 
 
 def plain_gpt(model):
@@ -147,7 +151,9 @@ def plain_gpt(model):
 def by_name(model, tensors):
     """{name: tensor} for `tensors` aligned with `model.trainable_weights` (its gradients, say),
     tensor-parallel shards joined: what the unsplit model's would be."""
-    shards, out, parts = _shard_index(model), {}, {}
+    shards = _shard_index(model)
+    out = {}
+    parts = {}  # name -> (layer, "kernel" or "bias", {shard index: tensor})
     for v, t in zip(model.trainable_weights, tensors):
         t = tf.convert_to_tensor(t)
         if id(v) in shards:

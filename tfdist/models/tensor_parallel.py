@@ -78,7 +78,10 @@ class _Whole(compat.Tensors):
 
     def __init__(self, shards, join, split, shape):
         super().__init__()
-        self.shards, self.join, self.split, self.shape = list(shards), join, split, tuple(shape)
+        self.shards = list(shards)
+        self.join = join  # shards -> the whole tensor
+        self.split = split  # the whole tensor -> shards
+        self.shape = tuple(shape)
 
     def value(self):
         return self.join([tf.convert_to_tensor(s) for s in self.shards])
@@ -103,7 +106,10 @@ class ShardedDense(keras.layers.Layer):
         super().__init__(**kwargs)
         if split not in ("column", "row"):
             raise ValueError(f"split must be 'column' or 'row', got {split!r}")
-        self.units, self.devices, self.split, self.groups = units, list(devices), split, groups
+        self.units = units
+        self.devices = list(devices)
+        self.split = split
+        self.groups = groups
         self.use_bias = use_bias
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
 
@@ -127,7 +133,8 @@ class ShardedDense(keras.layers.Layer):
             return tf.concat(shards, axis=0) if is_kernel else shards[0]
         lead = list(shards[0].shape[:-1])
         n = self.units // (self.groups * self.t)
-        grouped = tf.stack([tf.reshape(s, lead + [self.groups, n]) for s in shards], axis=len(lead) + 1)
+        grouped = tf.stack([tf.reshape(s, lead + [self.groups, n]) for s in shards],
+                           axis=len(lead) + 1)
         return tf.reshape(grouped, lead + [self.units])
 
     def build(self, input_shape):
@@ -146,7 +153,8 @@ class ShardedDense(keras.layers.Layer):
                 with tf.device(self.devices[r]):
                     self.biases.append(self.add_weight(name=f"bias_{r}", shape=(width,),
                                                        initializer="zeros"))
-        for shards in (self.kernels, self.biases):  # one ZeRO owner for all of them (tfdist.parallel.zero)
+        # one ZeRO owner for all of them (tfdist.parallel.zero)
+        for shards in (self.kernels, self.biases):
             for v in shards:
                 v.tfdist_shard_of = (id(self), id(shards))
         BUILT.add(self)
@@ -180,7 +188,8 @@ class ShardedDense(keras.layers.Layer):
     def add_bias(self, y):
         return y + self._bias(0) if self.use_bias else y
 
-    def call(self, x):  # the unsplit result (the GPT called whole, e.g. to sample)
+    def call(self, x):
+        """The unsplit result (the GPT called whole, e.g. to sample)."""
         kernel = self.join_shards(self.kernels)
         y = self._matmul(x, kernel)
         if self.use_bias:
@@ -209,7 +218,8 @@ def shard_blocks(gpt, block_devices, layout):
     for block, devices in zip(gpt.blocks, block_devices):
         for parent, attr, path in ((block.attn, "c_attn", "attn/c_attn"),
                                    (block.attn, "c_proj", "attn/c_proj"),
-                                   (block, "c_fc", "c_fc"), (block, "c_proj", "mlp_c_proj")):
+                                   (block, "c_fc", "c_fc"),
+                                   (block, "c_proj", "mlp_c_proj")):
             axes = layout[f"{block.name}/{path}/kernel"].axes
             split = "column" if axes == (None, AXIS) else "row"
             _swap(parent, attr, split, devices, groups=3 if attr == "c_attn" else 1)
@@ -269,8 +279,9 @@ def _parallel_block(block, x, training, devices):
 
 def scatter_sequence(x, devices):
     """(B, T, C) -> t chunks (B, T/t, C), chunk r on devices[r] (T divisible by t)."""
-    t, chunks = len(devices), []
+    t = len(devices)
     T = x.shape[1]
+    chunks = []
     for r, device in enumerate(devices):
         with tf.device(device):
             chunks.append(x[:, r * T // t:(r + 1) * T // t])

@@ -52,13 +52,16 @@ def plan(sizes, bucket_bytes):
     """Buckets of the indices of gradients of `sizes` bytes: walking from the last to the first,
     a bucket is closed once it holds `bucket_bytes` or more (a larger gradient has one to
     itself). The order of the buckets is the order in which their all-reduces should start."""
-    out, current, held = [], [], 0
+    out = []
+    current = []  # the bucket being filled
+    held = 0  # its bytes
     for i in reversed(range(len(sizes))):
         current.append(i)
         held += sizes[i]
         if held >= bucket_bytes:
             out.append(current)
-            current, held = [], 0
+            current = []
+            held = 0
     if current:
         out.append(current)
     return out
@@ -108,7 +111,8 @@ def reduce(grads_and_vars, reduce_group, bucket_bytes=None, log=None):
     groups = plan(sizes, bucket_bytes) if bucket_bytes else [list(range(len(present)))]
     out = list(grads_and_vars)
     for group in groups:
-        with tf.name_scope(GRADIENT_SCOPE):  # (tfdist.runtime.profiling finds the gradients' collectives)
+        # (tfdist.runtime.profiling finds the gradients' collectives by the scope)
+        with tf.name_scope(GRADIENT_SCOPE):
             reduced = reduce_group([grads_and_vars[present[k]][0] for k in group])
         for k, g in zip(group, reduced):
             out[present[k]] = (g, grads_and_vars[present[k]][1])

@@ -8,9 +8,9 @@ optimizer update; ZeRO `zero` sharding the optimizer state (1) and the gradients
 replicas. `tfdist train` builds one with `Layout.from_config`, from the config and from what the
 strategy plugin declares it can do (`supports_pipeline`, `zero_collectives`, ...), and nothing
 else judges a layout: every refusal below is one line naming the keys and what to do. The number
-of replicas is known once the strategy is built (then it is built again with them). Then the layout places the
-devices (`split_cpu` before the strategy, `place_devices` after it: GPUs, or the CPU split into
-logical devices) and builds the model for itself (`build_model`).
+of replicas is known once the strategy is built (then it is built again with them). Then the
+layout places the devices (`split_cpu` before the strategy, `place_devices` after it: GPUs, or the
+CPU split into logical devices) and builds the model for itself (`build_model`).
 
 `tfdist plan` enumerates and prices the same class (`Layout.planned`), prints the command that
 runs a layout from `config_overrides()`, and calls runnable only what `accepts` (these checks).
@@ -18,17 +18,21 @@ runs a layout from `config_overrides()`, and calls runnable only what `accepts` 
 Example:
 
     >>> from tfdist import config, strategies
+    >>> from tfdist.errors import UsageError
     >>> from tfdist.parallel.layout import Layout
     >>> c = config.default_config()
-    >>> c.model.n_layer, c.pipeline.stages, c.pipeline.microbatches = 4, 2, 4
+    >>> c.model.n_layer = 4
+    >>> c.pipeline.stages = 2
+    >>> c.pipeline.microbatches = 4
     >>> layout = Layout.from_config(c, strategies.get_class("horovod"), replicas=2)
     >>> print(layout, "|", layout.describe())
     dp=2 tp=1 pp=2 mb=4 zero=0 | 2 replica(s) x 2 stage(s), 4 microbatch(es) of 4 sequence(s)
     >>> c.pipeline.stages = 5
-    >>> Layout.from_config(c, strategies.get_class("horovod"))
-    Traceback (most recent call last):
-    ...
-    tfdist.errors.UsageError: pipeline.stages (5) cannot exceed the model's blocks (model.n_layer = 4)
+    >>> try:
+    ...     Layout.from_config(c, strategies.get_class("horovod"))
+    ... except UsageError as e:
+    ...     print(e)
+    pipeline.stages (5) cannot exceed the model's blocks (model.n_layer = 4)
 """
 import dataclasses
 
@@ -101,7 +105,7 @@ class Layout:
         return cls(dp=dp, tp=tp, sp=sp, microbatches=1, accumulate=m, zero=zero,
                    recompute=recompute, schedule=schedule, batch=batch // m)
 
-    # -- the one judge ------------------------------------------------------------------------------
+    # -- the one judge ----------------------------------------------------------------------------
     def check(self, n_layer, n_head, plugin, local_devices=None):
         """Raises UsageError (one line) for the first thing this layout cannot run: with a GPT of
         `n_layer` blocks and `n_head` heads, under strategy plugin class `plugin`, on a process
@@ -115,8 +119,8 @@ class Layout:
             raise UsageError(f"train.batch_size ({self.batch}) must be divisible by the {self.dp} "
                              f"replicas of strategy {plugin.name}")
         if (self.batch // self.dp) % self.microbatches:
-            raise UsageError(f"pipeline.microbatches ({self.microbatches}) must divide the batch of "
-                             f"each replica ({self.batch // self.dp} = train.batch_size "
+            raise UsageError(f"pipeline.microbatches ({self.microbatches}) must divide the batch "
+                             f"of each replica ({self.batch // self.dp} = train.batch_size "
                              f"{self.batch} / {self.dp} replica(s))")
 
     def _check_model(self, n_layer, n_head):
@@ -161,8 +165,9 @@ class Layout:
                              f"(pipeline.stages / pipeline.microbatches / tensor.parallel); leave "
                              f"them at 1 or pick another strategy")
         if self.zero and plugin.zero_collectives is None:
-            raise UsageError(f"strategy {name} cannot shard the optimizer (zero.stage={self.zero}); "
-                             f"use horovod or multi_worker_mirrored, or set zero.stage=0")
+            raise UsageError(f"strategy {name} cannot shard the optimizer "
+                             f"(zero.stage={self.zero}); use horovod or multi_worker_mirrored, "
+                             f"or set zero.stage=0")
         if self.zero and self.overlap == "on":
             raise UsageError(f"strategy.overlap=on cannot be combined with zero.stage={self.zero} "
                              f"under {name}: ZeRO reduce-scatters every gradient at once after "
@@ -185,7 +190,7 @@ class Layout:
             raise UsageError(f"pipeline.stages x tensor.parallel = {self.pp} x {self.tp} needs "
                              f"{local} devices and a process has {local_devices}; lower them")
 
-    # -- derived ------------------------------------------------------------------------------------
+    # -- derived ----------------------------------------------------------------------------------
     @property
     def split(self):
         """The model is laid out over its process's devices (a `Pipeline`)."""
@@ -205,12 +210,14 @@ class Layout:
         """{"section.key": value}: the config keys that give this layout (with the strategy)."""
         out = {"train.batch_size": self.batch}
         for key, value, default in (
-                ("tensor.parallel", self.tp, 1), ("tensor.sequence_parallel", self.sp, False),
+                ("tensor.parallel", self.tp, 1),
+                ("tensor.sequence_parallel", self.sp, False),
                 ("pipeline.stages", self.pp, 1),
                 ("pipeline.microbatches", self.microbatches, 1),
                 ("pipeline.schedule", self.schedule, "gpipe"),
                 ("pipeline.recompute", self.recompute, False),
-                ("train.grad_accum_steps", self.accumulate, 1), ("zero.stage", self.zero, 0)):
+                ("train.grad_accum_steps", self.accumulate, 1),
+                ("zero.stage", self.zero, 0)):
             if value != default:
                 out[key] = value
         return out
@@ -307,7 +314,8 @@ def configure_logical_cpus(n):
             cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
     except RuntimeError:
         raise UsageError(f"cannot split the CPU into {n} logical devices: TensorFlow is already "
-                         f"initialised in this process; create the strategy before any TF op") from None
+                         f"initialised in this process; create the strategy before any TF "
+                         f"op") from None
 
 
 def _check_devices_exist(devices):
@@ -318,7 +326,7 @@ def _check_devices_exist(devices):
     for name in devices:
         spec = tf.DeviceSpec.from_string(name)
         if spec.job is None and (spec.device_type, spec.device_index or 0) not in have:
+            names = ", ".join(sorted(f"{t}:{i}" for t, i in have))
             raise UsageError(f"pipeline.devices names {name}, which this process does not have "
-                             f"(it has {len(have)} device(s): "
-                             f"{', '.join(sorted(f'{t}:{i}' for t, i in have))}); pipeline.stages x "
+                             f"(it has {len(have)} device(s): {names}); pipeline.stages x "
                              f"tensor.parallel is more than the devices")

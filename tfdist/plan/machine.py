@@ -19,7 +19,8 @@ from tfdist.plan.model import GB, Cluster, Device, Options, planned, step_time
 from tfdist.plan.published import CPU, fit_efficiency
 
 BENCH_HINT = {"bench.json": "make bench", "scaling.json": "make bench-scaling",
-              "scaling-horovod.json": "make bench-scaling-horovod", "allreduce.json": "make bench-allreduce",
+              "scaling-horovod.json": "make bench-scaling-horovod",
+              "allreduce.json": "make bench-allreduce",
               "pipeline.json": "make bench-pipeline", "scaling-ps.json": "make bench-scaling-ps",
               "tensor.json": "make bench-model-parallel", "zero.json": "make bench-zero",
               "peer.json": "make bench-peer"}
@@ -44,7 +45,8 @@ def read_bench(bench_dir, name):
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read {path} ({e}); re-run `{BENCH_HINT.get(name, 'the bench')}`") from None
+        raise UsageError(f"cannot read {path} ({e}); "
+                         f"re-run `{BENCH_HINT.get(name, 'the bench')}`") from None
 
 
 def allreduce_bandwidth(bench_dir, implementation=RING):
@@ -59,7 +61,8 @@ def allreduce_time(ar, implementation, nbytes):
     linear in the size between the two measured sizes around it (a collective takes a latency
     plus its bytes over a bandwidth), at the nearest measured bandwidth outside them; None if
     that implementation was not measured."""
-    points = sorted((r["size_mb"] * 2 ** 20, r["size_mb"] * 2 ** 20 / (r[implementation]["busbw_GBps"] * GB))
+    points = sorted((r["size_mb"] * 2 ** 20,
+                     r["size_mb"] * 2 ** 20 / (r[implementation]["busbw_GBps"] * GB))
                     for r in (ar or {}).get("rows", []) if implementation in r)
     if not points:
         return None
@@ -71,7 +74,8 @@ def allreduce_time(ar, implementation, nbytes):
 
 
 def link_rate(link):
-    """Bytes/s one way of a link as tools/cluster/netcluster.py names them (100mbit, 1gbit, 10gbit)."""
+    """Bytes/s one way of a link as tools/cluster/netcluster.py names them (100mbit, 1gbit,
+    10gbit)."""
     for unit, bits in (("gbit", 1e9), ("mbit", 1e6)):
         if link.endswith(unit):
             return float(link[:-len(unit)]) * bits / 8
@@ -84,7 +88,8 @@ def cpu_device(bench_dir):
     processes (over loopback, so 'inside a node')."""
     bench = read_bench(bench_dir, "bench.json")
     if not bench:
-        raise UsageError(f"this CPU has not been measured: no {os.path.join(bench_dir, 'bench.json')}; "
+        raise UsageError(f"this CPU has not been measured: no "
+                         f"{os.path.join(bench_dir, 'bench.json')}; "
                          f"run `make bench` first (or pick another --device)")
     cores = bench.get("cores") or os.cpu_count()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -131,7 +136,8 @@ def fit_to_one_process(dev, model, bench):
 
 def one_core(dev, model, batch, seconds):
     """The fraction of peak at which one core takes `seconds` for a step of `batch` sequences."""
-    return fit_efficiency(model, Cluster(dev, 1), planned(batch, 1, microbatch=batch), seconds, FP32)
+    return fit_efficiency(model, Cluster(dev, 1), planned(batch, 1, microbatch=batch), seconds,
+                          FP32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +148,8 @@ def one_core(dev, model, batch, seconds):
 class Host:
     """This machine's cores (`dev`: one of them); an unloaded core's fraction of peak on gpt_mini
     (scaling.json's one-process step: the loopback day, whose load was the bench's own), its lowest
-    round against the median (`spread`); how much slower a core computes beside another (`contention`)."""
+    round against the median (`spread`); how much slower a core computes beside another
+    (`contention`)."""
     dev: Device
     unloaded: float
     spread: float
@@ -150,19 +157,22 @@ class Host:
 
     def load(self, fraction):
         """Other runnable threads implied by a one-process reference at `fraction` of peak: none
-        while it is within the unloaded reference's spread; else L, from cores / (1 + L) of a core."""
+        while it is within the unloaded reference's spread; else L, from cores / (1 + L) of a
+        core."""
         r = fraction / self.unloaded
         return 0.0 if r >= self.spread else self.dev.per_node / r - 1
 
     def share(self, processes, load):
-        """A core's share for each of `processes` busy threads beside `load` others, shared fairly."""
+        """A core's share for each of `processes` busy threads beside `load` others, shared
+        fairly."""
         return min(1.0, self.dev.per_node / (processes + load))
 
 
 def host(bench_dir, model):
-    """The Host of the benches. `contention` is fitted on tensor.json (1 without it): its t = 2 step
-    is the unsplit model's work on two threads of one process, with no network and partial sums at
-    0.09 % of its op time: what it loses against half the one-thread step is two cores computing."""
+    """The Host of the benches. `contention` is fitted on tensor.json (1 without it): its t = 2
+    step is the unsplit model's work on two threads of one process, with no network and partial
+    sums at 0.09 % of its op time: what it loses against half the one-thread step is two cores
+    computing."""
     dev = cpu_device(bench_dir)
     s = read_bench(bench_dir, "scaling.json")
     unloaded = fit_to_one_process(dev, model, s) if s else 1.0

@@ -84,15 +84,16 @@ class Cluster:
     def bandwidth(self, group_span):
         """Per-device bandwidth of a group of devices `group_span` consecutive ranks wide."""
         inside = group_span <= self.node()
-        return (self.intra_bw or self.device.intra_bw) if inside else (self.inter_bw or self.device.inter_bw)
+        return ((self.intra_bw or self.device.intra_bw) if inside
+                else (self.inter_bw or self.device.inter_bw))
 
 
 def planned(batch, dp, tp=1, pp=1, microbatch=1, zero=0, recompute=False, schedule="gpipe",
             sp=False):
     """The layout of `dp` x `tp` x `pp` devices for `batch` sequences per optimizer update in
-    pieces of `microbatch` sequences per replica (`tfdist.parallel.layout.Layout.planned`; `sp`: sequence
-    parallelism over the tp ranks). Rank order: tensor-parallel ranks adjacent (in a node), then
-    data-parallel, then stages."""
+    pieces of `microbatch` sequences per replica (`tfdist.parallel.layout.Layout.planned`; `sp`:
+    sequence parallelism over the tp ranks). Rank order: tensor-parallel ranks adjacent (in a
+    node), then data-parallel, then stages."""
     return Layout.planned(batch, dp, tp, pp, microbatch, zero, recompute, schedule, sp)
 
 
@@ -166,8 +167,10 @@ def memory(model, layout, opts=Options()):
              "optimizer": n * ob / (d if z >= 1 else 1)}
     if model.params_override and not model.n_layer:
         return {**parts, "activations": 0.0, "total": sum(parts.values())}
-    if z >= 3:  # gathered whole while they run: a layer's weights, and the next one's (prefetch,
-        # tfdist.parallel.zero.weights; the embedding's unit is smaller than two layers for every model here)
+    if z >= 3:
+        # gathered whole while they run: a layer's weights, and the next one's (prefetch,
+        # tfdist.parallel.zero.weights; the embedding's unit is smaller than two layers for every
+        # model here)
         parts["gathered"] = 2 * model.layer_params() / layout.tp * pb
     tokens = layout.microbatch * model.seq_len
     m = layout.passes
@@ -197,11 +200,11 @@ def allreduce_seconds(nbytes, n, bandwidth):
 
 def exposed_allreduce(comm, backward, grad_bytes, bucket_bytes):
     """Seconds of a bucketed gradient all-reduce (`comm` s in all) that a backward pass of
-    `backward` s does not hide (tfdist/parallel/buckets.py). The gradients come out at an even rate over
-    the backward pass, the last layers' first, so bucket i of n is ready at backward x (i + 1) / n;
-    the buckets are reduced one after another, each taking comm / n. The last bucket is ready
-    only when the backward pass ends, so at least comm / n stays exposed; one bucket hides
-    nothing."""
+    `backward` s does not hide (tfdist/parallel/buckets.py). The gradients come out at an even rate
+    over the backward pass, the last layers' first, so bucket i of n is ready at
+    backward x (i + 1) / n; the buckets are reduced one after another, each taking comm / n. The
+    last bucket is ready only when the backward pass ends, so at least comm / n stays exposed; one
+    bucket hides nothing."""
     n = max(1, math.ceil(grad_bytes / bucket_bytes))
     t = 0.0
     for i in range(n):
@@ -217,18 +220,20 @@ def step_time(model, cluster, layout, opts=Options()):
     activation byte moved `elementwise_passes` times, once more with recomputation), plus the
     tensor-parallel all-reduces (2 forward, 2 backward per layer, 2 more when recomputing) and
     the activations sent to the next stage and the gradients sent back. A pipeline of M
-    microbatches on K stages takes (M + K - 1) microbatch times: the bubble is (K - 1) / (M + K - 1).
-    Then the data-parallel gradient all-reduce (ZeRO: reduce-scatter + all-gather, the same volume;
-    ZeRO-3 gathers the weights twice: 1.5x): with `opts.overlap` (and no ZeRO) only the part that
-    the last microbatch's backward pass does not hide (`exposed_allreduce`), else all of it; and
-    the optimizer update (memory-bound, 28 bytes per parameter held). On CPU hosts the compute
-    runs at `opts.core_share` of a core's speed, and the all-reduce's copies and reductions
-    (`opts.comm_cpu_bw`) are never hidden: only the rest of it, the wire's, overlaps.
-    `opts.efficiency` must be given (`tfdist.plan.calibrated()`: Megatron-LM's 175B run)."""
+    microbatches on K stages takes (M + K - 1) microbatch times: the bubble is
+    (K - 1) / (M + K - 1). Then the data-parallel gradient all-reduce (ZeRO: reduce-scatter +
+    all-gather, the same volume; ZeRO-3 gathers the weights twice: 1.5x): with `opts.overlap` (and
+    no ZeRO) only the part that the last microbatch's backward pass does not hide
+    (`exposed_allreduce`), else all of it; and the optimizer update (memory-bound, 28 bytes per
+    parameter held). On CPU hosts the compute runs at `opts.core_share` of a core's speed, and the
+    all-reduce's copies and reductions (`opts.comm_cpu_bw`) are never hidden: only the rest of it,
+    the wire's, overlaps. `opts.efficiency` must be given (`tfdist.plan.calibrated()`:
+    Megatron-LM's 175B run)."""
     if not opts.efficiency:
         raise ValueError("Options.efficiency (the fraction of peak matmuls reach) is needed; "
                          "tfdist.plan.calibrated() gives the one fitted on Megatron-LM's 175B run")
-    dev, a = cluster.device, model
+    dev = cluster.device
+    a = model
     eff = opts.efficiency
     t, pp, b = layout.tp, layout.pp, layout.microbatch
     tokens = b * model.seq_len
@@ -244,9 +249,11 @@ def step_time(model, cluster, layout, opts=Options()):
         elementwise = moved * (opts.elementwise_passes + layout.recompute) / dev.hbm_bw
     else:
         elementwise = 0.0
-    tp_comm = layers * (6 if layout.recompute else 4) * allreduce_seconds(hidden, t, cluster.bandwidth(t))
+    tp_comm = (layers * (6 if layout.recompute else 4)
+               * allreduce_seconds(hidden, t, cluster.bandwidth(t)))
     p2p = 0.0
-    if pp > 1:  # activations forward, their gradients back; across nodes unless the pipeline fits in one
+    if pp > 1:
+        # activations forward, their gradients back; across nodes unless the pipeline fits in one
         p2p = 2 * hidden / max(t, 1) / cluster.bandwidth(2 * t * layout.dp)
     per_microbatch = compute + elementwise + tp_comm + p2p
     m = layout.passes
@@ -256,10 +263,12 @@ def step_time(model, cluster, layout, opts=Options()):
     n = stage_params(model, pp, t)
     grad_bytes = n * STATE_BYTES[opts.precision][1]
     dp = allreduce_seconds(grad_bytes, layout.dp, cluster.bandwidth(t * layout.dp))
-    cores = allreduce_seconds(grad_bytes, layout.dp, opts.comm_cpu_bw) if opts.comm_cpu_bw else 0.0
+    cores = (allreduce_seconds(grad_bytes, layout.dp, opts.comm_cpu_bw) if opts.comm_cpu_bw
+             else 0.0)
     cores = min(cores, dp)  # the cores' part of the all-reduce; the rest is the wire's
-    if layout.zero >= 3:  # the ZeRO paper's 1.5x an all-reduce, for each pass: each microbatch
-        # (and accumulated batch) gathers the weights and reduce-scatters their gradients again
+    if layout.zero >= 3:
+        # the ZeRO paper's 1.5x an all-reduce, for each pass: each microbatch (and accumulated
+        # batch) gathers the weights and reduce-scatters their gradients again
         dp, cores = 1.5 * m * dp, 1.5 * m * cores
     if opts.overlap and not layout.zero and dp:
         dp = cores + exposed_allreduce(dp - cores, compute * (passes - 1) / passes, grad_bytes,
@@ -281,7 +290,8 @@ class Plan:
     fits: bool
     tokens_per_sec: float
     mfu: float
-    tflops_per_device: float  # hardware FLOP/s as Megatron-LM reports them (recomputation included)
+    # hardware FLOP/s as Megatron-LM reports them (recomputation included)
+    tflops_per_device: float
     overflow: str = ""
     tfdist_fits: bool = True  # also with the embedding and head whole, as tfdist keeps them
     model: Model = None
@@ -338,7 +348,8 @@ def layouts(model, cluster, batch, fixed=None, schedule="gpipe"):
                 if batch % (dp * mb):
                     continue
                 for zero in (0, 1, 2, 3):
-                    if fixed.get("zero", zero) != zero or (zero and dp == 1) or (zero == 2 and pp > 1):
+                    if (fixed.get("zero", zero) != zero or (zero and dp == 1)
+                            or (zero == 2 and pp > 1)):
                         continue  # ZeRO-2 shards what pipelining accumulates per microbatch
                     for rc in (False, True):
                         for sp in ((False, True) if tp > 1 else (False,)):
@@ -350,6 +361,7 @@ def search(model, cluster, batch, fixed=None, opts=Options()):
     """All candidate layouts evaluated; the feasible ones first, fastest first."""
     plans = [evaluate(model, cluster, lay, opts)
              for lay in layouts(model, cluster, batch, fixed, opts.schedule)]
-    # equal speeds (compute is linear in the microbatch): fewer, larger microbatches, then less memory
+    # equal speeds (compute is linear in the microbatch): fewer, larger microbatches, then less
+    # memory
     return sorted(plans, key=lambda p: (not p.fits, -float(f"{p.tokens_per_sec:.4g}"),
                                         -p.layout.microbatch, p.memory["total"]))

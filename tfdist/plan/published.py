@@ -21,8 +21,9 @@ from tfdist.plan.model import (
 # Devices (the fields: tfdist.plan.model.Device).
 
 MiB = 2**20
-_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, 156 TF32, {mem}, NVLink "
-         "600 GB/s bidirectional; DGX A100 user guide: 8 x 200 Gb/s HDR InfiniBand for 8 GPUs (25 GB/s each)")
+_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, 156 TF32, {mem}, "
+         "NVLink 600 GB/s bidirectional; DGX A100 user guide: 8 x 200 Gb/s HDR InfiniBand for 8 "
+         "GPUs (25 GB/s each)")
 _H = ("NVIDIA {name} datasheet (SXM): 989 TFLOP/s bf16 dense, 494 TF32, {mem}, NVLink 900 GB/s "
       "bidirectional; DGX H100: 8 x 400 Gb/s NDR for 8 GPUs (50 GB/s each)")
 DEVICES = {
@@ -35,12 +36,13 @@ DEVICES = {
     "h200": Device("h200", 989e12, 143771 * MiB, 4.8e12, 450 * GB, 50 * GB, 8,
                    _H.format(name="H200", mem="141 GB HBM3e (143,771 MiB) at 4.8 TB/s"), 494e12),
     "tpu-v4": Device("tpu-v4", 275e12, 32 * 2**30, 1.2e12, 150 * GB, 150 * GB, 4,
-                     "Cloud TPU v4 docs (cloud.google.com/tpu/docs/v4): 275 TFLOP/s bf16, 32 GiB HBM2 at "
-                     "1,200 GB/s, 4 chips per host; ICI 2,400 Gb/s per chip (half each way). A slice is all "
-                     "ICI, so 'inter-node' is ICI too"),
+                     "Cloud TPU v4 docs (cloud.google.com/tpu/docs/v4): 275 TFLOP/s bf16, "
+                     "32 GiB HBM2 at 1,200 GB/s, 4 chips per host; ICI 2,400 Gb/s per chip "
+                     "(half each way). A slice is all ICI, so 'inter-node' is ICI too"),
     "tpu-v5e": Device("tpu-v5e", 197e12, 16 * GB, 819 * GB, 200 * GB, 200 * GB, 8,
-                      "Cloud TPU v5e docs (cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16, 16 GB HBM2 at "
-                      "819 GB/s, 8 chips per host, ICI 400 GB/s bidirectional per chip; a slice is all ICI"),
+                      "Cloud TPU v5e docs (cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16, "
+                      "16 GB HBM2 at 819 GB/s, 8 chips per host, ICI 400 GB/s bidirectional per "
+                      "chip; a slice is all ICI"),
 }
 CPU = "cpu"  # one core of this machine, as measured by `make bench` (see measured.cpu_device)
 
@@ -52,10 +54,11 @@ def _m(name, **kw):
     return Model(name=name, **kw)
 
 
-_MEGATRON = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
-             "Megatron-LM, SC21, arXiv:2104.04473, Table 1 and section 5")
+_MEGATRON = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters "
+             "Using Megatron-LM, SC21, arXiv:2104.04473, Table 1 and section 5")
 MODELS = {
-    "gpt3-175b": _m("gpt3-175b", n_layer=96, n_embd=12288, n_head=96, vocab_size=51200, seq_len=2048,
+    "gpt3-175b": _m("gpt3-175b", n_layer=96, n_embd=12288, n_head=96, vocab_size=51200,
+                    seq_len=2048,
                     source="Brown et al. 2020 (GPT-3), sizes as trained in " + _MEGATRON),
     "megatron-1t": _m("megatron-1t", n_layer=128, n_embd=25600, n_head=160, vocab_size=51200,
                       seq_len=2048, source=_MEGATRON),
@@ -73,16 +76,18 @@ PUBLISHED = {
     "calibration": dict(model="gpt3-175b", device="a100-80gb", devices=1024, batch=1536,
                         layout=planned(1536, dp=8, tp=8, pp=16, microbatch=1, recompute=True,
                                        schedule="1f1b"),
-                        tflops=138.0, source=_MEGATRON + " (GPT-3 175B: 138 TFLOP/s per GPU, 44 % of peak)"),
+                        tflops=138.0,
+                        source=_MEGATRON + " (GPT-3 175B: 138 TFLOP/s per GPU, 44 % of peak)"),
     "megatron-1t": dict(model="megatron-1t", device="a100-80gb", devices=3072, batch=3072,
                         layout=planned(3072, dp=6, tp=8, pp=64, microbatch=1, recompute=True,
                                        schedule="1f1b"),
-                        tflops=163.0, source=_MEGATRON + " (1T: 163 TFLOP/s per GPU, 52 % of peak)"),
+                        tflops=163.0,
+                        source=_MEGATRON + " (1T: 163 TFLOP/s per GPU, 52 % of peak)"),
     "llama2-70b": dict(model="llama2-70b", device="a100-80gb", devices=2048, batch=1024,
                        tokens=2e12, gpu_hours=1_720_320,
-                       source="Touvron et al. 2023, Llama 2, arXiv:2307.09288, Table 2: 1,720,320 A100-80GB GPU-hours "
-                              "for 70B (2T tokens, 4M-token batches); GPU count not published, "
-                              "2048 as for LLaMA-1 65B"),
+                       source="Touvron et al. 2023, Llama 2, arXiv:2307.09288, Table 2: "
+                              "1,720,320 A100-80GB GPU-hours for 70B (2T tokens, 4M-token "
+                              "batches); GPU count not published, 2048 as for LLaMA-1 65B"),
 }
 MEGATRON_OPTIONS = Options(schedule="1f1b")
 
@@ -97,21 +102,25 @@ def fit_efficiency(model, cluster, layout, seconds, opts):
     return (lo + hi) / 2
 
 
-def calibrated(_cache={}):
+_CALIBRATED = {}  # calibrated()'s result, computed once
+
+
+def calibrated():
     """The fraction of peak that makes the model reproduce Megatron-LM's 175B run."""
-    if "f" not in _cache:
+    if "f" not in _CALIBRATED:
         run = PUBLISHED["calibration"]
         model, cluster = MODELS[run["model"]], Cluster(DEVICES[run["device"]], run["devices"])
         p = evaluate(model, cluster, run["layout"],
                      dataclasses.replace(MEGATRON_OPTIONS, efficiency=0.5))
         flops = p.tflops_per_device * 1e12 * p.time["total"]  # per device per step, any efficiency
-        _cache["f"] = fit_efficiency(model, cluster, run["layout"],
-                                     flops / (run["tflops"] * 1e12), MEGATRON_OPTIONS)
-    return _cache["f"]
+        _CALIBRATED["f"] = fit_efficiency(model, cluster, run["layout"],
+                                          flops / (run["tflops"] * 1e12), MEGATRON_OPTIONS)
+    return _CALIBRATED["f"]
 
 
-def calibrated_options(opts=Options()):
+def calibrated_options(opts=None):
     """`opts` with the calibrated fraction of peak, unless it gives one."""
+    opts = Options() if opts is None else opts
     return opts if opts.efficiency else dataclasses.replace(opts, efficiency=calibrated())
 
 
@@ -124,13 +133,15 @@ def validate():
         p = evaluate(model, cluster, run["layout"], calibrated_options(MEGATRON_OPTIONS))
         rows.append({"run": f"{run['model']} on {run['devices']} A100, {run['layout']}",
                      "metric": "TFLOP/s per GPU", "published": run["tflops"],
-                     "predicted": p.tflops_per_device, "role": "calibration" if key == "calibration" else "prediction",
+                     "predicted": p.tflops_per_device,
+                     "role": "calibration" if key == "calibration" else "prediction",
                      "source": run["source"]})
     run = PUBLISHED["llama2-70b"]
     model, cluster = MODELS[run["model"]], Cluster(DEVICES[run["device"]], run["devices"])
     best = search(model, cluster, run["batch"], opts=calibrated_options(MEGATRON_OPTIONS))[0]
     hours = run["tokens"] / best.tokens_per_sec * cluster.count / 3600
-    rows.append({"run": f"llama2-70b, 2T tokens on {run['devices']} A100-80GB, best layout {best.layout}",
+    rows.append({"run": f"llama2-70b, 2T tokens on {run['devices']} A100-80GB, "
+                        f"best layout {best.layout}",
                  "metric": "GPU-hours", "published": run["gpu_hours"], "predicted": hours,
                  "role": "prediction", "source": run["source"]})
     for r in rows:

@@ -76,9 +76,9 @@ def format_table(plans, cluster):
             f"{'bottleneck':<10} tfdist")
     lines = [head, "-" * len(head)]
     for i, p in enumerate(plans, 1):
-        lines.append(f"{i:>3}  {str(p.layout):<40} {p.memory['total'] / GB:>7.1f} {p.time['total']:>8.3f} "
-                     f"{p.tokens_per_sec:>11,.0f} {p.mfu:>6.1%}  {p.time['bottleneck']:<10} "
-                     f"{'yes' if runnable(p, cluster) else 'modelled'}")
+        lines.append(f"{i:>3}  {str(p.layout):<40} {p.memory['total'] / GB:>7.1f} "
+                     f"{p.time['total']:>8.3f} {p.tokens_per_sec:>11,.0f} {p.mfu:>6.1%}  "
+                     f"{p.time['bottleneck']:<10} {'yes' if runnable(p, cluster) else 'modelled'}")
     return "\n".join(lines)
 
 
@@ -99,8 +99,8 @@ def chart(plans, cluster, path, title):
     a.set_title("seconds per step, by part")
     a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=2, frameon=False)
     left = [0.0] * len(plans)
-    for part, color in (("weights", "tab:purple"), ("gradients", "tab:red"), ("optimizer", "tab:olive"),
-                        ("activations", "tab:cyan")):
+    for part, color in (("weights", "tab:purple"), ("gradients", "tab:red"),
+                        ("optimizer", "tab:olive"), ("activations", "tab:cyan")):
         v = [p.memory[part] / GB for p in plans][::-1]
         b.barh(names, v, left=left, color=color, label=part)
         left = [x + y for x, y in zip(left, v)]
@@ -126,9 +126,10 @@ def report(model, cluster, batch, plans, opts, config_arg, top, out):
     """Prints the plans that fit (the `top` fastest), those that do not, the best and the best
     that tfdist runs with its command; writes `out`/plan.png and plan.json."""
     feasible = [p for p in plans if p.fits]
-    print(f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.seq_len} tokens per sequence; "
-          f"batch {batch} sequences; {cluster.count} x {cluster.device.name} "
-          f"({cluster.device.memory / GB:.1f} GB, {cluster.device.peak(opts.precision) / 1e12:,.1f} TFLOP/s peak ({opts.precision}), "
+    print(f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.seq_len} tokens per "
+          f"sequence; batch {batch} sequences; {cluster.count} x {cluster.device.name} "
+          f"({cluster.device.memory / GB:.1f} GB, "
+          f"{cluster.device.peak(opts.precision) / 1e12:,.1f} TFLOP/s peak ({opts.precision}), "
           f"{cluster.node()} per node); matmuls at {opts.efficiency:.1%} of peak; "
           f"{len(plans)} layouts, {len(feasible)} fit")
     if feasible:
@@ -163,7 +164,8 @@ def report(model, cluster, batch, plans, opts, config_arg, top, out):
         json.dump({"model": dataclasses.asdict(model), "devices": cluster.count,
                    "device": dataclasses.asdict(cluster.device), "batch": batch,
                    "efficiency": opts.efficiency,
-                   "plans": [{"layout": dataclasses.asdict(p.layout), "fits": p.fits, "memory": p.memory,
-                              "time": p.time, "tokens_per_sec": p.tokens_per_sec, "mfu": p.mfu,
+                   "plans": [{"layout": dataclasses.asdict(p.layout), "fits": p.fits,
+                              "memory": p.memory, "time": p.time,
+                              "tokens_per_sec": p.tokens_per_sec, "mfu": p.mfu,
                               "overflow": p.overflow} for p in plans]}, f, indent=1)
     print(f"wrote {os.path.join(out, 'plan.png')} and plan.json")

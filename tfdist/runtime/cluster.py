@@ -6,8 +6,9 @@ This is the one module that reads TF_CONFIG and Slurm's variables. Everything el
 Example:
 
     >>> from tfdist.runtime import cluster
-    >>> spec = cluster.from_tf_config('{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},'
-    ...                               ' "task": {"type": "worker", "index": 1}}')
+    >>> spec = cluster.from_tf_config(
+    ...     '{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},'
+    ...     ' "task": {"type": "worker", "index": 1}}')
     >>> spec.is_chief, spec.num_workers
     (False, 2)
     >>> resolver = spec.resolver()           # for tf.distribute strategies
@@ -50,7 +51,8 @@ class ClusterSpec:
     @property
     def worker_index(self):
         """Index among chief + workers (chief first), as tf.distribute numbers them."""
-        return self.task_index + (len(self.cluster.get("chief", [])) if self.task_type == "worker" else 0)
+        chiefs = len(self.cluster.get("chief", [])) if self.task_type == "worker" else 0
+        return self.task_index + chiefs
 
     def resolver(self):
         import tensorflow as tf
@@ -75,8 +77,10 @@ def from_tf_config(text, allowed_roles=ROLES):
         conf = json.loads(text)
     except json.JSONDecodeError as e:
         raise UsageError(f"TF_CONFIG is not valid JSON ({e.msg} at char {e.pos}); "
-                         f'expected {{"cluster": {{...}}, "task": {{"type": ..., "index": ...}}}}') from None
-    if not isinstance(conf, dict) or not isinstance(conf.get("cluster"), dict) or not conf["cluster"]:
+                         f'expected {{"cluster": {{...}}, '
+                         f'"task": {{"type": ..., "index": ...}}}}') from None
+    if (not isinstance(conf, dict) or not isinstance(conf.get("cluster"), dict)
+            or not conf["cluster"]):
         raise UsageError('TF_CONFIG has no "cluster" mapping roles to address lists')
     task = conf.get("task")
     if not isinstance(task, dict) or "type" not in task:
@@ -98,7 +102,8 @@ def from_tf_config(text, allowed_roles=ROLES):
     if ttype not in cluster:
         raise UsageError(f"TF_CONFIG task type '{ttype}' is not a role of the cluster "
                          f"({', '.join(cluster)})")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[ttype]):
+    if (not isinstance(index, int) or isinstance(index, bool)
+            or not 0 <= index < len(cluster[ttype])):
         raise UsageError(f"TF_CONFIG task index {index!r} is out of range for '{ttype}' "
                          f"({len(cluster[ttype])} task(s))")
     if "chief" in cluster and len(cluster["chief"]) != 1:

@@ -85,7 +85,8 @@ def recommendations(c, flags=None, device="cpu", environ=None):
     if device != "cpu":
         return []
     flags = cpu_flags() if flags is None else flags
-    t, found = c.train, []
+    t = c.train
+    found = []
     bf16 = sorted(set(BF16_FLAGS) & set(flags))
     if bf16 and t.precision == "float32" and not bf16_blocked(flags, environ):
         found.append(("train.precision", "mixed_bfloat16",

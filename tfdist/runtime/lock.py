@@ -13,8 +13,8 @@ runs), and whether it holds a finished run (`finished`, `prepare_workdir`).
 The lock is `fcntl.flock` on an open file. The kernel drops it when the holder dies, however it
 dies (SIGKILL included), so a restart after a crash takes it over at once; the file still names
 the dead holder until the new one rewrites it. A run that ends (or is refused) removes the file,
-so it leaves no trace. A requeued job that starts while its old copy still
-runs is refused instead of resuming from backups the other is writing.
+so it leaves no trace. A requeued job that starts while its old copy still runs is refused
+instead of resuming from backups the other is writing.
 
 Where it holds: local filesystems, and NFSv4 (Linux maps flock to byte-range locks there). Where
 it does not: paths TensorFlow opens itself (`gs://`, `s3://`, `hdfs://`) have no locks; there

@@ -68,11 +68,14 @@ class Preemption(keras.callbacks.Callback):
     def __init__(self, signals=("TERM",), *, save, agree=None, grace_secs=30.0, say=None):
         super().__init__()
         self.signals = [s.strip().upper() for s in signals if s.strip()]
-        self.save, self.agree, self.grace_secs = save, agree or (lambda flag: flag), grace_secs
+        self.save = save
+        self.agree = agree or (lambda flag: flag)
+        self.grace_secs = grace_secs
         self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
         self.received = None  # the signal's name, once one came
         self._at_epoch_end = False
-        self._previous, self._timer = {}, None
+        self._previous = {}  # signal number -> the handler before ours
+        self._timer = None  # bounds the time from the signal to the exit
 
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():

@@ -13,7 +13,8 @@ tab shows. This module reads that capture (TF's XSpace protobuf), without Tensor
   `GradientTape`, `gradients/` under `tf.gradients`), the gradient all-reduces (the collectives
   under tfdist's gradient scopes, `GRADIENT_SCOPES`), and how they overlap: how many were
   issued and how many had completed before the last backward op ended, and the share of the
-  communication time that ran during the backward pass. An ordering read from the trace, not a timing.
+  communication time that ran during the backward pass. An ordering read from the trace, not a
+  timing.
 * `chrome_trace({worker: events})`: the Trace Event JSON that chrome://tracing and Perfetto open.
 
 Example (a trace of two ops, made by hand):
@@ -42,8 +43,8 @@ BACKWARD_SCOPES = ("gradient_tape/", "gradients/")
 #: The optimizer's update (Keras's AdamW is `adam_w`; any optimizer's scope ends with its name).
 OPTIMIZER_SCOPE = "adam_w/"
 #: Where the gradient all-reduces live: tfdist's step reduces every bucket of gradients under
-#: `tfdist.parallel.buckets.GRADIENT_SCOPE`; Horovod's collectives take their names from tfdist's own
-#: absolute scope (`tfdist/strategies/horovod.py`). Other collectives of a step (the loss's
+#: `tfdist.parallel.buckets.GRADIENT_SCOPE`; Horovod's collectives take their names from tfdist's
+#: own absolute scope (`tfdist/strategies/horovod.py`). Other collectives of a step (the loss's
 #: mean, metrics) have neither.
 GRADIENT_SCOPES = ("tfdist_reduce", "tfdist_allreduce")
 
@@ -64,17 +65,19 @@ def read(logdir):
     space = compat.xspace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
-    events, pending = [], {}
+    events = []
+    pending = {}  # (step id, op name) -> the halves of an asynchronous op seen so far
     for plane in space.planes:
         if plane.name != "/host:CPU":
             continue
         names = {k: m.name for k, m in plane.event_metadata.items()}
         stat_names = {k: m.name for k, m in plane.stat_metadata.items()}
 
-        def stats(e):
+        def stats(e, stat_names=stat_names):
             return {stat_names[s.metadata_id]: (stat_names.get(s.ref_value) if s.ref_value
                                                 else s.str_value or s.int64_value
                                                 or s.uint64_value) for s in e.stats}
+
         for line in plane.lines:
             base = line.timestamp_ns * 1000  # picoseconds
             for e in line.events:
@@ -84,12 +87,16 @@ def read(logdir):
                 if label.startswith("ExecutorState::ProcessAsync::"):  # an async op's two halves
                     s = stats(e)
                     key = (s.get("step_id"), s.get("name"))
-                    half = pending.setdefault(key, {"type": s.get("kernel_type"), "thread": line.name})
-                    half["start" if label.endswith("Start") else "end"] = \
-                        start if label.endswith("Start") else end
-                elif (":" in label and "::" not in label  # ("Class::Method": a runtime's own
-                      and not label.startswith(("ExecutorState", "EagerLocalExecute"))):  # span)
-                    name, _, op_type = label.rpartition(":")  # "node name:op type"
+                    half = pending.setdefault(key, {"type": s.get("kernel_type"),
+                                                    "thread": line.name})
+                    if label.endswith("Start"):
+                        half["start"] = start
+                    else:
+                        half["end"] = end
+                elif (":" in label and "::" not in label
+                      and not label.startswith(("ExecutorState", "EagerLocalExecute"))):
+                    # "node name:op type" (a "Class::Method" label is a runtime's own span)
+                    name, _, op_type = label.rpartition(":")
                     if op_type not in ALL_REDUCE_TYPES:  # (a collective's own event: see above)
                         events.append(Event(name, op_type, start, end, line.name))
     for (_, name), half in pending.items():
@@ -120,13 +127,16 @@ def overlap(events, scopes=GRADIENT_SCOPES):
     busy = sum(e.end - e.start for e in reduces)
     hidden = sum(max(0.0, min(e.end, last) - max(e.start, first)) for e in reduces)
     return {
-        "backward_start_us": first, "backward_end_us": last, "backward_ops": len(backward),
+        "backward_start_us": first,
+        "backward_end_us": last,
+        "backward_ops": len(backward),
         "last_backward_op": max(backward, key=lambda e: e.end).name,
         "all_reduces": [{"name": e.name, "type": e.type, "start_us": e.start, "end_us": e.end}
                         for e in reduces],
         "issued_during_backward": sum(e.start < last for e in reduces),
         "completed_during_backward": sum(e.end <= last for e in reduces),
-        "communication_us": busy, "hidden_fraction": hidden / busy if busy else 0.0,
+        "communication_us": busy,
+        "hidden_fraction": hidden / busy if busy else 0.0,
         "exposed_communication_us": max(0.0, max(e.end for e in reduces) - last),
     }
 
@@ -169,8 +179,9 @@ def where_time_goes(events, top=15):
     """Where one profiled step spent its time: each phase's ops' summed time and span, and the
     `top` op types by summed time (us; the executor's ops only; ops on several threads at once
     each count their own)."""
-    phases, types = {}, collections.Counter()
-    counts = collections.Counter()
+    phases = {}
+    types = collections.Counter()  # op type -> summed time
+    counts = collections.Counter()  # op type -> ops
     events = [e for e in events if e.thread.startswith(EXECUTOR_THREAD)]
     for e in events:
         p = phases.setdefault(phase(e), {"op_us": 0.0, "ops": 0, "start": e.start, "end": e.end})

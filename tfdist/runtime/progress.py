@@ -59,10 +59,13 @@ class Progress:
     it. Not on a terminal: a line for every `every` units, and for the last one (or `finalize`)."""
 
     def __init__(self, target, unit="step", every=1, stream=None):
-        self.target, self.unit, self.every = target, unit, max(1, every)
+        self.target = target
+        self.unit = unit
+        self.every = max(1, every)
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.bar, self._last = None, 0
+        self.bar = None
+        self._last = 0  # the units at the last line shown
         if self.tty:
             import keras
             # every value shown as given (stateful): tfdist's logs are already per step

@@ -22,8 +22,8 @@ from tfdist.errors import UsageError, install_excepthook
 from tfdist.runtime import cluster
 from tfdist.strategies.base import Strategy  # noqa: F401
 
-install_excepthook(cluster.report_exit)  # a user's program: an uncaught UsageError is one line
-# and exit status 2
+# a user's program: an uncaught UsageError is one line and exit status 2
+install_excepthook(cluster.report_exit)
 
 _PLUGINS = {
     "single": "tfdist.strategies.single:SingleDevice",

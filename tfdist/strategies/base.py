@@ -20,9 +20,9 @@ go through `keras_call` (one mechanism for every strategy, `tfdist.compat.route_
 plugin adds its gradient handling to the compiled optimizer (also an optimizer given as a string),
 its callbacks, its split of plain datasets, and lets only the chief write files.
 
-What it declares, so that the layout (`tfdist.parallel.layout`, which judges what a strategy can combine),
-`tfdist launch` and `tfdist plan` ask it instead of comparing names: `options` (its config keys
-with default, rule and help: they join the config schema), `recommended` config values,
+What it declares, so that the layout (`tfdist.parallel.layout`, which judges what a strategy can
+combine), `tfdist launch` and `tfdist plan` ask it instead of comparing names: `options` (its
+config keys with default, rule and help: they join the config schema), `recommended` config values,
 `uses_local_devices`, `supports_pipeline`, `supports_jit_compile`, `supports_grad_accumulation`,
 `zero_collectives`, `collective_checkpoints`, `launch` (a `Launch`: roles, restart policy,
 server tasks, wrapper command) and `plan_command` (the planner's command line).
@@ -56,11 +56,11 @@ class Launch:
     `roles`: the task types of its cluster, the first one the chief (its exit 0 ends the run).
     `restart_alone`: roles whose dead task is restarted alone; any other failure restarts the
     whole group (abort and restart, for synchronous training). `servers`: roles that serve until
-    stopped, stopped as soon as the chief is done. `wrapper(n, argv, hosts)`: the argv of one process
-    that starts the n ranks itself (horovodrun; no TF_CONFIG then), on `hosts` (None: this
-    one), or None. `server_module`: a
-    module that serves (`python -m <it> <strategy>`: `tfdist.cli.serve`), run on the `servers`
-    when the launched command is a user's own program, so that it runs on the chief only.
+    stopped, stopped as soon as the chief is done. `wrapper(n, argv, hosts)`: the argv of one
+    process that starts the n ranks itself (horovodrun; no TF_CONFIG then), on `hosts` (None: this
+    one), or None. `server_module`: a module that serves (`python -m <it> <strategy>`:
+    `tfdist.cli.serve`), run on the `servers` when the launched command is a user's own program,
+    so that it runs on the chief only.
     `elastic`: None if the group can change size while the job runs (`tfdist.launch.elastic`),
     else what this strategy does instead, said when asked to resize.
     """
@@ -155,7 +155,8 @@ class Strategy(KerasProgram):
 
     def describe(self):
         devices = getattr(self.tf_strategy.extended, "worker_devices", ())
-        return f"{self.name}: {self.num_replicas} replica(s) on {', '.join(devices) or 'default device'}"
+        return (f"{self.name}: {self.num_replicas} replica(s) on "
+                f"{', '.join(devices) or 'default device'}")
 
     #: Saving a checkpoint is a collective operation (every worker must call it), as under the
     #: tf.distribute strategies. False: only the chief saves (Horovod).
@@ -182,7 +183,8 @@ class Strategy(KerasProgram):
         if context is None or self.tf_strategy.num_replicas_in_sync == 1:
             return list(grads_and_vars)
         from tfdist.parallel import buckets
-        return buckets.reduce(grads_and_vars, lambda grads: context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
+        return buckets.reduce(grads_and_vars,
+                              lambda grads: context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
 
     def prepare_optimizer(self, optimizer):
         """What the strategy changes in an optimizer before training (Horovod: its linear
@@ -248,14 +250,15 @@ class Strategy(KerasProgram):
         terminal).
         """
         own = self.callbacks() if strategy_callbacks is None else list(strategy_callbacks)
-        callbacks = own + list(callbacks or [])  # the strategy's first (Horovod's
-        # broadcast must precede the first step; its log averaging, the loggers)
+        # the strategy's first (Horovod's broadcast must precede the first step; its log
+        # averaging, the loggers)
+        callbacks = own + list(callbacks or [])
         from tfdist import callbacks as callbacks_lib
         from tfdist import compat
         if getattr(model, "steps_per_execution", 1) > 1:  # Keras reports once per execution
             callbacks.insert(0, callbacks_lib.StepsPerCall())
-        if verbose not in (0, False) and self.is_chief:  # one per cluster; last: it shows what
-            # the others add to the logs
+        # one per cluster; last: it shows what the others add to the logs
+        if verbose not in (0, False) and self.is_chief:
             callbacks.append(callbacks_lib.Progress(every=progress_every))
         if hasattr(data, "dataset_fn"):  # step-addressed data such as tfdist.data.Windows
             windows, total = data, epochs * (steps_per_epoch or 0)
@@ -267,8 +270,9 @@ class Strategy(KerasProgram):
         first_epoch, done_in_epoch = divmod(initial_step, steps_per_epoch or 1)
         positionable = callable(data) and not isinstance(data, tf.data.Dataset)
         if not positionable and done_in_epoch:
-            raise UsageError(f"cannot resume at step {initial_step} (mid-epoch) with a plain dataset; "
-                             f"pass a data(start_step) callable or resume at an epoch boundary")
+            raise UsageError(f"cannot resume at step {initial_step} (mid-epoch) with a plain "
+                             f"dataset; pass a data(start_step) callable or resume at an epoch "
+                             f"boundary")
 
         def train_data(start):
             return self.distribute(data(start)) if positionable else data
@@ -293,8 +297,9 @@ class Strategy(KerasProgram):
                                 validation_steps=validation_steps, verbose=0, shuffle=False)
             first_epoch += 1
         if first_epoch < epochs and not model.stop_training:
-            history = keras_fit(model, train_data(first_epoch * (steps_per_epoch or 0)), epochs=epochs,
-                                initial_epoch=first_epoch, steps_per_epoch=steps_per_epoch,
+            history = keras_fit(model, train_data(first_epoch * (steps_per_epoch or 0)),
+                                epochs=epochs, initial_epoch=first_epoch,
+                                steps_per_epoch=steps_per_epoch,
                                 callbacks=callbacks, validation_data=validation_data,
                                 validation_steps=validation_steps, verbose=0, shuffle=False)
         return history

@@ -94,7 +94,8 @@ class Horovod(Strategy):
     supports_jit_compile = False  # Horovod's ops have no XLA kernels on CPU
     options = {
         "compression": ("none", lambda v: v in _COMPRESSION,
-                        "one of " + ", ".join(_COMPRESSION) + " (fp16 sends the gradients as float16)"),
+                        "one of " + ", ".join(_COMPRESSION)
+                        + " (fp16 sends the gradients as float16)"),
         "lr_scaling": ("none", lambda v: v in _LR_SCALING,
                        "one of " + ", ".join(_LR_SCALING) + " (linear: lr x ranks)"),
         **buckets.OPTIONS,
@@ -136,7 +137,8 @@ class Horovod(Strategy):
     def num_workers(self):
         return self.hvd.size()
 
-    #: Only rank 0 writes a backup; the others need not take part (unlike a tf.distribute strategy).
+    #: Only rank 0 writes a backup; the others need not take part (unlike a tf.distribute
+    #: strategy).
     collective_checkpoints = False
 
     def describe(self):
@@ -192,8 +194,9 @@ class Horovod(Strategy):
         hvd = self.hvd
         return Collectives(
             hvd.rank(), hvd.size(),
-            lambda x, name=None: hvd.reducescatter(
-                x, op=hvd.Average, name=name or "tfdist_zero_reducescatter", ignore_name_scope=True),
+            lambda x, name=None: hvd.reducescatter(x, op=hvd.Average,
+                                                   name=name or "tfdist_zero_reducescatter",
+                                                   ignore_name_scope=True),
             lambda x, name=None: hvd.allgather(x, name=name or "tfdist_zero_allgather",
                                                ignore_name_scope=True),
             lambda x: hvd.allreduce(x, op=hvd.Sum, name="tfdist_zero_norm", ignore_name_scope=True),
@@ -201,8 +204,8 @@ class Horovod(Strategy):
 
     def reduce_gradients(self, grads_and_vars):
         """The gradient all-reduce Keras calls before every update: a grouped Horovod average per
-        bucket (tfdist/parallel/buckets.py), each started as soon as its gradients exist; or one group
-        after the backward pass (`overlap=off`)."""
+        bucket (tfdist/parallel/buckets.py), each started as soon as its gradients exist; or one
+        group after the backward pass (`overlap=off`)."""
         hvd = self.hvd
         compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
         return allreduce_gradients(hvd, grads_and_vars, compression=compression,
@@ -223,7 +226,8 @@ class Horovod(Strategy):
                 Calls("average_logs",
                       on_train_batch_end=lambda model, batch, logs=None: average_logs(
                           hvd, logs, "batch"),
-                      on_epoch_end=lambda model, epoch, logs=None: average_logs(hvd, logs, "epoch"))]
+                      on_epoch_end=lambda model, epoch, logs=None: average_logs(
+                          hvd, logs, "epoch"))]
 
     # -- a user's Keras program --------------------------------------------------------------
     def keras_call(self, method, model, upstream, arguments):
@@ -239,12 +243,14 @@ class Horovod(Strategy):
             show = [keras.callbacks.ProgbarLogger()] if self.is_chief and verbose != 0 else []
             compat.build_for(model, arguments["x"])  # before the broadcast of its weights
             first, last = self.sharded(model, method, arguments)  # (ZeRO-3)
-            arguments["callbacks"] = first + self.callbacks() + show + callbacks + last  # metrics
-            return upstream(model, **arguments)  # averaged first
+            # self.callbacks() before the others: they see the metrics averaged
+            arguments["callbacks"] = first + self.callbacks() + show + callbacks + last
+            return upstream(model, **arguments)
         self.sharded(model, method, arguments)
         arguments["callbacks"] = callbacks
         if method == "evaluate":
-            return_dict, arguments["return_dict"] = arguments["return_dict"], True
+            return_dict = arguments["return_dict"]
+            arguments["return_dict"] = True
             logs = average_logs(self.hvd, upstream(model, **arguments), "evaluate")
             return logs if return_dict else compat.flatten_metrics(model, logs)
         return self.gather_rows(upstream(model, **arguments), rows)  # predict
@@ -303,8 +309,8 @@ def allreduce_gradients(hvd, grads_and_vars, compression=None, op=None, prescale
                         postscale_factor=1.0, bucket_bytes=None, log=False):
     """`grads_and_vars` with the gradients reduced over the ranks: in one grouped allreduce (one
     group: Horovod fuses it into few ring operations), or with `bucket_bytes` in one group per
-    bucket (`tfdist.parallel.buckets`: the last variables first), each of which Horovod starts as soon as
-    its gradients exist. `op` defaults to the average. `log`: say how, once."""
+    bucket (`tfdist.parallel.buckets`: the last variables first), each of which Horovod starts as
+    soon as its gradients exist. `op` defaults to the average. `log`: say how, once."""
 
     def reduce_group(grads):
         if not tf.executing_eagerly():
@@ -361,7 +367,8 @@ def average_logs(hvd, logs, name):
     """`logs` (a dict of metrics), its scalars replaced by their average over ranks, in place."""
     if not logs:
         return logs
-    keys = sorted(k for k, v in logs.items()  # the same keys, in the same order, on every rank
+    # the same keys, in the same order, on every rank
+    keys = sorted(k for k, v in logs.items()
                   if not k.startswith("tfdist/") and np.ndim(v) == 0)
     if keys:
         values = tf.constant([float(logs[k]) for k in keys], tf.float64)

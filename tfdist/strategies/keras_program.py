@@ -112,9 +112,8 @@ class KerasProgram:
         """ZeRO-3 of a user's model: at its first `fit`, `evaluate` or `predict` it is built
         (from the data's specs, if it is not) and its weights sharded; tfdist's step becomes its
         `train_step` (`tfdist.step`, `tfdist.parallel.zero.weights`). Returns the callbacks that
-        surround a
-        `fit`'s own: the weights are whole for the callbacks' epoch ends and after training
-        (each process gathers them: a checkpoint or `model.save` reads them as usual)."""
+        surround a `fit`'s own: the weights are whole for the callbacks' epoch ends and after
+        training (each process gathers them: a checkpoint or `model.save` reads them as usual)."""
         if model not in _SHARDED:
             return [], []
         from tfdist import compat

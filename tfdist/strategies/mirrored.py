@@ -22,7 +22,8 @@ class Mirrored(Strategy):
     uses_local_devices = True
     options = {
         "devices": (0, lambda v: isinstance(v, int) and 0 <= v <= 64,
-                    "an integer in [0, 64] (on CPU: logical devices to split it into; 0 = as found)"),
+                    "an integer in [0, 64] (on CPU: logical devices to split it into; "
+                    "0 = as found)"),
         "cross_device_ops": ("auto", lambda v: v in _CROSS_DEVICE_OPS,
                              "one of " + ", ".join(_CROSS_DEVICE_OPS)),
     }

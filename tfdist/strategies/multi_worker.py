@@ -58,9 +58,10 @@ class MultiWorkerMirrored(Strategy):
         # watchdog process ends this one (SIGKILL, after one line) if the wait runs out.
         timeout = float(os.environ.get("TFDIST_JOIN_TIMEOUT", self.JOIN_TIMEOUT))
         with cluster_lib.watchdog(timeout, (
-                f"worker {self.cluster.worker_index} of {self.cluster.num_workers}: not every worker "
-                f"joined within {timeout:g} s (one is not started, down, or cut off); stopping "
-                f"this worker for the group to restart (TFDIST_JOIN_TIMEOUT sets the wait)")):
+                f"worker {self.cluster.worker_index} of {self.cluster.num_workers}: not every "
+                f"worker joined within {timeout:g} s (one is not started, down, or cut off); "
+                f"stopping this worker for the group to restart (TFDIST_JOIN_TIMEOUT sets the "
+                f"wait)")):
             super().__init__(tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=self.cluster.resolver(), communication_options=options))
         self._barrier = None
@@ -82,11 +83,12 @@ class MultiWorkerMirrored(Strategy):
         return self.cluster.num_workers
 
     def reduce_gradients(self, grads_and_vars):
-        """The sum over the replicas that Keras's optimizer makes (`ReplicaContext.all_reduce`, the
-        strategy's collective ops), made once per bucket (tfdist/parallel/buckets.py). Each call is one
-        collective (TF packs a call's tensors into one); TF orders a worker's collectives as they
-        were made, the last layers' first, and starts each as soon as its gradients exist. With
-        `overlap=off`: one call, after the backward pass, as Keras makes it."""
+        """The sum over the replicas that Keras's optimizer makes (`ReplicaContext.all_reduce`,
+        the strategy's collective ops), made once per bucket (tfdist/parallel/buckets.py). Each
+        call is one collective (TF packs a call's tensors into one); TF orders a worker's
+        collectives as they were made, the last layers' first, and starts each as soon as its
+        gradients exist. With `overlap=off`: one call, after the backward pass, as Keras makes it.
+        """
         context = tf.distribute.get_replica_context()
         if context is None:  # cross-replica context: nothing to reduce (Keras's rule)
             return list(grads_and_vars)
@@ -146,7 +148,8 @@ class MultiWorkerMirrored(Strategy):
                              f"one worker per device, or set zero.stage=0")
         n, strategy = self.num_workers, self.tf_strategy
 
-        def key(name, default):  # a named collective (ZeRO-3: one per unit and use) has its own
+        def key(name, default):
+            """The instance key: a named collective (ZeRO-3: one per unit and use) has its own."""
             return default if name is None else 1000 + zlib.crc32(name.encode()) % (1 << 30)
 
         def group(x):
@@ -162,7 +165,8 @@ class MultiWorkerMirrored(Strategy):
                                                      instance_key=key(name, 1), **group(flat))
             return tf.reduce_sum(chunks, 0)
 
-        def assign(variable, value):  # each local copy of a mirrored variable, this worker only
+        def assign(variable, value):
+            """Each local copy of a mirrored variable, this worker only."""
             for v in strategy.experimental_local_results(variable.value):
                 v.assign(value)
 

@@ -42,7 +42,8 @@ class SingleDevice(Strategy):
     def __init__(self, **unused_options):
         gpus = tf.config.list_physical_devices("GPU")
         # Reads the configuration only: TF's runtime is not started here.
-        split = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("CPU")[0])
+        split = tf.config.get_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0])
         self.split = len(gpus) > 1 or bool(split and len(split) > 1)
         if self.split or not gpus:
             super().__init__(tf.distribute.get_strategy())

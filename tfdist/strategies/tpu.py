@@ -14,9 +14,9 @@ listens, and fails at once where no TPU system exists. Either way the run ends w
 Recommended for TPUs, applied by `tfdist train` unless the config sets them (`RECOMMENDED`):
 `mixed_bfloat16`, and `steps_per_execution` > 1 (several steps per host round trip). Batches have
 static shapes, as XLA on TPUs needs: tfdist's pipeline gathers every batch at its fixed size (what
-`drop_remainder=True` gives a batched dataset; do that with your own). Every path
-tfdist reads or writes goes through `tf.io.gfile`, so backups, logs and TFDS data can be on
-`gs://`, which TPU hosts need.
+`drop_remainder=True` gives a batched dataset; do that with your own). Every path tfdist reads or
+writes goes through `tf.io.gfile`, so backups, logs and TFDS data can be on `gs://`, which TPU
+hosts need.
 
 Usage (not run as a doctest: needs a TPU, or a resolver of your own such as a test double):
 

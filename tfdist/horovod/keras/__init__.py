@@ -10,8 +10,8 @@ by changing one line:
     import tfdist.horovod.keras as hvd          # was: import horovod.tensorflow.keras as hvd
 
 * `init`, `shutdown`, `rank`, `size`, `local_rank`, `local_size`, `cross_rank`, `cross_size`,
-  `is_initialized`, `Compression`, `Average`, `Sum`, `allreduce`, `allgather`, `broadcast`: Horovod's
-  own (they work on tensors);
+  `is_initialized`, `Compression`, `Average`, `Sum`, `allreduce`, `allgather`, `broadcast`:
+  Horovod's own (they work on tensors);
 * `DistributedOptimizer`: the optimizer's gradient reduction becomes one grouped Horovod
   allreduce (`tfdist.strategies.horovod.allreduce_gradients`), with tfdist's Keras 3 corrections
   after it (`tfdist.compat.set_gradient_reduction`); `backward_passes_per_step` is Keras 3's
@@ -42,7 +42,8 @@ import tensorflow as tf
 try:
     import horovod.tensorflow as _hvd
 except ImportError as e:  # one line, as every tfdist error
-    raise ImportError(f"tfdist.horovod.keras needs Horovod ({e}); build it with `make horovod`") from None
+    raise ImportError(f"tfdist.horovod.keras needs Horovod ({e}); "
+                      f"build it with `make horovod`") from None
 
 from horovod.tensorflow import (  # noqa: F401
     Average,
@@ -100,9 +101,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         if value != default:
             note(f"DistributedOptimizer({arg}={value!r}) has no effect on Keras 3 (tfdist reduces "
                  f"all gradients in one group on their own devices)")
-    reduce_op, prescale, postscale = op, 1.0, 1.0
+    reduce_op = op
+    prescale = 1.0
+    postscale = 1.0
     if gradient_predivide_factor != 1.0:  # Horovod's split of the average around the sum
-        reduce_op, prescale = Sum, 1.0 / gradient_predivide_factor
+        reduce_op = Sum
+        prescale = 1.0 / gradient_predivide_factor
         postscale = gradient_predivide_factor / size()
     if backward_passes_per_step > 1:
         steps = optimizer.gradient_accumulation_steps
@@ -144,7 +148,5 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     return model
 
 
-from tfdist.horovod.keras import (
-    callbacks,  # noqa: E402,F401  (hvd.callbacks.*; uses the above)
-    elastic,  # noqa: E402,F401  (hvd.elastic.*)
-)
+# hvd.callbacks.* (uses the above) and hvd.elastic.*
+from tfdist.horovod.keras import callbacks, elastic  # noqa: E402,F401

@@ -49,9 +49,12 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
         super().__init__()
-        self.initial_lr, self.start_epoch, self.end_epoch = initial_lr, start_epoch, end_epoch
+        self.initial_lr = initial_lr
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
         self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
-        self.staircase, self.momentum_correction = staircase, momentum_correction
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.epoch = 0
 
@@ -63,7 +66,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                              f"a LearningRateSchedule; give it a float learning_rate")
         if self.momentum_correction and getattr(optimizer, "momentum", 0):
             note(f"{type(self).__name__}(momentum_correction=True) has no effect on Keras 3 "
-                      f"(momentum is a constant of the compiled step)")
+                 f"(momentum is a constant of the compiled step)")
         self.steps_per_epoch = self.steps_per_epoch or self.params.get("steps")
         if not self.staircase and not self.steps_per_epoch:
             raise ValueError(f"{type(self).__name__} needs steps_per_epoch (fit was given none)")

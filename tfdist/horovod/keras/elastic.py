@@ -2,7 +2,8 @@
 
     import tfdist.horovod.keras as hvd        # was: import horovod.tensorflow.keras as hvd
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
-    callbacks = [hvd.elastic.CommitStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+    callbacks = [hvd.elastic.CommitStateCallback(state),
+                 hvd.elastic.UpdateBatchStateCallback(state),
                  hvd.elastic.UpdateEpochStateCallback(state)]
 
     @hvd.elastic.run

@@ -1,10 +1,10 @@
 """ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054): what each data-parallel replica keeps of the
 model's state, stage by stage, behind the one interface tfdist's training step calls.
 
-    stage 0   everything whole on every replica; the strategy all-reduces   stage.Stage
-    stage 1   the optimizer states sharded 1/N                               optimizer.ShardedOptimizer
-    stage 2   also the gradients that outlive a batch                        optimizer.ShardedGradients
-    stage 3   also the weights, gathered per layer where they run            weights.ShardedWeights
+    stage 0  everything whole on every replica; the strategy all-reduces  stage.Stage
+    stage 1  the optimizer states sharded 1/N                             optimizer.ShardedOptimizer
+    stage 2  also the gradients that outlive a batch                      optimizer.ShardedGradients
+    stage 3  also the weights, gathered per layer where they run          weights.ShardedWeights
 
 Each stage extends the one before and answers `tfdist.parallel.zero.stage.Stage`'s questions;
 the step (`tfdist.step`) asks only those. The other modules: `partition` (which replica owns

@@ -34,8 +34,9 @@ Example (one replica, collectives that do nothing: the update is plain AdamW's):
     >>> mine = sharded.update_gradients(sharded.batch_gradients(grads))
     >>> opt.apply([g for g, _ in mine], [v for _, v in mine])
     >>> sharded.after_update()
-    >>> sharded.describe()
-    'ZeRO-1 over 1 replica(s): this replica owns 2 of 2 variables (20 of 20 parameters); imbalance 1.00'
+    >>> print(sharded.describe())  # doctest: +NORMALIZE_WHITESPACE
+    ZeRO-1 over 1 replica(s): this replica owns 2 of 2 variables (20 of 20 parameters);
+    imbalance 1.00
 """
 import contextlib
 
@@ -159,5 +160,6 @@ class ShardedGradients(ShardedOptimizer):
         return self.own_slot(optimizer, variable, name="gradient_accumulator")
 
 
-def _handle(v):  # the tf.Variable of a Keras variable
+def _handle(v):
+    """The tf.Variable of a Keras variable."""
     return v.value if isinstance(v, keras.Variable) else v

@@ -27,7 +27,8 @@ def partition(sizes, n, loads=None):
     call, then by `loads` (the replicas' loads before it, updated in place), ties to the lower
     index and the earlier item, so that every replica computes the same."""
     loads = [0] * n if loads is None else loads
-    owners, mine = [0] * len(sizes), [0] * n
+    owners = [0] * len(sizes)
+    mine = [0] * n  # each replica's load by this call
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         r = min(range(n), key=lambda r: (mine[r], loads[r], r))
         owners[i] = r

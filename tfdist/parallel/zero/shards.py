@@ -36,8 +36,8 @@ def split_slots(stage, optimizer_state):
     nothing is split off)."""
     mine = stage.slots if stage is not None else frozenset()
     parts = {k: getattr(v, "shards", [v]) for k, v in optimizer_state.items()}  # (joined shards)
-    slots = {k: v for k, v in optimizer_state.items() if mine and all(id(x) in mine
-                                                                       for x in parts[k])}
+    slots = {k: v for k, v in optimizer_state.items()
+             if mine and all(id(x) in mine for x in parts[k])}
     held = sum(len(parts[k]) for k in slots)
     if held != len(mine):  # a slot joined with another replica's: a partition error
         raise ValueError(f"{len(mine) - held} ZeRO slot(s) are not in the state's names")
@@ -80,10 +80,11 @@ def manifests(backup_dir, step):
     size = found[0]["replicas"] if found else 0
     missing = sorted(set(range(size)) - {m["rank"] for m in found})
     if not found or missing:
-        raise DamagedShards(short=f"lacks the ZeRO optimizer shard(s) of replica(s) "
-                                  f"{missing or 'all'}", message=(f"backup {backup_dir} at step {step} lacks the ZeRO optimizer shard(s) "
-                            f"of replica(s) {missing or 'all'} in {d}; restore that directory, "
-                            f"or remove the backup to start over"))
+        raise DamagedShards(
+            short=f"lacks the ZeRO optimizer shard(s) of replica(s) {missing or 'all'}",
+            message=(f"backup {backup_dir} at step {step} lacks the ZeRO optimizer shard(s) of "
+                     f"replica(s) {missing or 'all'} in {d}; restore that directory, or remove "
+                     f"the backup to start over"))
     return found
 
 
@@ -104,7 +105,9 @@ def wait_for_shards(backup_dir, step, timeout):
 def restore_slots(backup_dir, step, slots, weights=None):
     """Restores `slots` ({name: variable}), and `weights` (ZeRO-3's), from the shards of step
     `step`. UsageError, one line, when a shard is missing or a variable is in none of them."""
-    d, found, weights = shard_dir(backup_dir, step), set(), weights or {}
+    d = shard_dir(backup_dir, step)
+    found = set()  # the names restored
+    weights = weights or {}
     for m in manifests(backup_dir, step):
         mine = {k: slots[k] for k in m["names"] if k in slots}
         my_weights = {k: weights[k] for k in m.get("weights", []) if k in weights}

@@ -26,8 +26,9 @@ Example (one replica: the sharded model computes what the plain one does):
     >>> sharded = zero.make(3, model, zero.local())
     >>> bool(np.allclose(model(x), before))
     True
-    >>> sharded.describe()
-    'ZeRO-3 over 1 replica(s): this replica holds 2 of 2 units, 4 of 4 variables (23 of 23 parameters); largest unit 15 parameters; imbalance 1.00'
+    >>> print(sharded.describe())  # doctest: +NORMALIZE_WHITESPACE
+    ZeRO-3 over 1 replica(s): this replica holds 2 of 2 units, 4 of 4 variables (23 of 23
+    parameters); largest unit 15 parameters; imbalance 1.00
 """
 import contextlib
 import functools
@@ -49,7 +50,9 @@ class Unit:
     replica owns each, and the flat layout of the unit's collectives."""
 
     def __init__(self, index, layer, variables):
-        self.index, self.layer, self.variables = index, layer, variables
+        self.index = index
+        self.layer = layer
+        self.variables = variables
         self.sizes = [count(v.shape) for v in variables]
         self.partition = None
         # The first of its variables' devices: a pipeline stage's (tensor-parallel shards: the
@@ -66,10 +69,11 @@ def units_of(model):
     lists them, then (when some are left) the model's own variables. A model that wraps one
     layer holding all its weights (tfdist's `Pipeline` of a GPT) has that layer's units."""
     layers = [layer for layer in model.layers if layer.trainable_variables]
-    if len(layers) == 1 and len(layers[0].trainable_variables) == len(model.trainable_variables) \
-            and getattr(layers[0], "layers", None):
+    if (len(layers) == 1 and len(layers[0].trainable_variables) == len(model.trainable_variables)
+            and getattr(layers[0], "layers", None)):
         model = layers[0]
-    units, seen = [], set()
+    units = []
+    seen = set()  # ids of the variables in a unit
     for layer in model.layers:
         variables = list(layer.trainable_variables)
         if variables:
@@ -95,9 +99,11 @@ class ShardedWeights(ShardedGradients):
 
     def __init__(self, model, collectives, skip=(), regather=True):
         super().__init__(model, collectives, skip)
-        c, self.regather = collectives, regather
+        c = collectives
+        self.regather = regather
         self.units = units_of(model)
-        self.owner, self.home = {}, {}  # id(variable) -> replica; -> (unit, position)
+        self.owner = {}  # id(variable) -> replica
+        self.home = {}  # id(variable) -> (unit, position)
         self.load = [0] * c.size
         for unit in self.units:  # each variable partitioned in its first unit, balanced
             for i, v in enumerate(unit.variables):
@@ -175,8 +181,9 @@ class ShardedWeights(ShardedGradients):
         whole model, or to read its weights. `release()` shards them again."""
         # Variables of this process: within a strategy's scope (a user's fit), not mirrored ones
         # (multi_worker_mirrored would broadcast them from worker 0, which holds other ones).
-        with compat.local_variables(tf.distribute.get_strategy()) if tf.distribute.has_strategy() \
-                else contextlib.nullcontext():
+        scope = (compat.local_variables(tf.distribute.get_strategy())
+                 if tf.distribute.has_strategy() else contextlib.nullcontext())
+        with scope:
             for w, value in zip(self.model.weights, self.full_values()):
                 if not compat.has_storage(w):
                     compat.restore_storage(w, value)
@@ -290,8 +297,9 @@ class ShardedWeights(ShardedGradients):
             if unit.layer is not None:
                 unit.layer.call = self._unit_call(unit, unit.layer.call)
         self.model.call = self._model_call(self.model.call)
-        if hasattr(self.model, "compute_gradients"):  # (its backward may recompute a stage under
-            # a gradient tape of its own: what it reads must be gathered there, not reused)
+        # (its backward may recompute a stage under a gradient tape of its own: what it reads
+        # must be gathered there, not reused)
+        if hasattr(self.model, "compute_gradients"):
             self.model.compute_gradients = self._model_call(self.model.compute_gradients,
                                                             reuse=False)
 
@@ -386,7 +394,8 @@ class Gathering(keras.StatelessScope):
 
     def __init__(self, sharded, mapping=None, reuse=True):
         super().__init__(mapping or [], initialize_variables=False)
-        self.sharded, self.reuse = sharded, reuse
+        self.sharded = sharded
+        self.reuse = reuse
         self.updated = {}  # id(variable) -> the value assigned in the scope
         self._variables = {}  # id(variable) -> the variable
         self._read = {}  # unit index -> its gathered weights
@@ -416,8 +425,9 @@ class Gathering(keras.StatelessScope):
             if u not in self._read or not self.reuse:
                 self._read[u] = self.sharded.gather(self.sharded.units[u])
             value = self._read[u][i]
-        if value is None and self.parent is not None:  # updated in the enclosing scope (an
-            value = self.parent.get_current_value(variable)  # RNG state, by a microbatch before)
+        # updated in the enclosing scope (an RNG state, by a microbatch before)
+        if value is None and self.parent is not None:
+            value = self.parent.get_current_value(variable)
         return value
 
     def apply_updates(self):

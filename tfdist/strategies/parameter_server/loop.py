@@ -47,17 +47,20 @@ def fit(plugin, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, 
     if restored:
         initial_step = max(initial_step, restored * steps_per_epoch)
     total = epochs * steps_per_epoch
-    with plugin.tf_strategy.scope():  # step s done <=> done_mask[s] == 1 (see _count)
+    with plugin.tf_strategy.scope():
+        # step s done <=> done_mask[s] == 1 (see _count)
         plugin.done_mask = tf.Variable(tf.cast(tf.range(total) < initial_step, tf.int8),
                                      trainable=False, name="tfdist_ps_done_mask")
     plugin.runs.assign(initial_step)
     model.optimizer.iterations.assign(initial_step)
     from tfdist.callbacks import TrainingLog  # it records each worker's steps (a list)
+    count = tf.function(lambda: _count(plugin))
+    runs_and_loss = tf.function(
+        lambda: (plugin.runs.read_value(), plugin.loss_sum.read_value()))
     loop = _Loop(plugin, model, cbs, _train_closure(plugin, model, data), steps_per_epoch,
                  log_every_steps or max(1, min(steps_per_epoch, 10)), initial_step,
                  worker_steps=any(isinstance(c, TrainingLog) for c in callbacks),
-                 count=tf.function(lambda: _count(plugin)), runs_and_loss=tf.function(
-                     lambda: (plugin.runs.read_value(), plugin.loss_sum.read_value())))
+                 count=count, runs_and_loss=runs_and_loss)
     for epoch in range(initial_step // steps_per_epoch, epochs):
         cbs.on_epoch_begin(epoch)
         model.reset_metrics()  # the compiled metrics: this epoch's, as Keras's fit keeps them
@@ -77,9 +80,12 @@ def fit(plugin, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, 
     cbs.on_train_end()
     return history
 
+
 def _train_closure(plugin, model, data):
     from tfdist import compat
-    strategy, runs, worker_steps = plugin.tf_strategy, plugin.runs, plugin.worker_steps
+    strategy = plugin.tf_strategy
+    runs = plugin.runs
+    worker_steps = plugin.worker_steps
     done_mask = plugin.done_mask
     by_step = step_addressed(data)
     if not by_step:  # a dataset_fn, or a tf.data.Dataset: each worker reads its share
@@ -121,11 +127,13 @@ def _train_closure(plugin, model, data):
         return train_by_step, lambda step: (tf.constant(step, tf.int64),)
     return train_from_iterator, lambda step: (iterator, tf.constant(step, tf.int64))
 
+
 def _count(plugin):
     """Steps done, each counted once (a closure retried after a worker failure may have run
     twice: TF's coordinator executes at least once). Summed on the ps that holds the mask."""
     with tf.device(plugin.done_mask.device):
         return tf.reduce_sum(tf.cast(plugin.done_mask, tf.int64))
+
 
 def _validate(plugin, model, validation_data, steps):
     @tf.function
@@ -149,12 +157,20 @@ class _Loop:
 
     def __init__(self, plugin, model, cbs, train_fn, steps_per_epoch, every, initial_step,
                  worker_steps, count, runs_and_loss):
-        self.plugin, self.model, self.cbs, self.train_fn = plugin, model, cbs, train_fn
-        self.worker_steps, self.count, self.runs_and_loss = worker_steps, count, runs_and_loss
-        self.steps_per_epoch, self.every = steps_per_epoch, every
-        self.done = self.scheduled = initial_step
+        self.plugin = plugin
+        self.model = model
+        self.cbs = cbs
+        self.train_fn = train_fn
+        self.worker_steps = worker_steps
+        self.count = count
+        self.runs_and_loss = runs_and_loss
+        self.steps_per_epoch = steps_per_epoch
+        self.every = every
+        self.done = initial_step  # steps completed
+        self.scheduled = initial_step  # the next step to schedule
         self.backup_every = [c.every_steps for c in cbs.callbacks if getattr(c, "every_steps", 0)]
-        self.preemption = [c for c in cbs.callbacks if hasattr(c, "received")]  # tfdist.runtime.preemption
+        # tfdist.runtime.preemption's callbacks
+        self.preemption = [c for c in cbs.callbacks if hasattr(c, "received")]
         self.last_runs, self.last_loss_sum = (float(v) for v in runs_and_loss())
         self.loss = float("nan")
 
@@ -162,25 +178,33 @@ class _Loop:
         """Runs the rest of epoch `epoch`; returns its logs (the mean loss of its steps and the
         compiled metrics)."""
         from tfdist.callbacks import EXTRA_LOG_PREFIX, STEPS_KEY
-        p, end = self.plugin, (epoch + 1) * self.steps_per_epoch
+        p = self.plugin
+        end = (epoch + 1) * self.steps_per_epoch
         epoch_runs, epoch_loss_sum = self.last_runs, self.last_loss_sum
         while self.done < end:
             self.cbs.on_train_batch_begin(self.done % self.steps_per_epoch)
             target = min(self.done + self.every, end)
             barrier = target == end or any(target // b > self.done // b for b in self.backup_every)
             self.scheduled = self.advance(target, end, barrier)
-            if any(c.received for c in self.preemption):  # signalled: drain the steps in flight,
-                p.coordinator.join()  # so that the backup it writes now holds them all
+            if any(c.received for c in self.preemption):
+                # signalled: drain the steps in flight, so that the backup it writes now holds
+                # them all
+                p.coordinator.join()
             now = int(self.count())  # >= target: steps in flight may have finished too
             runs, loss_sum = (float(v) for v in self.runs_and_loss())
-            if runs > self.last_runs:  # mean loss of the runs since the last report (steps still
-                # in flight at that report may all have finished by then: keep the last mean)
+            # the mean loss of the runs since the last report (steps still in flight at that
+            # report may all have finished by then: keep the last mean)
+            if runs > self.last_runs:
                 self.loss = (loss_sum - self.last_loss_sum) / (runs - self.last_runs)
-            n, self.done, self.last_loss_sum, self.last_runs = now - self.done, now, loss_sum, runs
+            n = now - self.done
+            self.done = now
+            self.last_loss_sum = loss_sum
+            self.last_runs = runs
             self.model.optimizer.iterations.assign(self.done)  # the exact count (module doc)
             logs = {**self.metrics(), "loss": self.loss, STEPS_KEY: n}
-            if self.worker_steps:  # steps run by each worker so far (not a scalar: only for
-                # tfdist's log; Keras's TensorBoard would write it as one)
+            # the steps run by each worker so far (not a scalar: only for tfdist's log; Keras's
+            # TensorBoard would write it as one)
+            if self.worker_steps:
                 logs[EXTRA_LOG_PREFIX + "worker_steps"] = p.worker_steps.numpy().tolist()
             self.cbs.on_train_batch_end((self.done - 1) % self.steps_per_epoch, logs)
         mean = (self.last_loss_sum - epoch_loss_sum) / max(self.last_runs - epoch_runs, 1)
@@ -191,7 +215,8 @@ class _Loop:
         With `barrier`, also waits for every step in flight (a consistent state to save).
         Returns the next step to schedule."""
         from tfdist import compat
-        coordinator, scheduled = self.plugin.coordinator, self.scheduled
+        coordinator = self.plugin.coordinator
+        scheduled = self.scheduled
         window = 2 * self.plugin.num_workers
         while True:
             # completed so far: a local read of the coordinator's queue (polling a counter on
@@ -223,6 +248,7 @@ def step_addressed(data):
             and hasattr(data, "dataset_fn"))
 
 
-def logs_of(model):  # the model's metrics now, as Keras logs them
+def logs_of(model):
+    """The model's metrics now, as Keras logs them."""
     return {k: float(v) if np.ndim(v) == 0 else np.asarray(v)
             for k, v in model.get_metrics_result().items()}

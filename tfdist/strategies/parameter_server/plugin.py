@@ -11,9 +11,11 @@ Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps
 
     strategy = tfdist.strategies.get("parameter_server")   # on a worker or ps task: serves here
     with strategy.scope():
-        model = ...; model.compile(optimizer="adam", loss=...)
+        model = ...
+        model.compile(optimizer="adam", loss=...)
     model.fit(dataset, epochs=2, steps_per_epoch=100)     # steps_per_epoch is required
-    model.evaluate(val_dataset); model.predict(test_dataset)
+    model.evaluate(val_dataset)
+    model.predict(test_dataset)
 """
 import os
 import sys
@@ -35,8 +37,9 @@ class ParameterServer(Strategy):
     # A chief (the coordinator), workers and ps tasks. A dead worker is restarted alone and
     # rejoins (asynchronous training goes on without it); the servers run until stopped.
     launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"),
-                    server_module="tfdist.cli.serve", elastic="it already trains on with the "
-                    "workers it has (a lost worker's steps run on the others; it is restarted alone)")
+                    server_module="tfdist.cli.serve",
+                    elastic="it already trains on with the workers it has (a lost worker's "
+                            "steps run on the others; it is restarted alone)")
     options = {
         "keepalive_secs": (5.0, lambda v: v == 0 or 1 <= v <= 3600,
                            "0 (off) or a number of seconds in [1, 3600]: gRPC keepalive pings "
@@ -47,8 +50,9 @@ class ParameterServer(Strategy):
         cluster_lib.grpc_keepalive(keepalive_secs)
         self.cluster = cluster or cluster_lib.from_environment(allowed_roles=_ROLES)
         if self.cluster is None:
-            raise UsageError("parameter_server needs a cluster with chief, worker and ps tasks: set "
-                             "TF_CONFIG or start it with `tfdist launch --strategy=parameter_server`")
+            raise UsageError("parameter_server needs a cluster with chief, worker and ps tasks: "
+                             "set TF_CONFIG or start it with "
+                             "`tfdist launch --strategy=parameter_server`")
         missing = [r for r in _ROLES if r not in self.cluster.cluster]
         if missing:
             raise UsageError(f"parameter_server needs {', '.join(missing)} task(s) in the cluster "
@@ -57,9 +61,9 @@ class ParameterServer(Strategy):
         if self.cluster.task_type != "chief":
             super().__init__(tf.distribute.get_strategy())
             self.serve()  # a worker or ps task serves; its program goes no further
-        cluster_lib.wait_for_tasks(self.cluster.cluster, ("ps", "worker"), float(os.environ.get(
-            "TFDIST_PS_CONNECT_TIMEOUT", self.CONNECT_TIMEOUT)), "tfdist launch "
-            "--strategy=parameter_server starts them all")
+        timeout = float(os.environ.get("TFDIST_PS_CONNECT_TIMEOUT", self.CONNECT_TIMEOUT))
+        cluster_lib.wait_for_tasks(self.cluster.cluster, ("ps", "worker"), timeout,
+                                   "tfdist launch --strategy=parameter_server starts them all")
         # No variable_partitioner: Keras 3.15 hands `tape.gradient` a variable's `.handle`, which a
         # ShardedVariable lacks ("'ShardedVariable' object has no attribute 'handle'").
         super().__init__(tf.distribute.ParameterServerStrategy(self.cluster.resolver()))
@@ -108,8 +112,8 @@ class ParameterServer(Strategy):
         chief: returns."""
         if self.cluster.task_type == "chief":
             return
-        code = cluster_lib.serve_until_chief_gone(self.cluster, float(os.environ.get(
-            "TFDIST_SERVER_ORPHAN_TIMEOUT", self.ORPHAN_TIMEOUT)))
+        timeout = float(os.environ.get("TFDIST_SERVER_ORPHAN_TIMEOUT", self.ORPHAN_TIMEOUT))
+        code = cluster_lib.serve_until_chief_gone(self.cluster, timeout)
         sys.stdout.flush()
         os._exit(code)
 
@@ -132,13 +136,16 @@ class ParameterServer(Strategy):
                             callbacks=a["callbacks"], validation_data=a["validation_data"],
                             validation_steps=a["validation_steps"], verbose=a["verbose"])
         if method == "evaluate":
-            logs = self.evaluate(model, from_arrays(a["x"], a["y"], a["sample_weight"],
-                                                    a["batch_size"], "evaluate under parameter_server"),
-                                 steps=a["steps"], callbacks=a["callbacks"], verbose=a["verbose"])
+            dataset = from_arrays(a["x"], a["y"], a["sample_weight"], a["batch_size"],
+                                  "evaluate under parameter_server")
+            logs = self.evaluate(model, dataset, steps=a["steps"], callbacks=a["callbacks"],
+                                 verbose=a["verbose"])
             return logs if a["return_dict"] else compat.flatten_metrics(model, logs)
         if method == "predict":
-            return self.predict(model, from_arrays(a["x"], None, None, a["batch_size"], "predict under parameter_server"),
-                                steps=a["steps"], callbacks=a["callbacks"], verbose=a["verbose"])
+            dataset = from_arrays(a["x"], None, None, a["batch_size"],
+                                  "predict under parameter_server")
+            return self.predict(model, dataset, steps=a["steps"], callbacks=a["callbacks"],
+                                verbose=a["verbose"])
         return super().keras_call(method, model, upstream, arguments)
 
     def evaluate(self, model, dataset, steps=None, callbacks=None, verbose="auto"):
@@ -160,7 +167,8 @@ class ParameterServer(Strategy):
             lambda x: model(x, training=False), args=(x,)))
         model.reset_metrics()
         getattr(cbs, f"on_{mode}_begin")()
-        outputs, pending = [], []
+        outputs = []
+        pending = []  # (index, batch, the worker's result to come)
 
         def take(index, batch, y_pred):
             getattr(cbs, f"on_{mode}_batch_begin")(index)
