@@ -1,8 +1,10 @@
-"""gpt2_xl: GPT-2 1.5B (48 layers, 25 heads, width 1600, context 1024, vocab 50257) for real hardware.
+"""gpt2_xl: GPT-2 1.5B (48 layers, 25 heads, width 1600, context 1024, vocab 50257) for real
+hardware.
 
 The vocabulary is GPT-2's size so that parameter counts match the paper: train it on GPT-2
-tokens (`--config.data.tokenizer=<dir>/vocab.json`, or nanoGPT's `--config.data.source=nanogpt:<dir>`);
-with a smaller tokenizer (bytes, a BPE of 8,192) the extra rows go unused. Mixed bfloat16.
+tokens (`--config.data.tokenizer=<dir>/vocab.json`, or nanoGPT's
+`--config.data.source=nanogpt:<dir>`); with a smaller tokenizer (bytes, a BPE of 8,192) the extra
+rows go unused. Mixed bfloat16.
 """
 from tfdist.config import gpt2_config
 

@@ -99,7 +99,12 @@ def imports(sources, pkg="tfdist"):
 
 def cycles(edges):
     """The strongly connected components of more than one file (Tarjan), each sorted."""
-    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+    index = {}
+    low = {}
+    stack = []
+    on = set()
+    found = []
+    counter = [0]
 
     def visit(v):
         index[v] = low[v] = counter[0]
@@ -164,11 +169,13 @@ def upward(edges):
 def long_functions(sources):
     """([(file:function, lines)] over MAX_FUNCTION_LINES that are not TABLES, the longest
     function as (file:function, lines))."""
-    long, longest = [], ("", 0)
+    long = []
+    longest = ("", 0)
     for path, src in sorted(sources.items()):
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                name, length = f"{path}:{node.name}", node.end_lineno - node.lineno + 1
+                name = f"{path}:{node.name}"
+                length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES and name not in TABLES:
                     long.append((name, length))
                 if name not in TABLES and length > longest[1]:
@@ -181,8 +188,11 @@ def top_modules(sources):
     return sorted(p for p in sources if os.sep not in p and p != "__init__.py")
 
 
-def tree(package=os.path.join(ROOT, "tfdist")):
-    """The package's folders and modules, one per line, indented by depth (docs/design.md)."""
+def tree(package=None):
+    """The package's folders and modules, one per line, indented by depth (docs/design.md);
+    `package` defaults to tfdist/."""
+    if package is None:
+        package = os.path.join(ROOT, "tfdist")
     lines = [os.path.basename(package) + "/"]
     for d, dirs, names in os.walk(package):
         dirs[:] = sorted(x for x in dirs if x != "__pycache__")
@@ -195,7 +205,9 @@ def tree(package=os.path.join(ROOT, "tfdist")):
     return lines
 
 
-def report(package=os.path.join(ROOT, "tfdist")):
+def report(package=None):
+    if package is None:
+        package = os.path.join(ROOT, "tfdist")
     sources = files(package)
     edges = imports(sources, os.path.basename(package))
     long, longest = long_functions(sources)

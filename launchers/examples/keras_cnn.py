@@ -10,9 +10,12 @@ trains with `fit` (validation data and the standard Keras callbacks), then runs 
 
     python launchers/examples/keras_cnn.py --strategy=single
     python launchers/examples/keras_cnn.py --strategy=mirrored --devices=2
-    tfdist launch --workers 2 -- python launchers/examples/keras_cnn.py --strategy=multi_worker_mirrored
-    tfdist launch --strategy=horovod --workers 2 -- python launchers/examples/keras_cnn.py --strategy=horovod
-    tfdist launch --strategy=horovod --workers 2 -- python launchers/examples/keras_cnn.py --strategy=horovod --zero=3
+    tfdist launch --workers 2 -- \\
+        python launchers/examples/keras_cnn.py --strategy=multi_worker_mirrored
+    tfdist launch --strategy=horovod --workers 2 -- \\
+        python launchers/examples/keras_cnn.py --strategy=horovod
+    tfdist launch --strategy=horovod --workers 2 -- \\
+        python launchers/examples/keras_cnn.py --strategy=horovod --zero=3
     tfdist launch --strategy=parameter_server --workers 2 --ps 1 -- \\
         python launchers/examples/keras_cnn.py --strategy=parameter_server
 
@@ -84,7 +87,8 @@ def main(argv):
         """The `rows` metric after each training batch (validation resets it)."""
 
         def on_train_batch_end(self, batch, logs=None):
-            variable = next(v for v in self.model.metrics_variables if v.path.endswith("rows/count"))
+            variable = next(v for v in self.model.metrics_variables
+                            if v.path.endswith("rows/count"))
             self.rows = float(variable.numpy())
 
     def cnn():
@@ -138,13 +142,15 @@ def main(argv):
         with strategy.scope():
             model = {"cnn": cnn, "functional": functional, "subclassed": subclassed}[name]()
         x, y = data(name, BATCH * STEPS, seed=1)
-        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True).repeat()
+        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+            BATCH, drop_remainder=True).repeat()
         val = tf.data.Dataset.from_tensor_slices(data(name, 2 * BATCH, seed=2)).batch(
             BATCH, drop_remainder=True)
         test_x, _ = data(name, 2 * BATCH, seed=3)
         test = tf.data.Dataset.from_tensor_slices(test_x).batch(BATCH, drop_remainder=True)
         callbacks = [
-            keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=_MIN_DELTA.value),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=0,
+                                          min_delta=_MIN_DELTA.value),
             keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0,
                                               min_delta=_MIN_DELTA.value),
             keras.callbacks.ModelCheckpoint(os.path.join(out, name, "epoch{epoch}.keras")),
@@ -160,7 +166,8 @@ def main(argv):
         path = os.path.join(out, name, "model.keras")
         model.save(path)
         result = {"model": name, "strategy": strategy.describe(), "chief": strategy.is_chief,
-                  "worker": strategy.worker_index, "rows_last_epoch": getattr(callbacks[-1], "rows", None),
+                  "worker": strategy.worker_index,
+                  "rows_last_epoch": getattr(callbacks[-1], "rows", None),
                   "loss": history.history["loss"], "val_loss": history.history["val_loss"],
                   "epochs_run": len(history.history["loss"]), "evaluate": evaluation,
                   "history_keys": sorted(history.history),

@@ -3,7 +3,8 @@
 MultiWorkerMirrored (keras-team/keras#20585) and is Keras 3's Horovod integration, and the launcher.
 
     tfdist launch --workers 2 -- python launchers/examples/keras_functional.py --out=/tmp/mw.json
-    horovodrun -np 2 -H localhost:2 --gloo python launchers/examples/keras_functional.py --strategy=horovod
+    horovodrun -np 2 -H localhost:2 --gloo \\
+        python launchers/examples/keras_functional.py --strategy=horovod
     python launchers/examples/keras_functional.py --strategy=single --out=/tmp/single.json
 
 All runs see the same global batches, so they print the same losses. --out writes the per-epoch

@@ -35,9 +35,10 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Timed allreduces per size.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed allreduces per size first.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Interleaved rounds of the back ends.")
 _OUT = flags.DEFINE_string("out", "bench_results/allreduce.json", "JSON output.")
-_LINK = flags.DEFINE_string("link", None, "Run the 2 processes on 2 of tools/cluster/netcluster.py's hosts, "
-                            "on links shaped to this rate (1gbit, 10gbit; root). Writes "
-                            "allreduce-<link>.json unless --out is given.")
+_LINK = flags.DEFINE_string("link", None, "Run the 2 processes on 2 of "
+                            "tools/cluster/netcluster.py's hosts, on links shaped to this rate "
+                            "(1gbit, 10gbit; root). Writes allreduce-<link>.json unless --out is "
+                            "given.")
 _WORKER = flags.DEFINE_enum("worker", None, ["horovod", "tf"], "Internal: run as a worker.")
 _COMPRESSION = flags.DEFINE_enum("compression", "none", ["none", "fp16"], "Internal: horovod.")
 
@@ -145,7 +146,8 @@ def main(argv):
             n = results[0]["n"]
             t = float(np.median([x["seconds"][str(float(mb))] for x in results]))
             algbw = float(mb) * 2 ** 20 / t
-            row[name] = {"seconds": t, "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * 2 * (n - 1) / n / 1e9}
+            row[name] = {"seconds": t, "algbw_GBps": algbw / 1e9,
+                         "busbw_GBps": algbw * 2 * (n - 1) / n / 1e9}
         rows.append(row)
     names = list(variants)
     where = f"2 hosts on {_LINK.value} links" if _LINK.value else "2 processes on 127.0.0.1"
@@ -159,7 +161,8 @@ def main(argv):
               + f" {bw[0] / bw[2]:7.2f}")
     result = {"processes": 2, "rounds": _ROUNDS.value, "iters": _ITERS.value, "rows": rows,
               "link": _LINK.value or "loopback"}
-    if _LINK.value:  # the planner's model: a ring's bus bandwidth is the link's (fp16: 2x, effective)
+    # the planner's model: a ring's bus bandwidth is the link's (fp16: 2x, effective)
+    if _LINK.value:
         from tools.cluster.netcluster import _bits
         link = _bits(_LINK.value) / 8 / 1e9
         result["planner_busbw_GBps"] = {n: link * (2 if "fp16" in n else 1) for n in names}

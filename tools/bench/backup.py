@@ -1,4 +1,5 @@
-"""What a backup costs training: synchronous against asynchronous saves (tfdist/callbacks/backup.py).
+"""What a backup costs training: synchronous against asynchronous saves
+(tfdist/callbacks/backup.py).
 
     python tools/bench/backup.py                 # gpt_mini and gpt2 (124M): stall, then training
     python tools/bench/backup.py --models=gpt_mini --rounds=1
@@ -53,7 +54,8 @@ def stall(name):
     from tfdist.models.gpt import GPT, loss_fn
     from tfdist.optimizers import make_optimizer
     c = importlib.import_module(f"configs.{name}").get_config()
-    c.model.vocab_size = c.model.vocab_size or 256  # (0: the tokenizer's; the default corpus's bytes)
+    # (vocab_size 0: the tokenizer's; 256: the default corpus's bytes)
+    c.model.vocab_size = c.model.vocab_size or 256
     model = GPT.from_model_config(c.model)
     model.build()
     model.compile(optimizer=make_optimizer(c.train, 100), loss=loss_fn())

@@ -30,15 +30,19 @@ HOROVOD = flags.DEFINE_bool("horovod", False, "Horovod ranks instead of multi_wo
                             "workers.")
 COMPRESSION = flags.DEFINE_enum("compression", "none", ["none", "fp16"],
                                 "--horovod: gradient compression.")
-LINK = flags.DEFINE_string("link", None, "Run the multi-process runs on tools/cluster/netcluster.py's "
-                           "hosts, one process per host, on links shaped to this rate (1gbit, "
-                           "10gbit; root), through `tfdist launch --hosts`.")
+LINK = flags.DEFINE_string("link", None, "Run the multi-process runs on "
+                           "tools/cluster/netcluster.py's hosts, one process per host, on links "
+                           "shaped to this rate (1gbit, 10gbit; root), through `tfdist launch "
+                           "--hosts`.")
 STRAGGLER = flags.DEFINE_string("straggler", None, "--link: the last worker's host gets this rate "
                                 "instead (100mbit: a tenth of 1gbit), a straggler; the baseline "
                                 "runs keep --link.")
 INTER = flags.DEFINE_integer("inter_op_threads", 1, "Inter-op threads per process. With TF's "
                              "default (0: one per core) a process with 1 intra-op thread still "
                              "runs independent ops in parallel, on ~1.4 of 2 cores.")
+
+#: The instruction sets a result's `host` lists when the CPU has them (/proc/cpuinfo's flags).
+ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 def config():
@@ -56,8 +60,9 @@ def train_flags(workdir, steps, batch, inter, extra=()):
 
 
 def train_run(workdir, workers, steps, inter=None, extra=(), horovod=None):
-    """One `tfdist train` (workers=1, strategy single) or `tfdist launch` run (multi_worker_mirrored,
-    or horovod: --horovod unless `horovod` says) of the same batch per process; its per-step log."""
+    """One `tfdist train` (workers=1, strategy single) or `tfdist launch` run
+    (multi_worker_mirrored, or horovod: --horovod unless `horovod` says) of the same batch per
+    process; its per-step log."""
     inter = INTER.value if inter is None else inter
     horovod = HOROVOD.value if horovod is None else horovod
     flags_ = train_flags(workdir, steps, _CONFIG.value.train.batch_size * workers, inter, extra)
@@ -81,7 +86,8 @@ def ps_run(workdir, workers, steps):
     cmd = harness.launch_argv(train_flags(workdir, steps, _CONFIG.value.train.batch_size,
                                           INTER.value),
                               strategy="parameter_server", workers=workers, ps=1, max_restarts=0)
-    p = run_on_hosts(cmd, workers + 2, straggler_host=workers if workers > 1 else None)  # chief, workers, ps
+    # workers + 2: chief, workers, ps
+    p = run_on_hosts(cmd, workers + 2, straggler_host=workers if workers > 1 else None)
     if p.returncode:
         sys.exit(f"bench: parameter_server run failed (exit {p.returncode}):\n{p.stdout[-2000:]}")
     log = harness.metrics(workdir)["steps"][1:]
@@ -90,8 +96,8 @@ def ps_run(workdir, workers, steps):
 
 
 def run_on_hosts(cmd, processes, straggler_host=None):
-    """Runs `cmd`; with --link, a `tfdist launch` runs on host 0 of a tools/cluster/netcluster.py cluster
-    of `processes` hosts with --hosts=<all of them>, its links shaped to --link (and host
+    """Runs `cmd`; with --link, a `tfdist launch` runs on host 0 of a tools/cluster/netcluster.py
+    cluster of `processes` hosts with --hosts=<all of them>, its links shaped to --link (and host
     `straggler_host`'s to --straggler, if given)."""
     launch = cmd.index("launch") if "launch" in cmd else None
     if not LINK.value or launch is None:
@@ -112,12 +118,35 @@ def link_suffix():
 
 
 def params(stdout):
-    """The model's parameter count from a run's log line ("model 10,818,816 parameters"), or None."""
+    """The model's parameter count from a run's log line ("model 10,818,816 parameters"), or
+    None."""
     found = re.search(r"model ([\d,]+) parameters", stdout or "")
     return int(found.group(1).replace(",", "")) if found else None
 
 
+def host():
+    """The CPU a result was measured on: /proc/cpuinfo's model name (None where there is no
+    /proc/cpuinfo), the cores, and which of `ISA` it has."""
+    cpu = None
+    have = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and cpu is None:
+                    cpu = value.strip()
+                elif key.strip() == "flags" and not have:
+                    have = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": [x for x in ISA if x in have]}
+
+
 def write_json(result, default_path):
+    """Writes `result` to --out (else `default_path`), a dict with the `host` it was measured on
+    added (unless it has one)."""
+    if isinstance(result, dict) and "host" not in result:
+        result = {**result, "host": host()}
     out = OUT.value or default_path
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

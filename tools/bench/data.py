@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfdist.launch.local import descendants, task_of  # noqa: E402
+from tools.faults import harness  # noqa: E402
 
 _MEMORY = flags.DEFINE_bool("memory", False, "Peak RSS per process, big store vs small store.")
 _INPUT = flags.DEFINE_bool("input", False, "Input cost in the step, and reader windows/s.")
@@ -36,7 +37,8 @@ _SCRATCH = flags.DEFINE_string("scratch", "/tmp/tfdist-bench-data", "Where the s
 _BIG = flags.DEFINE_integer("big_tokens", 2_600_000_000, "Tokens in the big store.")
 _STEPS = flags.DEFINE_integer("steps", 200, "--tokenizers: training steps of each run.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "--input: interleaved rounds.")
-_STRATEGIES = flags.DEFINE_list("strategies", ["single", "multi_worker_mirrored", "parameter_server"],
+_STRATEGIES = flags.DEFINE_list("strategies",
+                                ["single", "multi_worker_mirrored", "parameter_server"],
                                 "--memory: strategies to run.")
 
 PY = sys.executable
@@ -109,7 +111,8 @@ def run_sampled(cmd, timeout=900):
     (returncode, output, {role: peak MiB})."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                          start_new_session=True)
-    peaks, done = {}, threading.Event()
+    peaks = {}
+    done = threading.Event()
 
     def sample():
         while not done.is_set():
@@ -134,8 +137,8 @@ def run_sampled(cmd, timeout=900):
 def memory_main():
     big = make_store(os.path.join(_SCRATCH.value, f"big-{_BIG.value}"), _BIG.value)
     small = make_store(os.path.join(_SCRATCH.value, "small-10mb"), 5 << 20)  # 10 MB as uint16
-    train = ["--config=configs/gpt_nano.py", "--config.train.steps=40", "--config.train.steps_per_epoch=20",
-             "--config.train.eval_steps=4", "--overwrite"]
+    train = ["--config=configs/gpt_nano.py", "--config.train.steps=40",
+             "--config.train.steps_per_epoch=20", "--config.train.eval_steps=4", "--overwrite"]
     rows = []
     for strategy in _STRATEGIES.value:
         for name, directory in (("10 MB", small), (f"{_BIG.value / 1e9:.1f} G tokens", big)):
@@ -144,32 +147,36 @@ def memory_main():
             if strategy == "single":
                 cmd = [PY, "-m", "tfdist", "train", *args]
             else:
-                cmd = [PY, "-m", "tfdist", "launch", f"--strategy={strategy}", "--workers=2", "--", *args]
+                cmd = [PY, "-m", "tfdist", "launch", f"--strategy={strategy}", "--workers=2", "--",
+                       *args]
             t0 = time.perf_counter()
             code, out, peaks = run_sampled(cmd)
             if code != 0:
                 raise SystemExit(f"{cmd} exited {code}:\n{out[-3000:]}")
             val = re.findall(r"validation loss ([0-9.]+) nats/token", out)
-            rows.append({"strategy": strategy, "store": name, "store_dir": directory,
+            rows.append({"strategy": strategy, "store": name,
+                         "store_dir": harness.relative(directory),
                          "seconds": round(time.perf_counter() - t0, 1),
                          "val_loss": float(val[-1]) if val else None,
-                         "peak_rss_mib": {k: round(v) for k, v in sorted(peaks.items()) if k != "prepare"}})
+                         "peak_rss_mib": {k: round(v) for k, v in sorted(peaks.items())
+                                          if k != "prepare"}})
             print(rows[-1], flush=True)
-    print(f"\n{'strategy':<24}{'process':<12}{'10 MB store':>14}{'big store':>14}{'difference':>12}")
+    print(f"\n{'strategy':<24}{'process':<12}{'10 MB store':>14}{'big store':>14}"
+          f"{'difference':>12}")
     result = []
     for strategy in _STRATEGIES.value:
         small_row, big_row = [r for r in rows if r["strategy"] == strategy]
         for proc, mib in small_row["peak_rss_mib"].items():
             other = big_row["peak_rss_mib"].get(proc)
             diff = None if other is None else other - mib
-            result.append({"strategy": strategy, "process": proc, "small_mib": mib, "big_mib": other,
-                           "difference_mib": diff})
+            result.append({"strategy": strategy, "process": proc, "small_mib": mib,
+                           "big_mib": other, "difference_mib": diff})
             print(f"{strategy:<24}{proc:<12}{mib:>12,} M{other:>12,} M{diff:>+10,} M")
     worst = max(abs(r["difference_mib"]) for r in result)
     print(f"largest difference: {worst} MiB (target: within 100)")
     write_json({"command": "python tools/bench/data.py --memory", "big_tokens": _BIG.value,
-                "small_tokens": 5 << 20, "model": "gpt_nano, 40 steps", "runs": rows, "table": result,
-                "largest_difference_mib": worst}, "data-memory.json")
+                "small_tokens": 5 << 20, "model": "gpt_nano, 40 steps", "runs": rows,
+                "table": result, "largest_difference_mib": worst}, "data-memory.json")
 
 
 def input_main():
@@ -187,7 +194,8 @@ def input_main():
     from tfdist.step import TrainStep
 
     # 1. windows/s read from the big store, GPT-2 shapes (1,025 tokens a window, 64 a batch)
-    big = store.TokenStore(make_store(os.path.join(_SCRATCH.value, f"big-{_BIG.value}"), _BIG.value))
+    big = store.TokenStore(make_store(os.path.join(_SCRATCH.value, f"big-{_BIG.value}"),
+                                      _BIG.value))
     w = Windows(big.split("train"), 1024, 64, seed=0)
     ds = w.dataset_fn(0, 10_000)(None)
     it = iter(ds)
@@ -250,12 +258,14 @@ def input_main():
     for k, v in med.items():
         print(f"{k:<10}{v:>18.4f}")
     print(f"store-backed input costs {overhead * 100:+.2f} % of the step (target <= 3 %)")
-    write_json({"command": "python tools/bench/data.py --input", "model": "gpt_mini, batch 16 x 256",
+    write_json({"command": "python tools/bench/data.py --input",
+                "model": "gpt_mini, batch 16 x 256",
                 "rounds": _ROUNDS.value, "steps_per_round": steps - 2, "median_step_s": med,
                 "step_times_s": times, "store_overhead": overhead,
                 "reader_windows_per_s": reader, "reader_window_tokens": 1025, "reader_batch": 64,
                 "big_store_tokens": _BIG.value,
-                "gpt2_124m_8xa100": {"layout": str(best.layout), "tokens_per_s": best.tokens_per_sec,
+                "gpt2_124m_8xa100": {"layout": str(best.layout),
+                                     "tokens_per_s": best.tokens_per_sec,
                                      "windows_per_s": need}}, "data-input.json")
 
 
@@ -273,7 +283,8 @@ def tokenizers_main():
         wd = os.path.join(_SCRATCH.value, f"tok-{tok}")
         cmd = [PY, "-m", "tfdist", "train", "--config=configs/gpt_mini.py", f"--workdir={wd}",
                "--overwrite", f"--config.data.tokenizer={tok}", "--config.data.vocab_size=8192",
-               f"--config.train.steps={_STEPS.value}", f"--config.train.steps_per_epoch={_STEPS.value // 2}",
+               f"--config.train.steps={_STEPS.value}",
+               f"--config.train.steps_per_epoch={_STEPS.value // 2}",
                "--config.train.warmup_steps=20", "--config.train.eval_steps=20"]
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=7200)
@@ -284,8 +295,10 @@ def tokenizers_main():
         rates = [r["tokens_per_sec"] for r in m["steps"][3:]]
         bytes_per_token = last["loss"] / 0.6931471805599453 / last["bits_per_byte"]
         rows.append({"tokenizer": tok if tok == "byte" else "bpe-8192", "steps": _STEPS.value,
-                     "val_loss_nats_per_token": last["loss"], "val_bits_per_byte": last["bits_per_byte"],
-                     "bytes_per_token": bytes_per_token, "tokens_per_s": sorted(rates)[len(rates) // 2],
+                     "val_loss_nats_per_token": last["loss"],
+                     "val_bits_per_byte": last["bits_per_byte"],
+                     "bytes_per_token": bytes_per_token,
+                     "tokens_per_s": sorted(rates)[len(rates) // 2],
                      "bytes_per_s": sorted(rates)[len(rates) // 2] * bytes_per_token,
                      "seconds": round(time.perf_counter() - t0)})
         print(rows[-1], flush=True)
@@ -294,8 +307,8 @@ def tokenizers_main():
     for r in rows:
         print(f"{r['tokenizer']:<12}{r['val_loss_nats_per_token']:>16.4f}{r['val_bits_per_byte']:>15.4f}"
               f"{r['bytes_per_token']:>13.2f}{r['tokens_per_s']:>10,.0f}{r['bytes_per_s']:>14,.0f}")
-    write_json({"command": "python tools/bench/data.py --tokenizers", "model": "gpt_mini, batch 16 x 256",
-                "rows": rows}, "data-tokenizers.json")
+    write_json({"command": "python tools/bench/data.py --tokenizers",
+                "model": "gpt_mini, batch 16 x 256", "rows": rows}, "data-tokenizers.json")
 
 
 def main(argv):

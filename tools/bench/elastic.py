@@ -1,6 +1,7 @@
-"""What a resize of an elastic job costs (tfdist/launch/elastic.py): progress lost and time to resume.
+"""What a resize of an elastic job costs (tfdist/launch/elastic.py): progress lost and time to
+resume.
 
-    python tools/bench/elastic.py                    # gpt_mini, with ZeRO-1 and without (make bench-elastic)
+    python tools/bench/elastic.py    # gpt_mini, with ZeRO-1 and without (make bench-elastic)
     python tools/bench/elastic.py --zero=0 --strategy=horovod
 
 One elastic `tfdist launch` per variant on this machine: 2 workers (--min_workers=1,
@@ -9,9 +10,10 @@ command that prints a file.
 
 * **Shrink.** `--kill_after` steps after a backup is logged, worker 1 is SIGKILLed and its slot
   taken out of the discovery output. Progress lost: the seconds from the backup step's end to
-  the kill (the job resumes from that backup), and the steps they hold (at the median step time). Time to resume:
-  from the kill to the start of the first step the single worker runs (detection, the stop, the
-  rejoin bound, the restart: a new process, TF's start-up, the model built, the backup read).
+  the kill (the job resumes from that backup), and the steps they hold (at the median step
+  time). Time to resume: from the kill to the start of the first step the single worker runs
+  (detection, the stop, the rejoin bound, the restart: a new process, TF's start-up, the model
+  built, the backup read).
 * **Grow.** Once the single worker has run `--grow_after` steps, the slot is offered again. Steps
   lost: those between the step the group backed up when asked to stop and the step it resumed at
   (0: the backup is taken at the resize). Time to resume: from the offer to the start of the first
@@ -35,7 +37,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfdist.launch.local import descendants, task_of  # noqa: E402
-from tools.bench import common as bench_common
+from tools.bench import common as bench_common  # noqa: E402
 from tools.faults import harness  # noqa: E402
 
 _ZERO = flags.DEFINE_list("zero", ["0", "1"], "ZeRO stages to measure.")
@@ -111,7 +113,8 @@ def variant(zero, tmp):
         f.write("127.0.0.1:2\n")
     offered = time.time()
     wait(lambda: p.poll() == 0, "end")
-    text, final = "".join(out), rows(work)
+    text = "".join(out)
+    final = rows(work)
     resumed = [int(s) for s in re.findall(r"resuming from \S+ at step (\d+) of", text)]
     stopped = [int(s) for s in re.findall(r"preempted \(\w+\) at step (\d+): backup written", text)]
     first_1 = next(r for r in final if r["replicas"] == 1)
@@ -142,9 +145,10 @@ def main(argv):
         print(f"| {r['zero']} | {r['step_s_2_workers']:.2f} s | {s['steps_lost']} | "
               f"{s['seconds_lost']:.1f} s | {s['time_to_resume_s']:.1f} s | {g['steps_lost']} | "
               f"{g['time_to_resume_s']:.1f} s |")
-    bench_common.write_json({"config": bench_common.config_filename(), "strategy": _STRATEGY.value,
-                             "every_steps": _EVERY.value, "rejoin_timeout_s": _REJOIN.value,
-                             "batch": _BATCH.value, "variants": results},
+    bench_common.write_json({"config": harness.relative(bench_common.config_filename()),
+                             "strategy": _STRATEGY.value, "every_steps": _EVERY.value,
+                             "rejoin_timeout_s": _REJOIN.value, "batch": _BATCH.value,
+                             "variants": results},
                             os.path.join(ROOT, "bench_results", "elastic.json"))
 
 

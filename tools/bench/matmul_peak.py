@@ -52,8 +52,9 @@ def measure_products(shapes, dtype=None, repeats=5):
 
     @tf.function
     def run(operands):  # (arguments, not captured constants, which Grappler would fold)
-        corners = [tf.constant(0, dtype)]  # (returned: an op that feeds only a control
-        for (a, b), (_, _, _, ta, tb) in zip(operands, shapes):  # input would be pruned)
+        # (returned: an op that feeds only a control input would be pruned)
+        corners = [tf.constant(0, dtype)]
+        for (a, b), (_, _, _, ta, tb) in zip(operands, shapes):
             with tf.control_dependencies(corners[-1:]):  # one at a time, as torch runs them
                 corners.append(tf.matmul(a, b, transpose_a=bool(ta), transpose_b=bool(tb))[0, 0])
         return tf.stack(corners)

@@ -7,22 +7,22 @@
 
 --schedules: gpt_mini (6 blocks, width 384, context 256) in K = 2 pipeline stages, microbatches of
 --microbatch_size sequences, so that the batch is M of them and the activations GPipe keeps grow
-with M. Each (schedule, M) runs in a fresh process: a training step
-(tfdist's training step in a tf.function: `compute_gradients` and the update) traced and run once,
-then TF's CPU allocator's peak over the next step (`tf.config.experimental.get_memory_info`, which on
-logical CPU devices is the whole process's; reset after the first step), and the process's peak RSS
-(VmHWM, which also holds TF's runtime and the traced graphs: M microbatches make a larger graph).
-Beside them: the estimate of `Pipeline.memory_estimate`, summed over the stages. Writes bench_results/schedules.json.
+with M. Each (schedule, M) runs in a fresh process: a training step (tfdist's training step in a
+tf.function: `compute_gradients` and the update) traced and run once, then TF's CPU allocator's peak
+over the next step (`tf.config.experimental.get_memory_info`, which on logical CPU devices is the
+whole process's; reset after the first step), and the process's peak RSS (VmHWM, which also holds
+TF's runtime and the traced graphs: M microbatches make a larger graph). Beside them: the estimate
+of `Pipeline.memory_estimate`, summed over the stages. Writes bench_results/schedules.json.
 
 --tensor: gpt_mini, batch --batch of 256 tokens, in three variants, each in its own process and
 alternating for --rounds rounds: the unsplit GPT with 2 intra-op threads (the same threads as the
 split model), the unsplit GPT with 1 thread, and t = 2 tensor parallel on 2 logical CPU devices
-(1 intra-op thread each, 2 inter-op threads). Per variant: the median step time, the speedup of t = 2
-over each unsplit variant, and the share of the step spent summing partial outputs: the op time in
-AddN and in copies between the devices, from a profiled step (tf.profiler's trace), beyond the
-unsplit model's own AddN share (its gradient sums). `tfdist plan`'s
-prediction for this machine (tfdist.plan, with the machine's measured matmul rate) stands beside it,
-with the error. Writes bench_results/tensor.json.
+(1 intra-op thread each, 2 inter-op threads). Per variant: the median step time, the speedup of
+t = 2 over each unsplit variant, and the share of the step spent summing partial outputs: the op
+time in AddN and in copies between the devices, from a profiled step (tf.profiler's trace), beyond
+the unsplit model's own AddN share (its gradient sums). `tfdist plan`'s prediction for this machine
+(tfdist.plan, with the machine's measured matmul rate) stands beside it, with the error. Writes
+bench_results/tensor.json.
 
 --sequence: the activation bytes each of t = 2 shards keeps for the backward pass, with and
 without sequence parallelism (Korthikanti et al. 2022), against the paper's formula
@@ -94,7 +94,7 @@ def worker(spec):
     step()["loss"].numpy()  # traced, and run once: the peak below is a steady step's
     tf.config.experimental.reset_memory_stats("CPU:0")
     times = []
-    for i in range(spec["steps"] + 1):
+    for _ in range(spec["steps"] + 1):
         start = time.perf_counter()
         step()["loss"].numpy()
         times.append(time.perf_counter() - start)
@@ -126,7 +126,8 @@ def kept_worker(spec):
     graph = tf.function(model.compute_gradients).get_concrete_function(tokens, tokens).graph
     backward = lambda op: op.name.split("/")[0].startswith("gradients")  # noqa: E731
     ids = next(op for op in graph.get_operations() if op.type == "Placeholder")
-    forward, todo = set(), [ids]  # the forward ops computed from the batch's token ids
+    forward = set()  # the forward ops computed from the batch's token ids
+    todo = [ids]
     while todo:
         op = todo.pop()
         if op.name not in forward and not backward(op):
@@ -162,7 +163,8 @@ def sum_share(step):
         step()["loss"].numpy()
         tf.profiler.experimental.stop()
         space = xplane_pb2.XSpace()
-        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0], "rb") as f:
+        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
+                  "rb") as f:
             space.ParseFromString(f.read())
     total = summed = copied = 0
     for plane in space.planes:
@@ -206,12 +208,15 @@ def schedules_main():
             print(f"{schedule:6} M={m:3}: TF peak {r['tf_peak_bytes'] / 2**20:8.1f} MiB, "
                   f"peak RSS {r['peak_rss_bytes'] / 2**20:8.1f} MiB, "
                   f"estimate {r['estimated_bytes'] / 2**20:8.1f} MiB", flush=True)
-    base = {s: next(r for r in rows if r["schedule"] == s)["tf_peak_bytes"] for s in ("gpipe", "1f1b")}
-    print(f"\n{'schedule':8} {'M':>3} {'TF peak MiB':>12} {'vs M=4':>7} {'RSS MiB':>9} {'estimate MiB':>13}")
+    base = {s: next(r for r in rows if r["schedule"] == s)["tf_peak_bytes"]
+            for s in ("gpipe", "1f1b")}
+    print(f"\n{'schedule':8} {'M':>3} {'TF peak MiB':>12} {'vs M=4':>7} {'RSS MiB':>9} "
+          f"{'estimate MiB':>13}")
     for r in rows:
         r["vs_first_M"] = r["tf_peak_bytes"] / base[r["schedule"]]
-        print(f"{r['schedule']:8} {r['M']:3} {r['tf_peak_bytes'] / 2**20:12.1f} {r['vs_first_M']:7.2f} "
-              f"{r['peak_rss_bytes'] / 2**20:9.1f} {r['estimated_bytes'] / 2**20:13.1f}")
+        print(f"{r['schedule']:8} {r['M']:3} {r['tf_peak_bytes'] / 2**20:12.1f} "
+              f"{r['vs_first_M']:7.2f} {r['peak_rss_bytes'] / 2**20:9.1f} "
+              f"{r['estimated_bytes'] / 2**20:13.1f}")
     worst = max(r["vs_first_M"] for r in rows if r["schedule"] == "1f1b")
     print(f"1F1B: the largest peak is {worst:.3f} x its M={_MICROBATCHES.value[0]} peak "
           f"(target: within 1.10)")
@@ -248,14 +253,16 @@ def tensor_main():
               for name, xs in share.items()}
     for name, sh in shares.items():
         print(f"{name:20} op time in AddN {sh['addn']:.2%}, in _Send/_Recv {sh['send_recv']:.2%}")
-    extra = shares["t=2"]["addn"] + shares["t=2"]["send_recv"] - shares["unsplit (1 thread)"]["addn"]
+    extra = (shares["t=2"]["addn"] + shares["t=2"]["send_recv"]
+             - shares["unsplit (1 thread)"]["addn"])
     print(f"share of the t=2 step summing partial outputs (AddN and copies beyond the unsplit "
           f"model's AddN): {extra:.2%}")
     print(f"planner's predicted speedup of t=2 over one device: {predicted['speedup']:.2f}; "
           f"measured {measured:.2f} (error {predicted['speedup'] / measured - 1:+.1%})")
     write("tensor.json", {"model": "gpt_mini", "batch": _BATCH.value, "rounds": _ROUNDS.value,
                           "median_step_s": med, "all_step_s": times, "rows": rows,
-                          "op_time_shares": shares, "sum_share_beyond_unsplit": extra, "planner": predicted,
+                          "op_time_shares": shares, "sum_share_beyond_unsplit": extra,
+                          "planner": predicted,
                           "measured_speedup_over_1_thread": measured,
                           "planner_error": predicted["speedup"] / measured - 1,
                           "command": "python tools/bench/model_parallel.py --tensor"})
@@ -264,7 +271,8 @@ def tensor_main():
 def sequence_main():
     """--sequence (the module doc): one layer's kept bytes on each shard, counted, and the
     paper's per-rank figure."""
-    counted, formula = {}, None
+    counted = {}
+    formula = None
     for sp in (False, True):
         r = {n: measure({"layers": n, "sp": sp, "batch": _BATCH.value}) for n in (1, 2)}
         devices = sorted(set(r[1]["bytes"]) | set(r[2]["bytes"]))
@@ -283,8 +291,8 @@ def sequence_main():
                      "unplaced_bytes": counted[sp].get("unplaced", 0)})
         print(f"{name:22} {shards[0] / 2**20:12.2f} {shards[1] / 2**20:12.2f} "
               f"{max(shards) / 2**20:8.2f} {paper / 2**20:10.2f} {max(shards) / paper:14.2f}")
-    cut, paper_cut = (rows[1]["largest_shard_bytes"] / rows[0]["largest_shard_bytes"],
-                      rows[1]["paper_bytes_per_rank"] / rows[0]["paper_bytes_per_rank"])
+    cut = rows[1]["largest_shard_bytes"] / rows[0]["largest_shard_bytes"]
+    paper_cut = rows[1]["paper_bytes_per_rank"] / rows[0]["paper_bytes_per_rank"]
     print(f"sequence parallelism: the largest shard keeps {cut:.2f} x as much (paper: "
           f"{paper_cut:.2f} x)")
     write("sequence.json", {"model": "gpt_mini width, 1 layer (2 minus 1)", "batch": _BATCH.value,

@@ -1,5 +1,5 @@
-"""Benchmark: the overlap of the gradient all-reduce with the backward pass (tfdist/parallel/buckets.py;
-`make bench-overlap`).
+"""Benchmark: the overlap of the gradient all-reduce with the backward pass
+(tfdist/parallel/buckets.py; `make bench-overlap`).
 
     python tools/bench/overlap.py --rounds=2
     python tools/bench/overlap.py --link=10gbit --buckets=25 --rounds=1   # on shaped links (root)
@@ -49,7 +49,8 @@ def main(argv):
     from tfdist.plan.model import allreduce_seconds, exposed_allreduce
     from tfdist.runtime import profiling
 
-    n, steps = WORKERS.value, WARMUP.value + STEPS.value
+    n = WORKERS.value
+    steps = WARMUP.value + STEPS.value
     c = config()
     tokens_1 = c.train.batch_size * c.model.block_size
     variants = {"1 process": (1, False, [])}
@@ -78,7 +79,7 @@ def main(argv):
     from tools.cluster.netcluster import _bits
     t1 = tokens_1 / float(np.median(rates["1 process"]))
     rows = []
-    for name, (workers, horovod, extra) in variants.items():
+    for name, (workers, horovod, _) in variants.items():
         per_round = [x / (workers * y) for x, y in zip(rates[name], rates["1 process"])]
         row = {"variant": name, "tokens_per_sec": float(np.median(rates[name])),
                "efficiency": float(np.median(per_round)), "per_round": per_round}
@@ -87,11 +88,13 @@ def main(argv):
             row["overlap"] = "off" if name.endswith("off") else "on"
             row["bucket_mb"] = None if row["overlap"] == "off" else float(name.split()[-2])
             bw = (_bits(LINK.value) / 8 if LINK.value else
-                  allreduce_bandwidth("bench_results", "horovod/gloo" if horovod else "tf ring (MWMS)"))
+                  allreduce_bandwidth("bench_results",
+                                      "horovod/gloo" if horovod else "tf ring (MWMS)"))
             if bw and n_params:
                 comm = allreduce_seconds(4 * n_params, workers, bw)
                 if row["overlap"] == "on":  # the backward pass: 2 of a step's 3 matmul passes
-                    comm = exposed_allreduce(comm, t1 * 2 / 3, 4 * n_params, row["bucket_mb"] * 2 ** 20)
+                    comm = exposed_allreduce(comm, t1 * 2 / 3, 4 * n_params,
+                                             row["bucket_mb"] * 2 ** 20)
                 row["planner_predicted_efficiency"] = t1 / (t1 + comm)
                 row["planner_error"] = row["planner_predicted_efficiency"] / row["efficiency"] - 1
         rows.append(row)
@@ -119,7 +122,8 @@ def main(argv):
                                 f"then overlap=off", "reports": reports}
     print(f"\n{os.path.basename(config_filename())}: batch {c.train.batch_size} x "
           f"{c.model.block_size} per process, {n} processes, 1 intra-op and {INTER.value} inter-op "
-          f"thread(s) each, {LINK.value or 'loopback'}; median of {ROUNDS.value} interleaved rounds")
+          f"thread(s) each, {LINK.value or 'loopback'}; median of {ROUNDS.value} interleaved "
+          f"rounds")
     print(f"{'variant':34s} {'tokens/s':>9s} {'efficiency':>11s} {'planner':>8s}")
     for row in rows:
         pred = row.get("planner_predicted_efficiency")
@@ -129,8 +133,9 @@ def main(argv):
         for key, rep in t["reports"].items():
             print(f"trace {strategy} {key}: {rep['issued_during_backward']} all-reduce(s) issued "
                   f"and {rep['completed_during_backward']} completed before the backward pass "
-                  f"ended; {100 * rep['hidden_fraction']:.0f}% of {rep['communication_us'] / 1e3:.0f} "
-                  f"ms of communication hidden, {rep['exposed_communication_us'] / 1e3:.0f} ms exposed")
+                  f"ended; {100 * rep['hidden_fraction']:.0f}% of "
+                  f"{rep['communication_us'] / 1e3:.0f} ms of communication hidden, "
+                  f"{rep['exposed_communication_us'] / 1e3:.0f} ms exposed")
     write_json({"config": os.path.basename(config_filename()), "workers": n,
                 "batch_per_process": c.train.batch_size, "context": c.model.block_size,
                 "intra_op_threads": 1, "inter_op_threads": INTER.value,

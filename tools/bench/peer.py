@@ -1,6 +1,6 @@
 """Benchmark: tfdist's training step against its peers on this machine (`make bench-peer`):
-a plain PyTorch eager GPT of the same shape (`tools/bench/torch_gpt.py`, in its own `.venv-peer`) and
-plain Keras 3 `fit` of the same GPT, in fp32 and bf16, interleaved in one run.
+a plain PyTorch eager GPT of the same shape (`tools/bench/torch_gpt.py`, in its own
+`.venv-peer`) and plain Keras 3 `fit` of the same GPT, in fp32 and bf16, interleaved in one run.
 
     make bench-peer                                           # gpt_demo and gpt_mini, fp32 and bf16
     python tools/bench/peer.py --shapes=configs/gpt_demo.py --precisions=float32 --rounds=2
@@ -21,8 +21,9 @@ included.
 
 The matmul peaks (2048^3, fp32 and bf16, TF's and torch's) are measured in the same run, before
 and after each cell, best of both; so are the step's own dense-layer matmuls (`linear_products`:
-forward and backward, one after another) in the cell's precision, TF's against torch's. MFU = tokens/s * training FLOPs per token / the TF peak of the
-cell's precision. It prints a table and writes bench_results/peer.json.
+forward and backward, one after another) in the cell's precision, TF's against torch's. MFU =
+tokens/s * training FLOPs per token / the TF peak of the cell's precision. It prints a table and
+writes bench_results/peer.json.
 """
 import json
 import os
@@ -131,7 +132,8 @@ def run_cell(shape_path, precision, log_dir):
     vocab = export_tokens(c, data)
     c.model.vocab_size = c.model.vocab_size or vocab
     names = ["tfdist", "keras", "torch"] + (["tfdist+jit"] if _JIT.value else [])
-    me = [sys.executable, os.path.join(ROOT, "tools", "bench", "peer_worker.py"), shape_path, precision]
+    me = [sys.executable, os.path.join(ROOT, "tools", "bench", "peer_worker.py"), shape_path,
+          precision]
     workers = {}
     try:
         for name in names:

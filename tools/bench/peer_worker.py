@@ -55,7 +55,9 @@ def serve(shape, precision, variant, reply_fd):
 
         def __init__(self, warmup):
             super().__init__()
-            self.begins, self.wanted, self.warm = [], warmup, False
+            self.begins = []
+            self.wanted = warmup
+            self.warm = False
 
         def on_train_batch_begin(self, batch, logs=None):
             self.begins.append(time.perf_counter())

@@ -37,7 +37,8 @@ def main(argv):
     import numpy as np
 
     c = config()
-    k, steps = 2, WARMUP.value + STEPS.value
+    k = 2
+    steps = WARMUP.value + STEPS.value
     ms = [int(m) for m in _MICROBATCHES.value]
     tmp = tempfile.mkdtemp(prefix="tfdist-pipeline-")
     # Pipelined: 1 intra-op thread, and 2 inter-op threads so that the two stages' ops can run
@@ -46,8 +47,10 @@ def main(argv):
     # matmul's two gradients, run at once even on one device).
     variants = {"unsplit": (2, []), "unsplit-1": (1, [])}
     for m in ms:
-        variants[f"M={m}"] = (2, [f"--config.pipeline.stages={k}", f"--config.pipeline.microbatches={m}"])
-    times, memory = {name: [] for name in variants}, {}
+        variants[f"M={m}"] = (2, [f"--config.pipeline.stages={k}",
+                                  f"--config.pipeline.microbatches={m}"])
+    times = {name: [] for name in variants}
+    memory = {}
     for r in range(ROUNDS.value):
         for name, (inter, extra) in variants.items():
             log = train_run(os.path.join(tmp, name.replace("=", "")), 1, steps, inter, extra)
@@ -59,7 +62,8 @@ def main(argv):
     base = float(np.median(times["unsplit"]))
     one = float(np.median(times["unsplit-1"]))
     rows = [{"variant": "unsplit", "microbatches": None, "step_time_s": base, "speedup": 1.0},
-            {"variant": "unsplit-1", "microbatches": None, "step_time_s": one, "speedup": base / one}]
+            {"variant": "unsplit-1", "microbatches": None, "step_time_s": one,
+             "speedup": base / one}]
     for m in ms:
         t = float(np.median(times[f"M={m}"]))
         speedup, ideal = base / t, k * m / (m + k - 1)
@@ -77,8 +81,9 @@ def main(argv):
         if r["microbatches"] is None:
             print(f"{r['variant']:12s} {r['step_time_s']:7.2f} {r['speedup']:8.2f}")
             continue
-        print(f"{r['variant']:12s} {r['step_time_s']:7.2f} {r['speedup']:8.2f} {r['ideal_speedup']:6.2f} "
-              f"{100 * r['of_ideal']:8.1f}% {100 * r['measured_bubble']:6.1f}% "
+        print(f"{r['variant']:12s} {r['step_time_s']:7.2f} {r['speedup']:8.2f} "
+              f"{r['ideal_speedup']:6.2f} {100 * r['of_ideal']:8.1f}% "
+              f"{100 * r['measured_bubble']:6.1f}% "
               f"{100 * r['ideal_bubble']:12.1f}%")
     print("target at M=8: >= 85% of ideal. unsplit: 1 intra + 2 inter-op threads (the reference); "
           "unsplit-1: 1 intra + 1 inter-op thread")
@@ -87,7 +92,8 @@ def main(argv):
         print(f"  {name}: " + "; ".join(lines))
     write_json({"config": os.path.basename(config_filename()), "stages": k,
                 "batch": c.train.batch_size, "context": c.model.block_size,
-                "threads": "unsplit: 1 intra + 2 inter; unsplit-1: 1 intra + 1 inter; pipelined: 1 intra + 2 inter",
+                "threads": "unsplit: 1 intra + 2 inter; unsplit-1: 1 intra + 1 inter; "
+                           "pipelined: 1 intra + 2 inter",
                 "rows": rows, "memory": memory}, "bench_results/pipeline.json")
 
 

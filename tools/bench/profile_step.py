@@ -3,12 +3,12 @@
 update) and by op type.
 
     python tools/bench/profile_step.py --config=configs/gpt_mini.py
-    python tools/bench/profile_step.py --config=configs/gpt_demo.py -- --config.train.precision=mixed_bfloat16
+    python tools/bench/profile_step.py --config=configs/gpt_demo.py -- \\
+        --config.train.precision=mixed_bfloat16
 
 Flags after `--` go to `tfdist train`. It prints a table and writes JSON (--out, default
 bench_results/profile-<config>[-<precision>].json).
 """
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +17,7 @@ import tempfile
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tools.bench.common import OUT, cli, config_filename  # noqa: E402
+from tools.bench.common import cli, config_filename, write_json  # noqa: E402
 from tools.faults import harness  # noqa: E402
 
 _AT = flags.DEFINE_integer("at_step", 8, "The step profiled (after tracing and warm-up).")
@@ -29,12 +29,14 @@ def main(argv):
     with tempfile.TemporaryDirectory(prefix="tfdist-profile-") as workdir:
         cmd = harness.tfdist_argv(
             "train", f"--config={config_filename()}", f"--workdir={workdir}", "--overwrite",
-            f"--config.train.steps={_AT.value + 1}", f"--config.train.steps_per_epoch={_AT.value + 1}",
+            f"--config.train.steps={_AT.value + 1}",
+            f"--config.train.steps_per_epoch={_AT.value + 1}",
             f"--config.train.profile_step={_AT.value}", "--config.train.warmup_steps=1",
             "--config.train.eval_steps=1", "--config.backup.enabled=false", *extra)
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if p.returncode:
-            sys.exit(f"profile_step: tfdist train failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+            sys.exit(f"profile_step: tfdist train failed (exit {p.returncode}):\n"
+                     f"{p.stderr[-3000:]}")
         events = profiling.read(os.path.join(workdir, "profile", "worker-0"))
         step_time = harness.metrics(workdir)["steps"][_AT.value - 1]["step_time"]
     r = profiling.where_time_goes(events, top=25)
@@ -48,12 +50,8 @@ def main(argv):
     for t in r["types"]:
         print(f"  {t['type']:32s} {t['ops']:5d} {t['op_us'] / 1e3:9.1f} {100 * t['share']:5.1f}%")
     precision = next((f.split("=")[1] for f in extra if "precision=" in f), "")
-    out = OUT.value or os.path.join("bench_results", f"profile-{r['config'].removesuffix('.py')}"
-                                    + (f"-{precision}" if precision else "") + ".json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(r, f, indent=1)
-    print(f"wrote {out}")
+    write_json(r, os.path.join("bench_results", f"profile-{r['config'].removesuffix('.py')}"
+                               + (f"-{precision}" if precision else "") + ".json"))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Benchmark: the scaling of data-parallel training over processes (`make bench-scaling`,
 `bench-scaling-horovod`, `bench-scaling-ps`, `bench-links`).
 
-    python tools/bench/scaling.py                       # 2 workers x 1 thread vs 1 x 1 thread, gpt_mini
-    python tools/bench/scaling.py --ps                  # parameter server: 2 workers + 1 ps vs 1 + 1
+    python tools/bench/scaling.py              # 2 workers x 1 thread vs 1 x 1 thread, gpt_mini
+    python tools/bench/scaling.py --ps         # parameter server: 2 workers + 1 ps vs 1 + 1
     python tools/bench/scaling.py --horovod [--compression=fp16]      # Horovod ranks
     python tools/bench/scaling.py --link=1gbit [--straggler=100mbit]  # on shaped links (root)
 
@@ -75,7 +75,8 @@ def ps_scaling():
         row = {}
         for workers in (1, 2):
             row[workers] = ps_run(os.path.join(tmp, f"w{workers}"), workers, steps)
-            print(f"round {r + 1}: {workers} worker(s) + 1 ps: {row[workers]:.3f} steps/s", flush=True)
+            print(f"round {r + 1}: {workers} worker(s) + 1 ps: {row[workers]:.3f} steps/s",
+                  flush=True)
         rounds.append({"steps_per_sec_1": row[1], "steps_per_sec_2": row[2],
                        "efficiency": row[2] / (2 * row[1]), "worker_steps_2": ps_run.worker_steps})
     eff = float(np.median([x["efficiency"] for x in rounds]))
@@ -99,7 +100,8 @@ def scaling():
 
     import numpy as np
 
-    n, steps = WORKERS.value, WARMUP.value + STEPS.value
+    n = WORKERS.value
+    steps = WARMUP.value + STEPS.value
     c = config()
     tokens_1 = c.train.batch_size * c.model.block_size
     tmp = tempfile.mkdtemp(prefix="tfdist-scaling-")

@@ -104,14 +104,15 @@ def main(argv):
         model.compile(optimizer=keras_opt, loss=loss_fn())
         xs, ys = zip(*[(x.numpy(), y.numpy()) for x, y in windows.dataset_fn(0, total)(None)])
         timer = Timer()
+        pos = [0]  # the next step's batch, across runs
 
-        def run(steps, _pos=[0]):
-            i = _pos[0]
+        def run(steps):
+            i = pos[0]
             x, y = np.concatenate(xs[i:i + steps]), np.concatenate(ys[i:i + steps])
             ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(t.batch_size)
             model.fit(ds, epochs=1, steps_per_epoch=steps, callbacks=[timer], verbose=0,
                       shuffle=False)
-            _pos[0] += steps
+            pos[0] += steps
         return run, timer, model
 
     variants["tfdist"] = tfdist_variant(False)
@@ -121,7 +122,7 @@ def main(argv):
 
     peak = matmul_peak()
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (fp32)", flush=True)
-    for name, (run, timer, _) in variants.items():  # warm-up: tracing, first steps
+    for run, timer, _ in variants.values():  # warm-up: tracing, first steps
         run(WARMUP.value)
         timer.times.clear()
     for r in range(ROUNDS.value):
@@ -143,11 +144,12 @@ def main(argv):
     keras_tps = next(r["tokens_per_sec"] for r in rows if r["variant"] == "keras")
     result = {"config": os.path.basename(config_filename()), "params": model.num_params(),
               "batch": t.batch_size, "context": m.block_size, "flops_per_token": fpt,
-              "matmul_peak_flops": peak, "cores": os.cpu_count(), "threads": "TF default (all cores)",
+              "matmul_peak_flops": peak, "cores": os.cpu_count(),
+              "threads": "TF default (all cores)",
               "tfdist_overhead_vs_keras": 1 - rows[0]["tokens_per_sec"] / keras_tps, "rows": rows}
 
-    print(f"\n{result['config']}: {result['params']:,} params, batch {t.batch_size} x {m.block_size}"
-          f", peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"\n{result['config']}: {result['params']:,} params, batch {t.batch_size} x "
+          f"{m.block_size}, peak {peak / 1e9:.1f} GFLOP/s")
     print(f"{'variant':12s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>7s} {'vs tfdist':>10s}")
     for r in rows:
         print(f"{r['variant']:12s} {r['step_time_s']:8.3f} {r['tokens_per_sec']:10.0f} "

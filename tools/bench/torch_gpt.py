@@ -49,9 +49,11 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, n_embd, n_head, n_layer):
         super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
         self.attn = Attention(n_embd, n_head, n_layer)
-        self.fc, self.proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.proj = nn.Linear(4 * n_embd, n_embd)
         nn.init.normal_(self.proj.weight, std=0.02 / math.sqrt(2 * n_layer))
 
     def forward(self, x):
@@ -139,7 +141,8 @@ def matmul_peak(dtype, n=2048, repeats=10):
 
 def products(shapes, dtype, repeats=5):
     """Seconds of the best of `repeats` runs of the products `shapes` ([m, k, n, transpose_a,
-    transpose_b] each), one after another: tools/bench/matmul_peak.py's `measure_products` in torch."""
+    transpose_b] each), one after another: tools/bench/matmul_peak.py's `measure_products` in
+    torch."""
     operands = []
     for m, k, n, ta, tb in shapes:
         a = torch.randn((k, m) if ta else (m, k), dtype=dtype)
@@ -177,7 +180,8 @@ def serve(stdin=sys.stdin, stdout=sys.stdout):
         if "products" in msg:
             say({"seconds": products(msg["products"], getattr(torch, msg["dtype"]))})
             continue
-        times, loss = [], None
+        times = []
+        loss = None
         for _ in range(msg["steps"]):
             t = time.perf_counter()
             loss = trainer.step()
@@ -191,7 +195,7 @@ def check():
     for precision in ("float32", "bfloat16"):
         trainer = Trainer(shape, precision, None)
         data = trainer.batch()
-        trainer.batch = lambda: data  # one batch over and over: the loss must fall
+        trainer.batch = lambda data=data: data  # one batch over and over: the loss must fall
         losses = [trainer.step() for _ in range(30)]
         assert losses[-1] < 0.7 * losses[0], (precision, losses)
         print(f"{precision}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")

@@ -69,7 +69,8 @@ def loopback_tx():
 def worker(stage):
     options = {}
     if stage == KEPT:  # ZeRO-3, the forward's gathered weights kept for the backward pass
-        options, stage = {"regather": False}, 3
+        options = {"regather": False}
+        stage = 3
     import numpy as np
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -104,7 +105,8 @@ def worker(stage):
     step().numpy()
     strategy.barrier()  # both traced: time together
     tf.config.experimental.reset_memory_stats("CPU:0")
-    tx, times = loopback_tx(), []
+    tx = loopback_tx()
+    times = []
     for _ in range(_STEPS.value):
         start = time.perf_counter()
         step().numpy()
@@ -204,14 +206,16 @@ def main(argv):
         r = {k: statistics.median(x[k] for x in runs[s])
              for k in ("step_s", "tf_peak_bytes", "peak_rss_bytes", "sent_per_rank_step")}
         r.update(variant=name, stage=min(s, 3), optimizer_bytes=runs[s][0]["optimizer_bytes"],
-                 weight_bytes=runs[s][0]["weight_bytes"], gradient_bytes=runs[s][0]["gradient_bytes"],
+                 weight_bytes=runs[s][0]["weight_bytes"],
+                 gradient_bytes=runs[s][0]["gradient_bytes"],
                  largest_unit_bytes=runs[s][0]["largest_unit_bytes"])
         r["paper_bytes_per_rank_step"] = (3 if s >= 3 else 2) * (n - 1) / n * r["gradient_bytes"]
         rows.append(r)
     base = rows[0]
     print(f"\n{'variant':20} {'s/step':>7} {'x plain':>7} {'weights MiB/rank':>17} "
           f"{'optimizer MiB/rank':>19} "
-          f"{'TF peak MiB':>11} {'RSS MiB':>8} {'sent MiB/step':>13} {'x plain':>7} {'paper MiB':>9}")
+          f"{'TF peak MiB':>11} {'RSS MiB':>8} {'sent MiB/step':>13} {'x plain':>7} "
+          f"{'paper MiB':>9}")
     for r in rows:
         r["time_vs_plain"] = r["step_s"] / base["step_s"]
         r["sent_vs_plain"] = r["sent_per_rank_step"] / base["sent_per_rank_step"]
@@ -251,7 +255,8 @@ def main_capped():
         "strategy": _STRATEGY.value, "ranks": 2, "batch_per_rank": _BATCH.value,
         "steps": _STEPS.value, "cap_mib_per_rank": _CAP.value, "rows": rows,
         "command": f"python tools/bench/zero.py --model={_MODEL.value} --cap_mib={_CAP.value} "
-                   f"--batch={_BATCH.value} --steps={_STEPS.value} --stages={','.join(_STAGES.value)}"},
+                   f"--batch={_BATCH.value} --steps={_STEPS.value} "
+                   f"--stages={','.join(_STAGES.value)}"},
         indent=1))
     print(f"wrote {os.path.normpath(path)}")
 

@@ -1,6 +1,7 @@
 """A cluster of hosts on one machine: network namespaces on a bridge, with shaped links (root).
 
-    .venv/bin/python tools/cluster/netcluster.py check --rate=1gbit     # (root) up, connect across, down
+    # (root) up, connect across, down
+    .venv/bin/python tools/cluster/netcluster.py check --rate=1gbit
 
     with NetCluster(2, rate="1gbit", loss="5%") as net:
         net.run(0, ["python", "-c", "..."])          # on host 0; host 1 is net.address(1)
@@ -288,7 +289,9 @@ _SSH_VALUED = set("BbcDEeFIiJLlmOoPpQRSWw")
 def ssh(name, n, argv):
     """`ssh [options] HOST COMMAND...` for the cluster `name` of `n` hosts: replaces this process
     with COMMAND under `sh -c` in HOST's namespace. Options are accepted and ignored."""
-    words, target, i = [], None, 0
+    words = []
+    target = None
+    i = 0
     while i < len(argv):  # as ssh(1): options before the host and right after it, then COMMAND
         a = argv[i]
         if a == "--" and target is None:
@@ -304,7 +307,8 @@ def ssh(name, n, argv):
     if target is None:
         sys.exit("netcluster ssh: no host given")
     net = NetCluster(n, name=name)
-    host, command = net.host_of(target), " ".join(words)
+    host = net.host_of(target)
+    command = " ".join(words)
     if host is None:  # as ssh says for a host it cannot resolve; exit status 255, as ssh's
         sys.stderr.write(f"ssh: Could not resolve hostname {target}: not a host of {name}\n")
         sys.exit(255)

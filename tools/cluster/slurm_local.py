@@ -52,7 +52,9 @@ class LocalSlurm:
     """One-node Slurm (see the module doc). `env` holds SLURM_CONF for the client commands."""
 
     def __init__(self, cpus=2, port=16817, net=None):
-        self.cpus, self.port, self.net = cpus, port, net
+        self.cpus = cpus
+        self.port = port
+        self.net = net
         self.host = socket.gethostname().split(".")[0]
         self.dir = None
         self.procs = {}
@@ -75,7 +77,8 @@ class LocalSlurm:
             lines = [f"NodeName={n} NodeAddr={self.net.address(i)} CPUs={self.cpus} State=UNKNOWN"
                      for i, n in enumerate(nodes)]
         else:
-            where, lines = "", [f"NodeName={self.host} CPUs={self.cpus} State=UNKNOWN"]
+            where = ""
+            lines = [f"NodeName={self.host} CPUs={self.cpus} State=UNKNOWN"]
         with open(conf, "w") as f:
             f.write(f"""ClusterName=tfdist
 SlurmctldHost={self.host}{where}
@@ -110,8 +113,9 @@ PartitionName=debug Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=U
             quiet = dict(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             self.procs["slurmctld"] = subprocess.Popen(self.on(0, ["slurmctld", "-D", "-f", conf]),
                                                        **quiet)
-            for i, n in enumerate(nodes):  # `nsenter --net` keeps /sys/fs/cgroup (`ip netns
-                self.procs[f"slurmd-{n}"] = subprocess.Popen(  # exec` mounts a sysfs of its own)
+            # `nsenter --net` keeps /sys/fs/cgroup (`ip netns exec` mounts a sysfs of its own)
+            for i, n in enumerate(nodes):
+                self.procs[f"slurmd-{n}"] = subprocess.Popen(
                     ([*self.on(i, [], enter=True)] if self.net else []) +
                     ["slurmd", "-D", *(["-N", n] if self.net else []), "-f", conf], **quiet)
             deadline = time.monotonic() + timeout

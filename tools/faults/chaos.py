@@ -2,19 +2,24 @@
 
     python tools/faults/chaos.py                       # 5 trials, 2 workers, gpt_nano, 30 steps
     python tools/faults/chaos.py --trials=10 --seed=1 --workers=3
-    python tools/faults/chaos.py --strategy=parameter_server      # 5 trials, 2 workers + 1 ps, 600 steps
-    python tools/faults/chaos.py --strategy=horovod    # 5 trials, 2 Horovod ranks (horovodrun), 30 steps
-    python tools/faults/chaos.py --strategy=horovod --zero=1   # the same under ZeRO-1 (chaos-zero.json)
-    python tools/faults/chaos.py --zero=1              # ZeRO-1 under multi_worker_mirrored (chaos-zero-mwms.json)
+    python tools/faults/chaos.py --strategy=parameter_server      # 5 trials, 2 workers + 1 ps,
+                                                                  # 600 steps
+    python tools/faults/chaos.py --strategy=horovod    # 5 trials, 2 Horovod ranks (horovodrun),
+                                                       # 30 steps
+    python tools/faults/chaos.py --strategy=horovod --zero=1   # the same under ZeRO-1
+                                                               # (chaos-zero.json)
+    python tools/faults/chaos.py --zero=1              # ZeRO-1 under multi_worker_mirrored
+                                                       # (chaos-zero-mwms.json)
     python tools/faults/chaos.py [--strategy=horovod] --zero=3  # ZeRO-3 (chaos-zero3[-mwms].json)
 
 multi_worker_mirrored and horovod (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
-and a worker in turn (worker 0, the chief, first). That worker SIGKILLs itself right after the step (tools/faults/faulty_train.py), the launcher
-stops the group and restarts it, and training resumes from the backup. A backup is written after
-every step, with op determinism and dropout on. A trial passes when the launcher exits 0 after
-exactly one restart, every worker executed exactly the planned steps (none lost, none repeated),
-and the final weights are bitwise equal to the reference's.
+and a worker in turn (worker 0, the chief, first). That worker SIGKILLs itself right after the
+step (tools/faults/faulty_train.py), the launcher stops the group and restarts it, and training
+resumes from the backup. A backup is written after every step, with op determinism and dropout
+on. A trial passes when the launcher exits 0 after exactly one restart, every worker executed
+exactly the planned steps (none lost, none repeated), and the final weights are bitwise equal to
+the reference's.
 
 parameter_server (asynchronous): each trial SIGKILLs a worker (in turn) at a random time (seeded,
 1-6 s into training). The launcher restarts that worker alone and it rejoins. A trial passes when
@@ -27,9 +32,9 @@ is in flight, seen from its files; the run must resume from the backup before it
 (`write_trials`; chaos-write-<strategy>.json).
 
 --fault=sigterm (preemption; also --strategy=single): the worker gets SIGTERM while the step
-runs. Every process backs up that step and exits 75 (tfdist/runtime/preemption.py); the launcher restarts
-the group (a single process is run again), and the run resumes at that step. Backups are written
-at epoch ends only, so the resumed step is the signal's own backup. Passes as above.
+runs. Every process backs up that step and exits 75 (tfdist/runtime/preemption.py); the launcher
+restarts the group (a single process is run again), and the run resumes at that step. Backups are
+written at epoch ends only, so the resumed step is the signal's own backup. Passes as above.
 
 Under the parameter server, --fault=sigterm sends SIGTERM to `tfdist launch` at a random time
 (seeded, 1-6 s into training, 600 steps, backups at epoch ends only): the coordinator drains the
@@ -52,7 +57,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from tools.faults.harness import driver_argv, final_weights, launch_argv, metrics, steps_by_worker  # noqa: E402
+from tools.faults.harness import (  # noqa: E402
+    driver_argv,
+    final_weights,
+    launch_argv,
+    metrics,
+    steps_by_worker,
+)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -70,7 +81,9 @@ def launch(workdir, overrides, workers, *extra):
 def single(workdir, overrides, *extra):
     """The driver, and once more if it exited 75 (preempted), as a scheduler would requeue it.
     Returns a CompletedProcess whose stdout counts its starts as the launcher's would."""
-    t, out, err = time.monotonic(), "", ""
+    t = time.monotonic()
+    out = ""
+    err = ""
     for attempt in range(2):
         p = subprocess.run(driver_argv(workdir, overrides, *(extra if attempt == 0 else ())),
                            capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -127,22 +140,26 @@ def main():
     ref_dir = os.path.join(tmp, "reference")
     p, seconds = launch(ref_dir, overrides, args.workers)
     if p.returncode or steps_by_worker(ref_dir) != plan:
-        sys.exit(f"chaos: the reference run failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}")
+        sys.exit(f"chaos: the reference run failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n"
+                 f"{p.stderr[-2000:]}")
     reference = final_weights(ref_dir)
-    print(f"reference: {args.strategy}, {args.workers} workers, {args.steps} steps, {seconds:.1f} s", flush=True)
+    print(f"reference: {args.strategy}, {args.workers} workers, {args.steps} steps, "
+          f"{seconds:.1f} s", flush=True)
 
     rng = random.Random(args.seed)
     rows = []
     if args.fault == "kill_in_write":
         return report(args, *write_trials(args, overrides, plan, tmp, reference, rng))
     for trial in range(args.trials):
-        worker, step = trial % args.workers, rng.randint(1, args.steps - 1)  # chief, then others
+        worker = trial % args.workers  # chief, then others
+        step = rng.randint(1, args.steps - 1)
         d = os.path.join(tmp, f"trial{trial}")
         fault = (["--kill-at-step", str(step)] if args.fault == "kill" else
                  ["--signal-at-step", str(step), "--signal", "TERM"])
         p, seconds = launch(d, overrides, args.workers, *fault, "--kill-worker", str(worker))
         restarts = p.stdout.count("tfdist launch: started") - 1
-        executed = steps_by_worker(d) if os.path.exists(os.path.join(d, "executed_steps.txt")) else {}
+        executed = (steps_by_worker(d) if os.path.exists(os.path.join(d, "executed_steps.txt"))
+                    else {})
         diff = None
         if p.returncode == 0:
             diff = max(float(abs(a - b).max()) for a, b in zip(final_weights(d), reference))
@@ -178,10 +195,11 @@ def write_trials(args, overrides, plan, tmp, reference, rng):
     from tools.faults.harness import committed_step, write_in_flight
     rows = []
     for trial in range(args.trials):
-        d, target = os.path.join(tmp, f"trial{trial}"), rng.randint(6, args.steps - 5)
+        d = os.path.join(tmp, f"trial{trial}")
+        target = rng.randint(6, args.steps - 5)
         killed = {}
 
-        def watch():
+        def watch(d=d, target=target, killed=killed):
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and not killed:
                 step = write_in_flight(os.path.join(d, "backup"))
@@ -228,8 +246,9 @@ def report(args, table, rows):
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"strategy": args.strategy, "zero": getattr(args, "zero", 0), "workers": args.workers, "steps": args.steps,
-                   "seed": args.seed, "trials": rows}, f, indent=1)
+        json.dump({"strategy": args.strategy, "zero": getattr(args, "zero", 0),
+                   "workers": args.workers, "steps": args.steps, "seed": args.seed,
+                   "trials": rows}, f, indent=1)
     print(f"wrote {args.out}; {sum(r['ok'] for r in rows)} of {len(rows)} trials ok")
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
 
@@ -266,7 +285,8 @@ def ps_trials(args):
     tmp = tempfile.mkdtemp(prefix="tfdist-chaos-ps-")
     rows = []
     for trial in range(args.trials):
-        worker, delay = trial % args.workers, round(rng.uniform(1.0, 6.0), 2)
+        worker = trial % args.workers
+        delay = round(rng.uniform(1.0, 6.0), 2)
         d = os.path.join(tmp, f"trial{trial}")
         flags = ["--config=configs/gpt_nano.py", f"--workdir={d}", f"--config.train.steps={steps}",
                  f"--config.train.steps_per_epoch={steps // 2}", "--config.train.eval_steps=4",
@@ -279,7 +299,7 @@ def ps_trials(args):
                *flags]
         victim = []
 
-        def kill_worker(p):
+        def kill_worker(p, victim=victim, worker=worker):
             victim.extend(pid for pid in children(p.pid) if task_of(pid) == ("worker", worker))
             for pid in victim:
                 os.kill(pid, signal.SIGKILL)
@@ -320,7 +340,8 @@ def ps_preempt_trials(args):
     every process exits 75; the same command then resumes at that step and counts exactly the
     planned steps."""
     import re
-    args.out = args.out or os.path.join(ROOT, "bench_results", "chaos-sigterm-parameter_server.json")
+    args.out = args.out or os.path.join(ROOT, "bench_results",
+                                        "chaos-sigterm-parameter_server.json")
     steps = args.steps if args.steps != 30 else 600
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="tfdist-chaos-ps-")
@@ -343,15 +364,17 @@ def ps_preempt_trials(args):
         at = int(found.group(1)) if found else None
         again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         seconds = time.monotonic() - t
-        resumed = at is not None and f"resuming from {d}/backup at step {at} of {steps}" in again.stdout
+        resumed = (at is not None
+                   and f"resuming from {d}/backup at step {at} of {steps}" in again.stdout)
         counted = None
         if again.returncode == 0:
             counted = metrics(d)["steps"][-1]["step"]
-        ok = code == 75 and at is not None and resumed and again.returncode == 0 and counted == steps
+        ok = (code == 75 and at is not None and resumed and again.returncode == 0
+              and counted == steps)
         rows.append({"trial": trial, "signal_after_s": delay, "first_exit": code,
-                     "backed_up_step": at, "resumed_there": resumed, "second_exit": again.returncode,
-                     "counted_steps": counted, "planned_steps": steps, "seconds": round(seconds, 1),
-                     "ok": ok})
+                     "backed_up_step": at, "resumed_there": resumed,
+                     "second_exit": again.returncode, "counted_steps": counted,
+                     "planned_steps": steps, "seconds": round(seconds, 1), "ok": ok})
         if not ok:
             print(first[-3000:], again.stdout[-2000:], again.stderr[-1000:], sep="\n")
         print(f"trial {trial}: {'ok' if ok else 'FAILED'}", flush=True)

@@ -1,7 +1,7 @@
 """Elastic trials: a host lost for good mid-run, then a new host offered, across
 tools/cluster/netcluster.py's hosts (root).
 
-    python tools/faults/chaos_elastic.py                        # MWMS, 5 trials (make chaos-elastic)
+    python tools/faults/chaos_elastic.py                       # MWMS, 5 trials (make chaos-elastic)
     python tools/faults/chaos_elastic.py --strategy=horovod --trials=5
 
 3 hosts (network namespaces, 1 Gbit/s links). Each trial runs an elastic `tfdist launch` on host 0:
@@ -39,14 +39,18 @@ from tools.cluster.netcluster import NetCluster  # noqa: E402
 from tools.faults.chaos_partition import prepare_data, report, uninterrupted, yes  # noqa: E402
 from tools.faults.harness import metrics  # noqa: E402
 
-STEPS, EVERY, BATCH, GROW_AT = 200, 5, 16, 50
+STEPS = 200
+EVERY = 5
+BATCH = 16
+GROW_AT = 50
 CONTINUE_BOUND = 60.0  # seconds from the kill to a step trained by the smaller group
 JOIN_BOUND = 60.0  # seconds from the offer of a host to its first step
 TOLERANCE = 1e-5
 
 
 def train_flags(work, data_dir, steps=STEPS):
-    return ["--config=configs/gpt_nano.py", f"--workdir={work}", f"--config.data.data_dir={data_dir}",
+    return ["--config=configs/gpt_nano.py", f"--workdir={work}",
+            f"--config.data.data_dir={data_dir}",
             f"--config.train.steps={steps}", "--config.train.steps_per_epoch=50",
             f"--config.train.batch_size={BATCH}", "--config.train.eval_steps=2",
             f"--config.backup.every_steps={EVERY}"]
@@ -63,7 +67,8 @@ def elastic_trial(net, work, data_dir, strategy, at_step, grow=True, steps=STEPS
     """An elastic launch on host 0 over hosts 0 and 1 (host 2 offered later if `grow`); host 1
     killed and cut off for good once `at_step` is logged. Returns what happened (every wait is
     bounded; the launcher is killed at `timeout`)."""
-    hosts_file = os.path.join(os.path.dirname(str(work)), f"{os.path.basename(str(work))}-hosts.txt")
+    hosts_file = os.path.join(os.path.dirname(str(work)),
+                              f"{os.path.basename(str(work))}-hosts.txt")
     with open(hosts_file, "w") as f:
         f.write(f"{net.address(0)}:1\n{net.address(1)}:1\n")
     env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"],
@@ -126,7 +131,8 @@ def verdict(r, reference, steps=STEPS, grow=True):
             if len(logged) == len(reference) else None)
     checks = {
         "exit 0": r["exit"] == 0,
-        "continued within bound": r["continued_s"] is not None and r["continued_s"] <= CONTINUE_BOUND,
+        "continued within bound": (r["continued_s"] is not None
+                                   and r["continued_s"] <= CONTINUE_BOUND),
         "steps once": [x["step"] for x in logged] == list(range(1, steps + 1)),
         "global batch constant": bool(logged) and all(x["global_batch"] == BATCH for x in logged),
         "losses equal": diff is not None and diff <= TOLERANCE,
@@ -153,13 +159,15 @@ def main():
     reference = [x["loss"] for x in rows(ref)]
     table = []
     for trial in range(args.trials):
-        work, at = os.path.join(tmp, f"trial{trial}"), rng.randint(8, 30)
+        work = os.path.join(tmp, f"trial{trial}")
+        at = rng.randint(8, 30)
         t = time.monotonic()
         with NetCluster(3, rate="1gbit") as net:
             r = elastic_trial(net, work, data_dir, args.strategy, at)
         checks, diff = verdict(r, reference)
         table.append({"trial": trial, "kill_at_step": r["cut_at"], "resumed_at": r["resumed_at"],
-                      "continued_on_1_after_s": r["continued_s"], "offered_at_step": r["offered_at"],
+                      "continued_on_1_after_s": r["continued_s"],
+                      "offered_at_step": r["offered_at"],
                       "joined_at_step": r["joined_at"], "joined_after_s": r["joined_s"],
                       "exit": r["exit"],
                       "max_loss_diff": diff, **{k.replace(" ", "_"): v for k, v in checks.items()},

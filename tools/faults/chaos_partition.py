@@ -1,6 +1,7 @@
-"""Partition trials: a host cut off from the others mid-run, across tools/cluster/netcluster.py's hosts.
+"""Partition trials: a host cut off from the others mid-run, across tools/cluster/netcluster.py's
+hosts.
 
-    python tools/faults/chaos_partition.py                               # MWMS: 3 trials of 10 s, 3 of 60 s
+    python tools/faults/chaos_partition.py              # MWMS: 3 trials of 10 s, 3 of 60 s
     python tools/faults/chaos_partition.py --strategy=horovod --seconds=10,60 --trials=3
 
 2 hosts (network namespaces, 1 Gbit/s links; root). Each trial runs `tfdist launch
@@ -37,11 +38,13 @@ from tools.cluster.netcluster import NetCluster  # noqa: E402
 from tools.faults.harness import final_weights, launch_argv, max_diff, metrics  # noqa: E402
 
 PARTITION_BOUND = 120  # seconds after the partition's end by which training must move on
-STEPS, EVERY = 40, 5
+STEPS = 40
+EVERY = 5
 
 
 def train_flags(work, data_dir, steps=STEPS):
-    return ["--config=configs/gpt_nano.py", f"--workdir={work}", f"--config.data.data_dir={data_dir}",
+    return ["--config=configs/gpt_nano.py", f"--workdir={work}",
+            f"--config.data.data_dir={data_dir}",
             f"--config.train.steps={steps}", "--config.train.steps_per_epoch=10",
             "--config.train.batch_size=16", "--config.train.eval_steps=2",
             f"--config.backup.every_steps={EVERY}"]
@@ -97,16 +100,19 @@ def partition_trial(net, work, data_dir, host, at_step, seconds, strategy="multi
             p.kill()
             reader.join(timeout=10)
             return {"exit": p.wait(), "output": "".join(out), "cut_at": None, "moved_on_s": None,
-                    "at_cut": None, "at_heal": None, "at_end": progress(work), "longest_stall_s": None}
+                    "at_cut": None, "at_heal": None, "at_end": progress(work),
+                    "longest_stall_s": None}
         time.sleep(0.05)
     at_cut = progress(work)
     net.partition(host)
     cut = last_new = time.monotonic()
-    last, stall = at_cut[0], 0.0
+    last = at_cut[0]
+    stall = 0.0
 
     def watch():  # the longest time without a new logged step
         nonlocal last, last_new, stall
-        now, step = time.monotonic(), progress(work)[0]
+        now = time.monotonic()
+        step = progress(work)[0]
         if step > last:
             last, last_new = step, now
         stall = max(stall, now - last_new)
@@ -116,7 +122,8 @@ def partition_trial(net, work, data_dir, host, at_step, seconds, strategy="multi
         watch()
     net.heal(host)
     at_heal = progress(work)
-    healed, moved_on = time.monotonic(), None
+    healed = time.monotonic()
+    moved_on = None
     end = healed + PARTITION_BOUND + 600
     while p.poll() is None and time.monotonic() < end:
         if moved_on is None and progress(work)[0] > at_cut[0]:
@@ -128,18 +135,20 @@ def partition_trial(net, work, data_dir, host, at_step, seconds, strategy="multi
     reader.join(timeout=10)
     if moved_on is None and progress(work)[0] > at_cut[0]:
         moved_on = 0.0  # it moved on before the heal (or in the last 0.2 s)
-    return {"exit": p.returncode, "output": "".join(out), "cut_at": at_cut[0], "moved_on_s": moved_on,
-            "at_cut": at_cut, "at_heal": at_heal, "at_end": progress(work),
+    return {"exit": p.returncode, "output": "".join(out), "cut_at": at_cut[0],
+            "moved_on_s": moved_on, "at_cut": at_cut, "at_heal": at_heal, "at_end": progress(work),
             "longest_stall_s": round(stall, 1)}
 
 
 # The parameter server: 4 hosts (chief, 2 workers, ps), long enough that a 60 s cut ends mid-run.
-PS_STEPS, PS_EPOCH = 1200, 100
+PS_STEPS = 1200
+PS_EPOCH = 100
 PS_LAUNCH = ["--workers=2", "--ps=1"]
 
 
 def ps_flags(work, data_dir, steps=PS_STEPS):
-    return ["--config=configs/gpt_nano.py", f"--workdir={work}", f"--config.data.data_dir={data_dir}",
+    return ["--config=configs/gpt_nano.py", f"--workdir={work}",
+            f"--config.data.data_dir={data_dir}",
             f"--config.train.steps={steps}", f"--config.train.steps_per_epoch={PS_EPOCH}",
             "--config.train.eval_steps=2", "--config.backup.every_steps=50"]
 
@@ -176,7 +185,7 @@ def prepare_data(directory):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--strategy", default="multi_worker_mirrored",
                     choices=["multi_worker_mirrored", "horovod", "parameter_server"])
     ap.add_argument("--seconds", default="10,60", help="partition lengths, comma-separated")
@@ -188,7 +197,8 @@ def main():
     if args.strategy == "parameter_server":
         return ps_trials(args, out)
     rng = random.Random(args.seed)
-    rows, tmp = [], tempfile.mkdtemp(prefix="tfdist-partition-")
+    rows = []
+    tmp = tempfile.mkdtemp(prefix="tfdist-partition-")
     data_dir = prepare_data(os.path.join(tmp, "data"))
     ref = os.path.join(tmp, "reference")
     uninterrupted(ref, data_dir, args.strategy)
@@ -196,7 +206,8 @@ def main():
     trial = 0
     for seconds in [float(s) for s in args.seconds.split(",")]:
         for _ in range(args.trials):
-            host, at = trial % 2 == 0 and 1 or 0, rng.randint(8, 30)
+            host = trial % 2 == 0 and 1 or 0
+            at = rng.randint(8, 30)
             work = os.path.join(tmp, f"trial{trial}")
             t = time.monotonic()
             with NetCluster(2, rate="1gbit") as net:
@@ -209,9 +220,11 @@ def main():
             lost = "lost its" in r["output"]
             ok = (r["exit"] == 0 and steps == list(range(1, STEPS + 1)) and same and
                   r["moved_on_s"] is not None and r["moved_on_s"] <= PARTITION_BOUND)
-            rows.append({"trial": trial, "seconds": seconds, "host": host, "cut_at_step": r["cut_at"],
-                         "exit": r["exit"], "restarts": restarts, "detected": lost,
-                         "moved_on_after_heal_s": None if r["moved_on_s"] is None else round(r["moved_on_s"], 1),
+            rows.append({"trial": trial, "seconds": seconds, "host": host,
+                         "cut_at_step": r["cut_at"], "exit": r["exit"], "restarts": restarts,
+                         "detected": lost,
+                         "moved_on_after_heal_s": (None if r["moved_on_s"] is None
+                                                   else round(r["moved_on_s"], 1)),
                          "steps_logged_once": steps == list(range(1, STEPS + 1)),
                          "bitwise_equal": same, "wall_s": round(wall, 1), "passed": ok})
             print(json.dumps(rows[-1]), flush=True)
@@ -222,9 +235,9 @@ def main():
             "moved on after heal", "steps once", "bitwise", "wall", "passed")
     return report(rows, head, lambda r: (
         r["trial"], f"{r['seconds']:g} s", r["host"], r["cut_at_step"], r["exit"], r["restarts"],
-        "yes" if r["detected"] else "no", f"{r['moved_on_after_heal_s']} s", yes(r["steps_logged_once"]),
-        yes(r["bitwise_equal"]), f"{r['wall_s']:.0f} s", yes(r["passed"])), args.strategy, out,
-        steps=STEPS, backup_every=EVERY, seed=args.seed)
+        "yes" if r["detected"] else "no", f"{r['moved_on_after_heal_s']} s",
+        yes(r["steps_logged_once"]), yes(r["bitwise_equal"]), f"{r['wall_s']:.0f} s",
+        yes(r["passed"])), args.strategy, out, steps=STEPS, backup_every=EVERY, seed=args.seed)
 
 
 def yes(flag):
@@ -252,17 +265,20 @@ def ps_trials(args, out):
     """The parameter server's trials: 4 hosts, worker 0's host and worker 1's in turn cut off at
     a seeded step; judged by `ps_verdict` (there is no bitwise reference: asynchronous)."""
     rng = random.Random(args.seed)
-    rows, tmp = [], tempfile.mkdtemp(prefix="tfdist-partition-")
+    rows = []
+    tmp = tempfile.mkdtemp(prefix="tfdist-partition-")
     data_dir = prepare_data(os.path.join(tmp, "data"))
     trial = 0
     for seconds in [float(s) for s in args.seconds.split(",")]:
         for _ in range(args.trials):
-            worker, at = trial % 2, rng.randint(100, 300)
+            worker = trial % 2
+            at = rng.randint(100, 300)
             work = os.path.join(tmp, f"trial{trial}")
             t = time.monotonic()
             with NetCluster(4, rate="1gbit") as net:  # chief, worker 0, worker 1, ps
-                r = partition_trial(net, work, data_dir, 1 + worker, at, seconds, "parameter_server",
-                                    launch=PS_LAUNCH, flags=ps_flags(work, data_dir))
+                r = partition_trial(net, work, data_dir, 1 + worker, at, seconds,
+                                    "parameter_server", launch=PS_LAUNCH,
+                                    flags=ps_flags(work, data_dir))
             v = ps_verdict(r, worker, seconds)
             rows.append({"trial": trial, "seconds": seconds, "worker_cut": worker,
                          "cut_at_step": r["cut_at"], "exit": r["exit"],

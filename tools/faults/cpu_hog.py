@@ -25,7 +25,8 @@ def spin(deadline):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cores", type=int, default=1, help="busy processes (default 1)")
-    ap.add_argument("--seconds", type=float, default=0, help="stop after this long (0: until killed)")
+    ap.add_argument("--seconds", type=float, default=0,
+                    help="stop after this long (0: until killed)")
     args = ap.parse_args()
     if not 1 <= args.cores <= (os.cpu_count() or 1):
         print(f"cpu_hog: error: --cores must be in [1, {os.cpu_count()}], got {args.cores}",

@@ -3,7 +3,8 @@ tools/faults/chaos.py. Every change it makes to a run goes through `tfdist.train
 callbacks); it patches nothing.
 
     python tools/faults/faulty_train.py WORKDIR '{"train.steps": 20, ...}' [--kill-at-step K] ...
-    tfdist launch --workers 2 -- python tools/faults/faulty_train.py WORKDIR '{...}' --kill-at-step 7 --kill-worker 1
+    tfdist launch --workers 2 -- python tools/faults/faulty_train.py WORKDIR '{...}' \\
+        --kill-at-step 7 --kill-worker 1
 
 Config overrides are a JSON dict of dotted keys applied to configs/<--config>.py (gpt_nano).
 Prints one `DRIVER_RESULT {...}` JSON line at the end. Every executed step appends a line
@@ -118,8 +119,9 @@ def main():
             return seed + strategy.worker_index if args.seed_by_rank else seed
 
         def reduction(self, strategy):
-            if args.skip_allreduce:  # each replica applies its own gradients (the corrections
-                return lambda grads_and_vars: list(grads_and_vars)  # of tfdist.step stay)
+            if args.skip_allreduce:
+                # each replica applies its own gradients (the corrections of tfdist.step stay)
+                return lambda grads_and_vars: list(grads_and_vars)
             return strategy.reduce_gradients
 
         def strategy_callbacks(self, callbacks):
@@ -167,8 +169,9 @@ def main():
 
         def on_train_batch_end(self, batch, logs=None):
             self.n += 1
-            if args.kill_at_step == self.n and first_attempt and backups:  # every process:
-                backups[0].wait()  # step n's backup on disk before the kill (asynchronous saves)
+            # every process: step n's backup on disk before the kill (asynchronous saves)
+            if args.kill_at_step == self.n and first_attempt and backups:
+                backups[0].wait()
             if sync_ranks:  # every rank is past step n's backup (rank 0 writes it) before a kill
                 hvd.allreduce(tf.constant(0.0), name="faulty_train_sync")
             steps_file.write(f"{worker} {os.getpid()} {logs['loss']!r}\n")
@@ -185,8 +188,9 @@ def main():
             if kill_here and self.n == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    contexts, saves, backups = [], [0], []  # (Windows, InputContext) of the training pipeline;
-    # saves so far; the run's backup
+    contexts = []  # (Windows, InputContext) of the training pipeline
+    saves = [0]  # saves so far
+    backups = []  # the run's backup
     record = Record()
     result = train(c, args.workdir, verbose=0, extra_callbacks=[record], hooks=Faults())
     if args.dump_weights:

@@ -10,7 +10,8 @@ Example (what a finished run left):
     >>> from tools.faults import harness
     >>> run = tempfile.mkdtemp()
     >>> with open(os.path.join(run, "metrics.json"), "w") as f:
-    ...     json.dump({"steps": [{"step": 1, "loss": 5.5}, {"step": 2, "loss": 5.2}], "evals": []}, f)
+    ...     json.dump({"steps": [{"step": 1, "loss": 5.5}, {"step": 2, "loss": 5.2}],
+    ...                "evals": []}, f)
     >>> harness.losses(run)
     [5.5, 5.2]
     >>> harness.launch_argv(["--config=configs/gpt_nano.py"], strategy="horovod")[2:6]
@@ -48,6 +49,15 @@ def driver_argv(workdir, overrides, *extra):
     return [sys.executable, DRIVER, str(workdir), json.dumps(overrides), *extra]
 
 
+def relative(path):
+    """`path` relative to the repository when it is inside it (configs/gpt_mini.py), else as
+    given: what a committed result records, rather than the measuring machine's own paths."""
+    absolute = os.path.abspath(path)
+    if os.path.commonpath([absolute, ROOT]) == ROOT:
+        return os.path.relpath(absolute, ROOT)
+    return path
+
+
 # -- running -------------------------------------------------------------------------------------
 
 def run_group(cmd, timeout, env=None, cwd=ROOT):
@@ -60,7 +70,8 @@ def run_group(cmd, timeout, env=None, cwd=ROOT):
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
-        raise TimeoutError(f"{cmd[:6]} timed out after {timeout} s\n{out[-3000:]}\n{err[-2000:]}")
+        raise TimeoutError(f"{cmd[:6]} timed out after {timeout} s\n{out[-3000:]}\n"
+                           f"{err[-2000:]}") from None
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
