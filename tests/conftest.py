@@ -76,9 +76,9 @@ def single_reference(tmp_path_factory, data_dir):
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_on_the_network():
     """After the suite (each pytest process's part of it): no network namespace of a test
-    cluster it made is left (tools/cluster/netcluster.py names them after the process that made them),
-    and the machine's own interfaces are those it had before (tests/test_netcluster.py shows the
-    check failing on a cluster left up)."""
+    cluster it made is left (tools/cluster/netcluster.py names them after the process that made
+    them), and the machine's own interfaces are those it had before (tests/test_netcluster.py
+    shows the check failing on a cluster left up)."""
     import shutil
     if shutil.which("ip") is None or os.geteuid() != 0:
         yield

@@ -1,11 +1,12 @@
 """Helpers shared by the test modules. Fixtures and pytest hooks live in conftest.py; the test
 modules import what they share from here, never from each other.
 
-The harness the tests share with the tools (tools/faults/harness.py) comes through here: command lines
-(`tfdist_argv`, `launch_argv`, `driver_argv` of the fault driver tools/faults/faulty_train.py), `tagged`
-(JSON result lines of a launcher's prefixed output), `wait_until` (poll with a deadline: a hang
-guard, not a timing), and what a run left: `metrics`, `losses`, `executed_steps`,
-`steps_by_worker`, `weights`, `final_weights`, `max_diff`. The tests' own:
+The harness the tests share with the tools (tools/faults/harness.py) comes through here: command
+lines (`tfdist_argv`, `launch_argv`, `driver_argv` of the fault driver
+tools/faults/faulty_train.py), `tagged` (JSON result lines of a launcher's prefixed output),
+`wait_until` (poll with a deadline: a hang guard, not a timing), and what a run left: `metrics`,
+`losses`, `executed_steps`, `steps_by_worker`, `weights`, `final_weights`, `max_diff`. The tests'
+own:
 
 * processes: `run` (a command with a hard timeout, in a fork of the fork server when it can),
   `tfdist` (the CLI), `run_group` (a process group killed on timeout), `driver` (the driver);
@@ -134,8 +135,9 @@ def run(cmd, timeout=300, env=None, check=True, fresh=False):
     """Runs a command with a hard timeout; the process is ours and is killed on timeout.
 
     A Python command (`python -m ...`, `python -c ...`, `python script.py`) runs in a fork of
-    tests/support/forkserver.py, which has TensorFlow imported (6-8 s of CPU here saved per command),
-    unless `fresh` or its environment changes what Python or TF reads at start (READ_AT_START).
+    tests/support/forkserver.py, which has TensorFlow imported (6-8 s of CPU here saved per
+    command), unless `fresh` or its environment changes what Python or TF reads at start
+    (READ_AT_START).
     In a fork or not, it is a process of its own, in a process group of its own there."""
     env = {**os.environ, **(env or {})}
     if _forkable(cmd, env) and not fresh:
@@ -161,7 +163,8 @@ def run_group(cmd, timeout):
             return run(cmd, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as e:
             raise AssertionError(f"{cmd[:6]} timed out after {timeout} s\n"
-                                 f"{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-2000:]}") from None
+                                 f"{(e.stdout or '')[-3000:]}\n"
+                                 f"{(e.stderr or '')[-2000:]}") from None
     try:
         return harness.run_group(cmd, timeout)
     except TimeoutError as e:
@@ -169,8 +172,8 @@ def run_group(cmd, timeout):
 
 
 def driver(workdir, overrides, *extra, timeout=300, check=True, env=None):
-    """Runs the fault driver (tools/faults/faulty_train.py); returns (CompletedProcess, result dict or
-    None)."""
+    """Runs the fault driver (tools/faults/faulty_train.py); returns (CompletedProcess, result
+    dict or None)."""
     p = run(driver_argv(workdir, overrides, *extra), timeout=timeout, check=check, env=env)
     line = [x for x in p.stdout.splitlines() if x.startswith("DRIVER_RESULT ")]
     return p, (json.loads(line[-1][len("DRIVER_RESULT "):]) if line else None)
@@ -199,7 +202,7 @@ def assert_usage_error(p, needle):
 
 
 # -- what a run left -----------------------------------------------------------------------------
-# -- gradient overlap (tfdist/parallel/buckets.py, tfdist/runtime/profiling.py) -------------------------------------
+# -- gradient overlap (tfdist/parallel/buckets.py, tfdist/runtime/profiling.py) ------------------
 OVERLAP_BUCKET_MB = 0.1  # gpt_nano's 0.46 MiB of gradients in 4 buckets
 
 
@@ -214,7 +217,8 @@ def assert_overlap(overlapped, not_overlapped, workers):
     from tfdist.runtime import profiling
     for w in range(workers):
         on = profiling.overlap(profiling.read(os.path.join(overlapped, "profile", f"worker-{w}")))
-        off = profiling.overlap(profiling.read(os.path.join(not_overlapped, "profile", f"worker-{w}")))
+        off = profiling.overlap(profiling.read(os.path.join(not_overlapped, "profile",
+                                                            f"worker-{w}")))
         assert len(on["all_reduces"]) > 1 and on["issued_during_backward"] >= 1, on
         assert len(off["all_reduces"]) == 1 and off["issued_during_backward"] == 0, off
 
@@ -250,7 +254,8 @@ def write_nanogpt(directory, n_train=200_000, n_val=20_000, vocab=50257, seed=0)
     out = {}
     for name, n in (("train", n_train), ("val", n_val)):
         ids = rng.integers(0, vocab, n, dtype=np.uint16)
-        arr = np.memmap(os.path.join(directory, f"{name}.bin"), dtype=np.uint16, mode="w+", shape=(n,))
+        arr = np.memmap(os.path.join(directory, f"{name}.bin"), dtype=np.uint16, mode="w+",
+                        shape=(n,))
         arr[:] = ids
         arr.flush()
         out[name] = ids

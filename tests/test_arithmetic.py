@@ -1,5 +1,5 @@
-"""tfdist.models.arithmetic is the one copy of the transformer arithmetic: its parameter count is the
-built Keras GPT's, the GPT's FLOPs are its figure, and the pipeline's memory estimate and
+"""tfdist.models.arithmetic is the one copy of the transformer arithmetic: its parameter count is
+the built Keras GPT's, the GPT's FLOPs are its figure, and the pipeline's memory estimate and
 `tfdist plan` count the same activation bytes for the same model and layout."""
 import doctest
 
@@ -39,7 +39,8 @@ def test_parameter_count_is_the_built_keras_models(kw):
     assert arch.n_layer * arch.layer_params() == sum(b.count_params() for b in gpt.blocks)
     assert arch.layer_params() == gpt.blocks[0].count_params()
     assert arch.non_embedding_params() == counted - kw["block_size"] * kw["n_embd"]  # less wpe
-    assert gpt.num_params() == counted and gpt.num_params(non_embedding=True) == arch.non_embedding_params()
+    assert (gpt.num_params() == counted
+            and gpt.num_params(non_embedding=True) == arch.non_embedding_params())
     assert plan.Model(name="gpt", **sizes(kw)).params == counted  # the planner counts the same
 
 
@@ -51,7 +52,8 @@ def test_gpt_flops_per_token_is_the_modules(kw):
     L, C, T = kw["n_layer"], kw["n_embd"], kw["block_size"]
     nanogpt = 6 * (gpt.count_params() - T * C) + 12 * L * C * T  # nanoGPT's estimate_mfu
     assert gpt.flops_per_token() == arch.flops_per_token() == nanogpt
-    assert gpt.flops_per_token(seq_len=8) == arch.flops_per_token(8) == nanogpt - 12 * L * C * (T - 8)
+    assert (gpt.flops_per_token(seq_len=8) == arch.flops_per_token(8)
+            == nanogpt - 12 * L * C * (T - 8))
     blocks, embed, head = block_costs(gpt)  # the pipeline balances its stages by the same FLOPs
     assert blocks == [plan.Model(name="gpt", **sizes(kw)).layer_flops()] * L
     assert (embed, head) == (arch.embedding_flops(), arch.head_flops())

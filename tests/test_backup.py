@@ -89,7 +89,8 @@ def test_kill_inside_a_save_leaves_the_previous_backup_usable(tmp_path, data_dir
     assert p.returncode == -9
     latest, half_written = saves[dying - 2], saves[dying - 1]
     assert tf.train.latest_checkpoint(str(tmp_path / "backup")).endswith(f"ckpt-{latest}")
-    assert os.path.exists(tmp_path / "backup" / f"ckpt-{half_written}.index")  # the half-finished save
+    # the half-finished save
+    assert os.path.exists(tmp_path / "backup" / f"ckpt-{half_written}.index")
     _, result = driver(tmp_path, o)
     assert result["steps_run"] == STEPS - latest
     for a, b in zip(final_weights(tmp_path), reference[every]):
@@ -381,32 +382,37 @@ def test_a_signal_in_an_epochs_last_step_stops_after_its_validation():
     logged as in an uninterrupted run; in any other step it stops at the step's end."""
     from tfdist.runtime.preemption import Preempted, Preemption
     x = np.ones((4, 2), "float32")
+
+    class Watch(keras.callbacks.Callback):
+        def __init__(self, signal_at, events):
+            super().__init__()
+            self.signal_at, self.events = signal_at, events
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if (self.epoch, batch) == self.signal_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch in (1, 3):
+                self.events.append(f"batch {batch}")
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.events.append(f"epoch {epoch} val" if "val_loss" in logs else f"epoch {epoch}")
+
     for signal_at, expected in (
             ((0, 3), ["batch 1", "batch 3", "epoch 0 val", "save"]),
             ((1, 1), ["batch 1", "batch 3", "epoch 0 val", "batch 1", "save"])):
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
         events = []
-
-        class Watch(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                self.epoch = epoch
-
-            def on_train_batch_begin(self, batch, logs=None):
-                if (self.epoch, batch) == signal_at:
-                    os.kill(os.getpid(), signal.SIGUSR1)
-
-            def on_train_batch_end(self, batch, logs=None):
-                if batch in (1, 3):
-                    events.append(f"batch {batch}")
-
-            def on_epoch_end(self, epoch, logs=None):
-                events.append(f"epoch {epoch} val" if "val_loss" in logs else f"epoch {epoch}")
-
-        stop = Preemption(["USR1"], save=lambda: events.append("save") or 0, say=lambda m: None)
+        stop = Preemption(["USR1"], save=lambda events=events: events.append("save") or 0,
+                          say=lambda m: None)
         with stop, pytest.raises(Preempted):
             model.fit(x, x[:, :1], batch_size=1, epochs=2, validation_data=(x, x[:, :1]),
-                      callbacks=[Watch(), stop], verbose=0)
+                      callbacks=[Watch(signal_at, events), stop], verbose=0)
         assert events == expected, (signal_at, events)
 
 

@@ -1,7 +1,7 @@
-"""Gradient buckets (tfdist/parallel/buckets.py) and reading a profiled step (tfdist/runtime/profiling.py): the
-bucket plan, the reduction by buckets in one process, bad options, and the overlap read from a
-trace. The 2-process runs that overlap for real are in tests/test_multi_worker.py and
-tests/test_horovod.py."""
+"""Gradient buckets (tfdist/parallel/buckets.py) and reading a profiled step
+(tfdist/runtime/profiling.py): the bucket plan, the reduction by buckets in one process, bad
+options, and the overlap read from a trace. The 2-process runs that overlap for real are in
+tests/test_multi_worker.py and tests/test_horovod.py."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -66,7 +66,8 @@ def test_overlap_on_with_zero_is_refused():
     from tfdist.parallel.layout import Layout
     c = config.default_config()
     c.strategy.name, c.strategy.overlap, c.zero.stage = "multi_worker_mirrored", "on", 2
-    with pytest.raises(UsageError, match="strategy.overlap=on cannot be combined with zero.stage=2"):
+    with pytest.raises(UsageError,
+                       match="strategy.overlap=on cannot be combined with zero.stage=2"):
         Layout.from_config(c, strategies.get_class(c.strategy.name))
     c.strategy.overlap = "auto"  # ZeRO then reduce-scatters, and auto does not insist
     assert Layout.from_config(c, strategies.get_class(c.strategy.name)).zero == 2
@@ -116,7 +117,8 @@ def _event(name, op_type, start, end):
 
 
 def test_overlap_is_read_from_the_order_of_the_trace():
-    backward = [_event(f"gradient_tape/h_{i}/MatMul", "MatMul", 10.0 * i, 10.0 * i + 9) for i in range(4)]
+    backward = [_event(f"gradient_tape/h_{i}/MatMul", "MatMul", 10.0 * i, 10.0 * i + 9)
+                for i in range(4)]
     loss_mean = _event("CollectiveReduceV2", "CollectiveReduceV2", 0.0, 50.0)  # not a gradient's
     early = [_event("tfdist_reduce/CollectiveReduceV2", "CollectiveReduceV2", 12.0, 20.0),
              _event("tfdist_reduce_1/CollectiveReduceV2", "CollectiveReduceV2", 21.0, 45.0)]
@@ -125,16 +127,19 @@ def test_overlap_is_read_from_the_order_of_the_trace():
     assert r["issued_during_backward"] == 2 and r["completed_during_backward"] == 1
     assert r["hidden_fraction"] == pytest.approx((8 + 18) / (8 + 24))
     assert r["exposed_communication_us"] == 6.0
-    late = [_event("tfdist_reduce/CollectiveReduceV2", "CollectiveReduceV2", 40.0, 60.0)]  # one, after
+    late = [_event("tfdist_reduce/CollectiveReduceV2", "CollectiveReduceV2",
+                   40.0, 60.0)]  # one, after
     r = profiling.overlap(backward + late)
-    assert (r["issued_during_backward"], r["completed_during_backward"], r["hidden_fraction"]) == (0, 0, 0.0)
+    assert (r["issued_during_backward"], r["completed_during_backward"],
+            r["hidden_fraction"]) == (0, 0, 0.0)
     with pytest.raises(ValueError, match="0 gradient all-reduce"):
         profiling.overlap(backward)
 
 
 def test_chrome_trace_has_one_process_per_worker():
     events = [_event("gradient_tape/MatMul", "MatMul", 1.0, 3.5),
-              _event("tfdist_allreduce/HorovodGroupedAllreduce_a", "HorovodGroupedAllreduce", 2.0, 4.0)]
+              _event("tfdist_allreduce/HorovodGroupedAllreduce_a", "HorovodGroupedAllreduce",
+                     2.0, 4.0)]
     trace = profiling.chrome_trace({0: events, 1: events})
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1} and len(spans) == 4

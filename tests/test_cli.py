@@ -33,7 +33,8 @@ def finished_run(tmp_path_factory, data_dir):
 def test_train_writes_model_metrics_tensorboard_and_plot(finished_run):
     wd, p = finished_run
     epochs = STEPS // PER_EPOCH
-    assert f"Epoch 1/{epochs}" in p.stdout and "tok/s" in p.stdout  # Keras progress bar with throughput
+    # Keras progress bar with throughput
+    assert f"Epoch 1/{epochs}" in p.stdout and "tok/s" in p.stdout
     m = metrics(wd)
     assert [r["step"] for r in m["steps"]] == list(range(1, STEPS + 1))
     assert len(m["evals"]) == epochs and m["evals"][-1]["loss"] < m["steps"][0]["loss"]
@@ -82,7 +83,8 @@ def test_keras_own_progress_bar_is_unreadable_in_a_file():
                "        logs['tokens'] = 12119372.0\n"
                "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
                "m.compile(optimizer='sgd', loss='mse')\n"
-               "m.fit(np.ones((64, 2)), np.ones((64, 1)), epochs=1, verbose=1, callbacks=[Tokens()])\n")
+               "m.fit(np.ones((64, 2)), np.ones((64, 1)), epochs=1, verbose=1, "
+               "callbacks=[Tokens()])\n")
     p = run([sys.executable, "-c", program], timeout=300)
     problems = unreadable(p.stdout)
     assert "carriage returns" in problems and "12119372.0" in problems, problems
@@ -145,8 +147,8 @@ CASES = {
     "jit under mirrored": (bad("train", "--strategy=mirrored", "--devices=2",
                                "--config.train.jit_compile=True"), "jit_compile"),
     "batch vs replicas": (bad("train", "--strategy=mirrored", "--devices=3"), "divisible"),
-    "mirrored ring": (bad("train", "--strategy=mirrored", "--config.strategy.cross_device_ops=ring"),
-                      "cross_device_ops"),
+    "mirrored ring": (bad("train", "--strategy=mirrored",
+                          "--config.strategy.cross_device_ops=ring"), "cross_device_ops"),
     "missing model to sample": (bad("sample", "--model=/no/such/model.keras"), "not found"),
     "unknown command": (bad("trian"), "unknown command"),
 }

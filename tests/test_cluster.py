@@ -18,7 +18,8 @@ def test_valid_tf_config_parses():
     assert spec.num_workers == 2 and spec.task_index == 1 and not spec.is_chief
     assert spec.worker_index == 1
     chief = cluster.from_tf_config(json.dumps({
-        "cluster": {"chief": ["h:1"], "worker": ["h:2", "h:3"]}, "task": {"type": "worker", "index": 0}}))
+        "cluster": {"chief": ["h:1"], "worker": ["h:2", "h:3"]},
+        "task": {"type": "worker", "index": 0}}))
     assert chief.num_workers == 3 and chief.worker_index == 1 and not chief.is_chief
     assert json.loads(spec.tf_config()) == GOOD
     assert spec.resolver().cluster_spec().as_dict() == GOOD["cluster"]
@@ -54,7 +55,8 @@ def test_bad_tf_config_is_one_clear_error(name):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name", first_fast(["not json", "index out of range", "unknown role for strategy"]))
+@pytest.mark.parametrize("name", first_fast(["not json", "index out of range",
+                                             "unknown role for strategy"]))
 def test_cli_exits_2_with_one_line_for_bad_tf_config(name, tmp_path):
     p = run([sys.executable, "-m", "tfdist", "train", "--strategy=multi_worker_mirrored",
              f"--workdir={tmp_path}"], env={"TF_CONFIG": BAD[name][0]}, check=False, timeout=120)

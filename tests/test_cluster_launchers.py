@@ -1,8 +1,8 @@
 """The Slurm and Kubernetes examples in launchers/: what can be checked without those systems.
 
-* Slurm: the real sbatch script runs, with a stand-in `srun` (tests/support/fake_slurm/srun) that starts
-  the job step's tasks on this machine with Slurm's variables. Each task builds its cluster from
-  them, through TF's SlurmClusterResolver, and 2 workers train to the end.
+* Slurm: the real sbatch script runs, with a stand-in `srun` (tests/support/fake_slurm/srun) that
+  starts the job step's tasks on this machine with Slurm's variables. Each task builds its cluster
+  from them, through TF's SlurmClusterResolver, and 2 workers train to the end.
 * Kubernetes: the TFJob manifest is parsed and checked. Every replica's TF_CONFIG, as the training
   operator writes it, is accepted by tfdist and places the pod. The container's own command runs
   here with its paths moved to a temporary directory.
@@ -30,14 +30,16 @@ STEPS = 4  # of every training run below
 
 
 def run_sbatch(tmp_path, data_dir, tasks, **env_extra):
-    env = {**os.environ, "PATH": os.path.join(ROOT, "tests", "support", "fake_slurm") + os.pathsep + os.environ["PATH"],
+    fake_slurm = os.path.join(ROOT, "tests", "support", "fake_slurm")
+    env = {**os.environ, "PATH": fake_slurm + os.pathsep + os.environ["PATH"],
            "SLURM_JOB_ID": "4242", "SLURM_NTASKS": str(tasks), "SLURM_SUBMIT_DIR": ROOT,
            "PYTHON": sys.executable, "TFDIST_SLURM_PORT_BASE": str(free_port_run(tasks)),
            "LD_PRELOAD": loopback_shim(), "PYTHONUNBUFFERED": "1", **env_extra}
     env.pop("TF_CONFIG", None)
-    flags = ["--config=configs/gpt_nano.py", f"--workdir={tmp_path}", f"--config.train.steps={STEPS}",
-             f"--config.data.data_dir={data_dir}", "--config.train.steps_per_epoch=2",
-             "--config.train.warmup_steps=1", "--config.train.eval_steps=1"]
+    flags = ["--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
+             f"--config.train.steps={STEPS}", f"--config.data.data_dir={data_dir}",
+             "--config.train.steps_per_epoch=2", "--config.train.warmup_steps=1",
+             "--config.train.eval_steps=1"]
     p = subprocess.run(["bash", SBATCH, *flags], env=env, capture_output=True, text=True,
                        timeout=300, cwd=str(tmp_path))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -61,12 +63,14 @@ def test_sbatch_script_trains_two_workers_from_slurm_variables(tmp_path, data_di
 @pytest.mark.slow
 @pytest.mark.long  # tfdist launch's parameter-server tests cover its roles
 def test_sbatch_parameter_server_variant(tmp_path, data_dir):
-    """Task 0 the chief, task 1 the ps, tasks 2-3 workers; the servers end when the chief is gone."""
+    """Task 0 the chief, task 1 the ps, tasks 2-3 workers; the servers end when the chief is
+    gone."""
     tasks, ps, orphan_timeout = 4, 1, 2
     out = run_sbatch(tmp_path, data_dir, tasks, STRATEGY="parameter_server", PS=str(ps),
                      TFDIST_SERVER_ORPHAN_TIMEOUT=str(orphan_timeout))
     workers = tasks - 1 - ps  # the rest after the chief and the ps tasks
-    assert f"tfdist: parameter_server: coordinator of {workers} worker(s) and {ps} ps task(s)" in out
+    assert (f"tfdist: parameter_server: coordinator of {workers} worker(s) and {ps} ps task(s)"
+            in out)
     # every server (workers and ps tasks) ends by itself
     assert out.count(f"the chief has been gone for {orphan_timeout} s") == workers + ps
 
@@ -125,10 +129,12 @@ def test_tfjob_parameter_server_manifest():
         assert container["name"] == "tensorflow" and spec["restartPolicy"] == "OnFailure"
         assert container["command"][-1] == "--strategy=parameter_server"
         assert not any(a.startswith("--overwrite") for a in container["command"])
-        claims = [v["persistentVolumeClaim"]["claimName"] for v in spec["template"]["spec"]["volumes"]]
+        claims = [v["persistentVolumeClaim"]["claimName"]
+                  for v in spec["template"]["spec"]["volumes"]]
         assert claims == ["tfdist-runs"]  # the PVC of tfjob.yaml
     name = job["metadata"]["name"]
-    cluster_spec = {role: [f"{name}-{role}-{i}.default.svc:2222" for i in range(specs[k]["replicas"])]
+    cluster_spec = {role: [f"{name}-{role}-{i}.default.svc:2222"
+                           for i in range(specs[k]["replicas"])]
                     for k, role in (("Chief", "chief"), ("Worker", "worker"), ("PS", "ps"))}
     for role, addrs in cluster_spec.items():
         for i in range(len(addrs)):
@@ -143,9 +149,10 @@ def test_tf_config_of_every_tfjob_replica_places_the_pod():
     name, n = job["metadata"]["name"], job["spec"]["tfReplicaSpecs"]["Worker"]["replicas"]
     hosts = [f"{name}-worker-{i}.default.svc:2222" for i in range(n)]
     for i in range(n):  # what the operator sets (it adds "environment": "cloud")
-        tf_config = json.dumps({"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i},
-                                "environment": "cloud"})
-        spec = cluster.from_environment(allowed_roles=("chief", "worker"), env={"TF_CONFIG": tf_config})
+        tf_config = json.dumps({"cluster": {"worker": hosts},
+                                "task": {"type": "worker", "index": i}, "environment": "cloud"})
+        spec = cluster.from_environment(allowed_roles=("chief", "worker"),
+                                        env={"TF_CONFIG": tf_config})
         assert (spec.worker_index, spec.num_workers, spec.is_chief) == (i, n, i == 0)
 
 

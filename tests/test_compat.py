@@ -63,7 +63,8 @@ def private_uses(path, tree):
         if isinstance(node, ast.Attribute):
             name, target = node.attr, node.value
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+              and len(node.args) > 1
               and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
             name, target = node.args[1].value, node.args[0]
         if name is not None and _private(name):
@@ -144,7 +145,8 @@ def test_the_fingerprints_are_the_installed_versions_ones():
     """On the tested versions every row's target is the source it was written for (in a fresh
     process: the patches replace some targets once applied)."""
     code = ("from tfdist.compat import table\n"
-            "print([n for n, p in table.PATCHES.items() if table.fingerprint(p.targets) != p.fingerprint])")
+            "print([n for n, p in table.PATCHES.items()"
+            " if table.fingerprint(p.targets) != p.fingerprint])")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, cwd=ROOT)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]

@@ -45,7 +45,8 @@ def test_default_corpus_is_the_stdlib_as_a_token_store(data_dir):
     assert train["tokens"] > 5_000_000  # ~12 MB of Python on 3.11
     assert abs(val["tokens"] / (train["tokens"] + val["tokens"]) - c.data.val_fraction) < 0.01
     assert train["bytes"] == train["tokens"]  # bytes: one token per byte, newline separators
-    assert train["documents"] + val["documents"] == sum(os.path.getsize(f) > 0 for f in sources.stdlib_files())
+    assert train["documents"] + val["documents"] == sum(os.path.getsize(f) > 0
+                                                        for f in sources.stdlib_files())
     # the shards hold the files' bytes: the first file's text starts the train split
     first = open(sources.stdlib_files()[0], "rb").read()
     x = s.split("train").windows([0], min(len(first), 500)).numpy()[0]
@@ -97,7 +98,8 @@ class TinyCorpus(tfds.core.GeneratorBasedBuilder):
             features=tfds.features.FeaturesDict({"content": tfds.features.Text()}))
 
     def _split_generators(self, dl_manager):
-        return {"train": self._generate_examples("train " * 300), "validation": self._generate_examples("valid " * 100)}
+        return {"train": self._generate_examples("train " * 300),
+                "validation": self._generate_examples("valid " * 100)}
 
     def _generate_examples(self, text):
         for i in range(3):
@@ -149,7 +151,8 @@ def test_windows_read_the_ids_at_their_offsets_across_shards(tmp_path, vocab):
 def test_no_token_is_embedded_in_the_graph(tiny):
     """The batch function's graph holds paths, not the corpus: its size does not grow with it."""
     w = Windows(tiny.split("train"), block_size=BLOCK, global_batch=BATCH, seed=0)
-    graph = tf.function(w.batch).get_concrete_function(tf.constant(3, tf.int64)).graph.as_graph_def()
+    graph = tf.function(w.batch).get_concrete_function(
+        tf.constant(3, tf.int64)).graph.as_graph_def()
     consts = [n for n in graph.node if n.op == "Const"]
     assert max(len(n.attr["value"].tensor.tensor_content) for n in consts) < 1000
     assert graph.ByteSize() < 100_000
@@ -163,7 +166,7 @@ def test_windows_are_targets_shifted_and_deterministic(tiny):
     w = Windows(tiny.split("train"), block_size=BLOCK, global_batch=BATCH, seed=5)
     a = _batches(w.dataset_fn(0, 5)(None), 5)
     b = _batches(Windows(tiny.split("train"), BLOCK, BATCH, seed=5).dataset_fn(0, 5)(None), 5)
-    for (x, y), (x2, y2) in zip(a, b):
+    for (x, y), (x2, _) in zip(a, b):
         assert x.shape == (BATCH, BLOCK) and x.dtype == np.int32
         np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
         np.testing.assert_array_equal((x[:, 0] + 1) % BYTES, y[:, 0])  # TOKENS: the next id
@@ -224,7 +227,8 @@ def test_nanogpt_batches_are_the_windows_of_the_bin_file(tmp_path):
     for step, (x, y) in enumerate(w.dataset_fn(0, 3)(None)):
         rows = w.offsets(step).numpy()
         np.testing.assert_array_equal(x.numpy(), np.stack([data[o:o + block] for o in rows]))
-        np.testing.assert_array_equal(y.numpy(), np.stack([data[o + 1:o + block + 1] for o in rows]))
+        np.testing.assert_array_equal(y.numpy(),
+                                      np.stack([data[o + 1:o + block + 1] for o in rows]))
     assert open_store(c).fingerprint == s.fingerprint  # found again, not re-imported
 
 

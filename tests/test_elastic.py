@@ -21,7 +21,7 @@ from tools.faults.chaos_elastic import BATCH, elastic_trial, rows, train_flags, 
 from tools.faults.chaos_partition import uninterrupted
 
 
-# -- which hosts are there --------------------------------------------------------------------------
+# -- which hosts are there -------------------------------------------------------------------------
 def test_discovery_output_is_host_or_host_slots():
     assert parse_hosts("a:2\n\n10.0.0.3\n") == [("a", 2), ("10.0.0.3", 1)]
     for bad in ("a:0", "a:x", "a b", "host:2:3", "<html>"):
@@ -43,7 +43,8 @@ def test_a_failing_or_garbled_discovery_is_one_line_and_keeps_the_hosts(tmp_path
     assert m.offer() == ["127.0.0.1", "127.0.0.1"] and len(said) == 2
     assert "failed: exited with status 1 (cat: " in said[1] and said[1].endswith("(127.0.0.1:2)")
     hosts.write_text("127.0.0.1:5\nno-such-host.invalid\n")
-    assert m.offer() == ["127.0.0.1", "127.0.0.1"] and "cannot resolve host 'no-such-host." in said[2]
+    assert (m.offer() == ["127.0.0.1", "127.0.0.1"]
+            and "cannot resolve host 'no-such-host." in said[2])
     hosts.write_text("127.0.0.1:5\n")
     assert m.offer() == ["127.0.0.1"] * 3  # at most --max_workers
 
@@ -67,7 +68,7 @@ def test_a_host_is_there_while_it_answers():
         assert offer() == both
 
 
-# -- bad input: one line, exit 2 ---------------------------------------------------------------------
+# -- bad input: one line, exit 2 -------------------------------------------------------------------
 def _launch(*flags, rest=("--config=configs/gpt_nano.py",), timeout=120):
     return subprocess.run([sys.executable, "-m", "tfdist", "launch", *flags, "--", *rest], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
@@ -114,7 +115,7 @@ def test_a_config_some_allowed_size_cannot_run_is_one_line(tmp_path, data_dir, f
     assert "Traceback" not in p.stderr and not os.path.exists(tmp_path / "run" / "backup")
 
 
-# -- across hosts: shrink, then grow ----------------------------------------------------------------
+# -- across hosts: shrink, then grow ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory, data_dir):
     """The trials' run on this machine's loopback at 2 workers, never interrupted: the losses
@@ -131,8 +132,9 @@ def two_workers(tmp_path_factory, data_dir):
 def test_a_lost_host_is_dropped_and_a_new_one_joins(tmp_path, data_dir, two_workers, strategy):
     """3 hosts; the job starts on hosts 0 and 1. At step 14 every process on host 1 is SIGKILLed
     and its link cut for good (it stays in the discovery output): within 60 s the job trains on
-    host 0 alone, from its newest backup. At step 50 host 2 is offered: it joins within 60 s. The run ends at step 200 with every step logged once, each with the global batch of
-    16, and every loss equal to the uninterrupted 2-worker run's within 1e-5."""
+    host 0 alone, from its newest backup. At step 50 host 2 is offered: it joins within 60 s. The
+    run ends at step 200 with every step logged once, each with the global batch of 16, and every
+    loss equal to the uninterrupted 2-worker run's within 1e-5."""
     with NetCluster(3, rate="1gbit") as net:
         r = elastic_trial(net, tmp_path / "run", data_dir, strategy, at_step=14)
     checks, diff = verdict(r, two_workers)
@@ -162,7 +164,8 @@ def test_without_elasticity_a_host_lost_for_good_ends_the_job(tmp_path, data_dir
         p = net.popen(0, [sys.executable, "-m", "tfdist", "launch",
                           f"--hosts={net.address(0)},{net.address(1)}", "--workers=2",
                           "--max_restarts=1", "--backoff=1", "--", *train_flags(work, data_dir)],
-                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                      text=True)
         wait_until(lambda: len(rows(work)) >= 14, 300, "step 14", proc=p)
         net.kill(1)
         net.partition(1)
@@ -172,7 +175,7 @@ def test_without_elasticity_a_host_lost_for_good_ends_the_job(tmp_path, data_dir
     assert len(rows(work)) < chaos_elastic.STEPS
 
 
-# -- Slurm: a job whose node is lost ----------------------------------------------------------------
+# -- Slurm: a job whose node is lost ---------------------------------------------------------------
 def _slurm_missing():
     from tools.cluster.slurm_local import missing as slurm_missing
     return missing() or slurm_missing()
@@ -190,8 +193,8 @@ def _slurm_node_lost(tmp_path, data_dir, sbatch=()):
                "TFDIST_DIR": ROOT, "PYTHON": sys.executable, "REJOIN_TIMEOUT": "10",
                "PYTHONUNBUFFERED": "1"}
         env.pop("TF_CONFIG", None)
-        p = net.popen(0, ["sbatch", "--wait", "--nodelist=h0,h1", f"--output={out}", *sbatch, script,
-                          *train_flags(work, data_dir)], env=env, cwd=ROOT,
+        p = net.popen(0, ["sbatch", "--wait", "--nodelist=h0,h1", f"--output={out}", *sbatch,
+                          script, *train_flags(work, data_dir)], env=env, cwd=ROOT,
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wait_until(lambda: len(rows(work)) >= 14, 300, "step 14", proc=p)
         net.kill(1)  # node h1 dies: its slurmd, and the worker running there
@@ -230,11 +233,11 @@ def wait_for(condition, timeout, proc):
 @pytest.mark.slow
 @pytest.mark.skipif(_slurm_missing() is not None, reason=str(_slurm_missing()))
 def test_a_slurm_job_whose_node_is_lost_goes_on_on_the_other(tmp_path, data_dir, two_workers):
-    """A real Slurm of 2 nodes (tools/cluster/slurm_local.py, each node a network namespace with its own
-    slurmd). launchers/slurm/tfdist-elastic.sbatch (`--no-kill`) runs the elastic launcher on node
-    h0, one worker per node. At step 14 node h1 dies: its slurmd and its worker SIGKILLed, its
-    link cut for good. Slurm sees it not responding; the job trains on h0 alone within
-    60 s and completes (exit 0), every step once, the losses those of 2 workers within 1e-5."""
+    """A real Slurm of 2 nodes (tools/cluster/slurm_local.py, each node a network namespace with
+    its own slurmd). launchers/slurm/tfdist-elastic.sbatch (`--no-kill`) runs the elastic launcher
+    on node h0, one worker per node. At step 14 node h1 dies: its slurmd and its worker SIGKILLed,
+    its link cut for good. Slurm sees it not responding; the job trains on h0 alone within 60 s
+    and completes (exit 0), every step once, the losses those of 2 workers within 1e-5."""
     r = _slurm_node_lost(tmp_path, data_dir)
     text, state, continued, work = r["text"], r["state"], r["continued"], r["work"]
     assert r["ended"] and r["exit"] == 0, text[-5000:]

@@ -1,8 +1,8 @@
 """`tfdist.horovod.keras`, the drop-in for `horovod.tensorflow.keras` on Keras 3: Horovod-style
-Keras programs (tests/support/horovod_keras_mnist.py, tests/support/horovod_keras_synthetic.py) run under
-`horovodrun -np 2` with ranks bitwise identical and a falling loss; the same programs with only
-the import line changed to Horovod's own API crash or leave the ranks apart (the companion);
-arguments without effect on Keras 3 are one line, impossible ones one `ValueError`."""
+Keras programs (tests/support/horovod_keras_mnist.py, tests/support/horovod_keras_synthetic.py)
+run under `horovodrun -np 2` with ranks bitwise identical and a falling loss; the same programs
+with only the import line changed to Horovod's own API crash or leave the ranks apart (the
+companion); arguments without effect on Keras 3 are one line, impossible ones one `ValueError`."""
 import os
 import sys
 
@@ -68,7 +68,8 @@ def test_horovods_keras_mnist_example_runs_with_one_line_changed(tmp_path):
     # LearningRateWarmupCallback: from lr/size to lr over 2 epochs, then left alone
     assert found[0]["lr"] == pytest.approx([0.0015, 0.002, 0.002, 0.002], rel=1e-5)
     assert "finished gradual learning rate warmup to 0.002" in p.stdout
-    assert sorted(os.listdir(tmp_path / "tfdist")) == [f"checkpoint-{e}.keras" for e in (1, 2, 3, 4)]
+    assert sorted(os.listdir(tmp_path / "tfdist")) == [f"checkpoint-{e}.keras"
+                                                       for e in (1, 2, 3, 4)]
 
 
 def test_with_horovods_own_keras_api_the_mnist_example_fails(tmp_path):
@@ -80,7 +81,8 @@ def test_with_horovods_own_keras_api_the_mnist_example_fails(tmp_path):
 @pytest.mark.parametrize("fp16", [  # fp16: the strategy's allreduce_gradients, as test_horovod's
     False, pytest.param(True, marks=pytest.mark.long)])  # fp16 test shows; long for time
 def test_horovods_keras_synthetic_benchmark_runs_with_one_line_changed(tmp_path, fp16):
-    argv = [program("horovod_keras_synthetic.py", tmp_path, "tfdist")] + (["--fp16-allreduce"] * fp16)
+    argv = ([program("horovod_keras_synthetic.py", tmp_path, "tfdist")]
+            + (["--fp16-allreduce"] * fp16))
     p, found = horovodrun(argv)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert found[0]["weights"] == found[1]["weights"]
@@ -123,4 +125,5 @@ def test_arguments_without_effect_are_one_line_and_impossible_ones_raise():
     assert errors == ["ValueError: gradient_predivide_factor needs op=hvd.Average (as in Horovod)",
                       "ValueError: DistributedOptimizer: only op=hvd.Average or hvd.Sum is "
                       "supported (Adasum is not, on Keras 3)",
-                      "ValueError: the optimizer's gradient reduction is already set (wrap it once)"]
+                      "ValueError: the optimizer's gradient reduction is already set "
+                      "(wrap it once)"]

@@ -39,7 +39,8 @@ class Elastic:
             [exe, "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
              str(discover), "--network-interface", "lo", "--blacklist-cooldown-range", "1", "2",
              sys.executable, prog], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": ROOT, "EPOCHS": str(EPOCHS)})
+            text=True, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": ROOT, "EPOCHS": str(EPOCHS)})
         self.lines = []
         threading.Thread(target=lambda: self.lines.extend(self.p.stdout), daemon=True).start()
         self.deadline = time.monotonic() + TIMEOUT

@@ -4,9 +4,9 @@ with 2 inputs and 2 outputs, and a subclassed model. Each trains with `fit` (val
 EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard),
 then runs `evaluate`, `predict` and `save`, and the chief reloads the saved file on one device.
 
-Every process runs in its own working directory (tests/support/own_dir.py), so the program's relative
-paths show who wrote what: only the chief may. `--min_delta=1e9` makes EarlyStopping stop, and
-ReduceLROnPlateau halve the rate, after the second epoch, in every process.
+Every process runs in its own working directory (tests/support/own_dir.py), so the program's
+relative paths show who wrote what: only the chief may. `--min_delta=1e9` makes EarlyStopping
+stop, and ReduceLROnPlateau halve the rate, after the second epoch, in every process.
 """
 import json
 import os
@@ -20,6 +20,8 @@ from tests.helpers import ROOT, assert_usage_error, run
 PROGRAM = os.path.join(ROOT, "launchers", "examples", "keras_cnn.py")
 MODELS = ("cnn", "functional", "subclassed")
 ROWS = 8 * 64  # rows of the global batches of one epoch
+VAL_ROWS = 2 * 64  # rows of its validation set (keras_cnn.py)
+OWN_DIR = os.path.join(ROOT, "tests", "support", "own_dir.py")  # a directory per process
 TIMEOUT = 420
 
 
@@ -28,7 +30,8 @@ def launch(strategy):
     python = [sys.executable]
     if strategy in ("single", "mirrored"):
         return python
-    flags = {"multi_worker_mirrored": ["--workers=2"], "horovod": ["--strategy=horovod", "--workers=2"],
+    flags = {"multi_worker_mirrored": ["--workers=2"],
+             "horovod": ["--strategy=horovod", "--workers=2"],
              "parameter_server": ["--strategy=parameter_server", "--workers=2", "--ps=1"]}[strategy]
     return python + ["-m", "tfdist", "launch", *flags, "--max_restarts=0", "--"] + python
 
@@ -38,7 +41,7 @@ def run_program(strategy, base, models=MODELS, env=None, extra=()):
     result}, output)."""
     tmp = base / "tmp"
     tmp.mkdir(parents=True)
-    argv = launch(strategy) + [os.path.join(ROOT, "tests", "support", "own_dir.py"), str(base), PROGRAM,
+    argv = launch(strategy) + [OWN_DIR, str(base), PROGRAM,
                                f"--strategy={strategy}", "--devices=2", "--epochs=3",
                                "--min_delta=1e9", "--models=" + ",".join(models), *extra]
     p = run(argv, timeout=TIMEOUT, check=False, env={"TMPDIR": str(tmp), **(env or {})})
@@ -91,8 +94,8 @@ def check_only_the_chief_wrote(base):
             assert not any(d.rglob("*")), f"{name} wrote {sorted(map(str, d.rglob('*')))}"
     for model in MODELS:
         out = dirs[chief] / "keras_cnn_out" / model
-        assert sorted(p.name for p in out.iterdir()) == [
-            "epoch1.keras", "epoch2.keras", "log.csv", "model.keras", "tensorboard"]  # backup deleted
+        assert sorted(p.name for p in out.iterdir()) == [  # (the backup deleted)
+            "epoch1.keras", "epoch2.keras", "log.csv", "model.keras", "tensorboard"]
         assert len((out / "log.csv").read_text().splitlines()) == 3  # header + 2 epochs
         assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert not list((base / "tmp").glob("tfdist-*")), "temporary directories left behind"
@@ -113,8 +116,13 @@ def check_synchronous(results, single, bn_synchronised):
                 assert r[key] == pytest.approx(single[model][key], abs=1e-5), (model, key)
             assert r["predict_sum"] == pytest.approx(single[model]["predict_sum"], rel=1e-5)
             for k, v in single[model]["evaluate"].items():
-                if not k.endswith("rows"):
-                    assert r["evaluate"][k] == pytest.approx(v, abs=1e-5), (model, k)
+                if k.endswith("rows"):
+                    continue
+                # An accuracy counts argmaxes: a row whose two largest logits are within rounding
+                # of each other may go either way on another computation path (another CPU's
+                # kernels), so one row of the validation set is allowed; the losses are exact.
+                bound = 1 / VAL_ROWS + 1e-6 if k.endswith("accuracy") else 1e-5
+                assert r["evaluate"][k] == pytest.approx(v, abs=bound), (model, k)
 
 
 def check_rows_split(results, processes):
@@ -172,14 +180,14 @@ def test_the_same_program_under_every_strategy(strategy, single, tmp_path):
 @pytest.mark.parametrize("strategy", [pytest.param("horovod", marks=pytest.mark.horovod),
                                       "multi_worker_mirrored"])
 def test_the_same_program_with_its_weights_sharded(single, tmp_path, strategy):
-    """`tfdist.strategies.get(strategy, zero=3)` (ZeRO-3, tfdist/parallel/zero/weights.py), the program otherwise
-    unchanged: each weight stored on one process while `fit` runs, gathered where each layer
-    runs. The three models train as under plain data parallelism: the single device's losses,
-    evaluation and predictions (the models without Dropout and BatchNormalization), every
-    callback acting, the weights joined after `fit` identical on both processes, the chief's
-    saved files reloading to the same predictions. (Under multi_worker_mirrored the second model
-    failed, "Shape mismatch in the collective instance", while its collectives reused the first
-    model's keys: `test_zero3.py::test_each_sharded_model_has_collectives_of_its_own`.)"""
+    """`tfdist.strategies.get(strategy, zero=3)` (ZeRO-3, tfdist/parallel/zero/weights.py), the
+    program otherwise unchanged: each weight stored on one process while `fit` runs, gathered where
+    each layer runs. The three models train as under plain data parallelism: the single device's
+    losses, evaluation and predictions (the models without Dropout and BatchNormalization), every
+    callback acting, the weights joined after `fit` identical on both processes, the chief's saved
+    files reloading to the same predictions. (Under multi_worker_mirrored the second model failed,
+    "Shape mismatch in the collective instance", while its collectives reused the first model's
+    keys: `test_zero3.py::test_each_sharded_model_has_collectives_of_its_own`.)"""
     results, out = run_program(strategy, tmp_path, extra=["--zero=3"])
     assert all(r["weights_sharded"] for r in results.values())  # (False without --zero=3)
     check_every_process(results, 2)
@@ -242,7 +250,8 @@ def test_an_optimizer_built_outside_the_scope_is_rebuilt_or_refused(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rebuilt from its config" in p.stderr and "RESULT" in p.stdout  # TF: "Mixing different
     # tf.distribute.Strategy objects" without it
-    assert_usage_error(bad_use(tmp_path, "trained_optimizer", "mirrored"), "built outside strategy.scope()")
+    assert_usage_error(bad_use(tmp_path, "trained_optimizer", "mirrored"),
+                       "built outside strategy.scope()")
 
 
 @pytest.mark.slow
@@ -258,7 +267,8 @@ def test_a_dataset_horovod_cannot_split_is_one_line(tmp_path, case, needle):
     # Each rank raises it; the first rank's exit makes horovodrun end the other, which on a busy
     # machine may not have printed yet (seen in full suites: rank 0 alone, and rank 1 alone).
     assert 1 <= len(errors) <= 2 and all(needle in e for e in errors), p.stdout[-3000:]
-    assert "Traceback" not in "\n".join(l for l in p.stdout.splitlines() if l.startswith("[r"))
+    assert "Traceback" not in "\n".join(
+        line for line in p.stdout.splitlines() if line.startswith("[r"))
 
 
 @pytest.mark.slow
@@ -317,7 +327,8 @@ def test_a_program_without_serve_lines_serves_on_the_server_tasks(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert procs["chief", 0].returncode == 0 and "RESULT" in outs["chief", 0], outs["chief", 0][-3000:]
+    chief = outs["chief", 0]
+    assert procs["chief", 0].returncode == 0 and "RESULT" in chief, chief[-3000:]
     for task in (("worker", 0), ("worker", 1), ("ps", 0)):
         assert procs[task].returncode in (0, -9) and "serving at" in outs[task], outs[task][-3000:]
         assert "RESULT" not in outs[task]  # it did not go on to train alone
@@ -337,7 +348,7 @@ def test_keras_backup_and_restore_resumes_every_process(strategy, tmp_path):
     shared = ["--out=" + str(tmp_path / "shared")]
 
     def run(base, env=None, check=True):
-        argv = launch(strategy) + [os.path.join(ROOT, "tests", "support", "own_dir.py"), str(base), PROGRAM,
+        argv = launch(strategy) + [OWN_DIR, str(base), PROGRAM,
                                    f"--strategy={strategy}", "--epochs=3",
                                    "--models=" + ",".join(models), *shared]
         p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,

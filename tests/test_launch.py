@@ -1,5 +1,6 @@
 """`tfdist launch`: usage errors, TF_CONFIG per worker, prefixed output, supervision (restart with
-backoff, restart limit, no restart on bad usage, signals), and the `tfdist train` form end to end."""
+backoff, restart limit, no restart on bad usage, signals), and the `tfdist train` form end to
+end."""
 import json
 import os
 import re
@@ -22,15 +23,19 @@ def launch(*args, timeout=120):
 @pytest.mark.parametrize("args,needle", first_fast([
     ([], "nothing to run"),
     (["--workers=0", "--", "--config=configs/gpt_nano.py"], "--workers must be between 1 and 64"),
-    (["--strategy=mirrored", "--", "--config=configs/gpt_nano.py"], "cannot start strategy 'mirrored'"),
-    (["--", "--config=configs/gpt_nano.py", "--strategy=single"], "give the strategy to tfdist launch"),
+    (["--strategy=mirrored", "--", "--config=configs/gpt_nano.py"],
+     "cannot start strategy 'mirrored'"),
+    (["--", "--config=configs/gpt_nano.py", "--strategy=single"],
+     "give the strategy to tfdist launch"),
     (["--max_restarts=-1", "--", PY, "-c", "pass"], "--max_restarts and --backoff must be >= 0"),
     (["--bind=everywhere", "--", PY, "-c", "pass"], "--bind"),
     (["--", "no-such-program", "x"], "cannot run 'no-such-program': not found"),
-    (["--strategy=parameter_server", "--ps=0", "--", PY, "-c", "pass"], "--ps must be between 1 and 16"),
+    (["--strategy=parameter_server", "--ps=0", "--", PY, "-c", "pass"],
+     "--ps must be between 1 and 16"),
     (["--", "--config=configs/nope.py"], "config file 'configs/nope.py' not found"),
     (["--", "--config=configs/gpt_nano.py", "--config.model.n_layer=0"], "model.n_layer"),
-    (["--hosts=no-such-host.invalid", "--", PY, "-c", "pass"], "cannot resolve host 'no-such-host.invalid'"),
+    (["--hosts=no-such-host.invalid", "--", PY, "-c", "pass"],
+     "cannot resolve host 'no-such-host.invalid'"),
     (["--hosts=,", "--", PY, "-c", "pass"], "--hosts is empty"),
     (["--hosts=127.0.0.1", "--port=70000", "--", PY, "-c", "pass"], "--port must be between"),
 ]))
@@ -46,9 +51,10 @@ def test_hosts_place_the_tasks_round_robin_from_the_port():
     one; each is told its host's address to bind (TFDIST_BIND_ADDRESS). tests/test_netcluster.py
     starts tasks on other hosts, through ssh."""
     prog = ("import os, json; c = json.loads(os.environ['TF_CONFIG']); "
-            "print('CONF', c['cluster']['worker'][c['task']['index']], os.environ['TFDIST_BIND_ADDRESS'])")
-    p = launch("--hosts=127.0.0.1", "--port=23456", "--workers=2", "--max_restarts=0", "--", PY, "-c",
-               prog)
+            "print('CONF', c['cluster']['worker'][c['task']['index']], "
+            "os.environ['TFDIST_BIND_ADDRESS'])")
+    p = launch("--hosts=127.0.0.1", "--port=23456", "--workers=2", "--max_restarts=0", "--", PY,
+               "-c", prog)
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(re.findall(r"CONF (\S+) (\S+)", p.stdout)) == [
         ("127.0.0.1:23456", "127.0.0.1"), ("127.0.0.1:23457", "127.0.0.1")], p.stdout
@@ -139,7 +145,8 @@ def test_a_worker_exiting_2_is_bad_usage_and_not_restarted():
 @pytest.mark.slow
 def test_sigterm_stops_the_workers_and_exits_143(tmp_path):
     pidfile = tmp_path / "pids"
-    prog = f"import os, time; open({str(pidfile)!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(120)"
+    prog = (f"import os, time; open({str(pidfile)!r}, 'a').write(f'{{os.getpid()}}\\n'); "
+            "time.sleep(120)")
     p = subprocess.Popen([PY, "-m", "tfdist", "launch", "--workers=2", "--", PY, "-c", prog],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -86,7 +86,8 @@ def listening_sockets(pids):
 
 
 def run_and_sample_sockets(workdir, overrides, *extra, bind="loopback", timeout=400):
-    """Runs the launcher; once the chief has trained a step, reads its workers' listening sockets."""
+    """Runs the launcher; once the chief has trained a step, reads its workers' listening
+    sockets."""
     p = subprocess.Popen(launch_cmd(workdir, overrides, *extra, bind=bind), cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sockets, deadline = [], time.monotonic() + timeout
@@ -117,8 +118,8 @@ def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir, sing
     weights bitwise equal."""
     runs = {}
     for overlap in ("auto", "off"):
-        o = {**common(data_dir), "strategy.name": "multi_worker_mirrored", "strategy.overlap": overlap,
-             "strategy.bucket_mb": OVERLAP_BUCKET_MB}
+        o = {**common(data_dir), "strategy.name": "multi_worker_mirrored",
+             "strategy.overlap": overlap, "strategy.bucket_mb": OVERLAP_BUCKET_MB}
         p, res = launch(tmp_path / overlap, o, "--dump-weights")
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
         assert set(res) == set(range(WORKERS))
@@ -127,7 +128,8 @@ def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir, sing
         runs[overlap] = p.stdout
     assert (f"[w0] tfdist: multi_worker_mirrored: worker 0 of {WORKERS}, {WORKERS} replica(s) "
             f"in sync") in runs["auto"]
-    assert "[w0] tfdist: multi_worker_mirrored: gradients: 4 bucket(s) of <= 0.1 MiB" in runs["auto"]
+    assert ("[w0] tfdist: multi_worker_mirrored: gradients: 4 bucket(s) of <= 0.1 MiB"
+            in runs["auto"])
     assert "[w0] tfdist: multi_worker_mirrored: gradients: one all-reduce" in runs["off"]
     a, b, c = losses(single_reference), losses(tmp_path / "auto"), losses(tmp_path / "off")
     assert len(a) == len(b) == len(c) == STEPS
@@ -139,9 +141,9 @@ def test_two_workers_match_single_process_step_for_step(tmp_path, data_dir, sing
 @pytest.mark.long  # TF's profiler aborted one process of 2 here once (see assert_overlap)
 def test_a_profiled_step_shows_the_all_reduce_overlapping_the_backward_pass(tmp_path, data_dir):
     for overlap in ("auto", "off"):
-        o = {**common(data_dir), "strategy.name": "multi_worker_mirrored", "strategy.overlap": overlap,
-             "strategy.bucket_mb": OVERLAP_BUCKET_MB, "train.steps": 5, "train.steps_per_epoch": 5,
-             "train.profile_step": 5}
+        o = {**common(data_dir), "strategy.name": "multi_worker_mirrored",
+             "strategy.overlap": overlap, "strategy.bucket_mb": OVERLAP_BUCKET_MB,
+             "train.steps": 5, "train.steps_per_epoch": 5, "train.profile_step": 5}
         p, _ = launch(tmp_path / overlap, o)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert_overlap(tmp_path / "auto", tmp_path / "off", WORKERS)
@@ -178,7 +180,8 @@ def test_each_keras_correction_is_needed(tmp_path, data_dir, fix):
 def test_a_users_functional_model_fits_under_two_workers(tmp_path):
     """Plain `model.fit` on a user's functional model (launchers/examples/keras_functional.py)."""
     epochs = 3
-    example = [os.path.join(ROOT, "launchers", "examples", "keras_functional.py"), f"--epochs={epochs}"]
+    example = [os.path.join(ROOT, "launchers", "examples", "keras_functional.py"),
+               f"--epochs={epochs}"]
     single = subprocess.run([sys.executable, *example, "--strategy=single"], capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
     assert single.returncode == 0, single.stderr[-2000:]
@@ -227,11 +230,13 @@ def test_workers_listen_on_loopback_only(uninterrupted):
 
 @pytest.mark.slow
 def test_without_the_shim_tf_listens_on_every_interface(tmp_path, data_dir):
-    """The check above can fail: TF alone binds the wildcard address (tensorflow/tensorflow#2925)."""
+    """The check above can fail: TF alone binds the wildcard address
+    (tensorflow/tensorflow#2925)."""
     o = {**chaos_overrides(data_dir), "train.steps": 10, "backup.enabled": False}
     code, out, err, sockets = run_and_sample_sockets(tmp_path, o, bind="all")
     assert code == 0, out[-3000:] + err[-2000:]
-    assert any(a in ("0.0.0.0", "0000:0000:0000:0000:0000:0000:0000:0000") for a, _ in sockets), sockets
+    assert any(a in ("0.0.0.0", "0000:0000:0000:0000:0000:0000:0000:0000")
+               for a, _ in sockets), sockets
 
 
 @pytest.mark.slow
@@ -240,7 +245,8 @@ def test_one_global_step_across_workers_is_the_global_batch(uninterrupted, data_
     rows of both workers at a step are exactly that step's global batch, none twice."""
     from tfdist.data import Windows, open_store
 
-    c = load_config("configs/gpt_nano.py")  # with the overrides, as tools/faults/faulty_train.py does
+    # with the overrides, as tools/faults/faulty_train.py does
+    c = load_config("configs/gpt_nano.py")
     for key, value in chaos_overrides(data_dir).items():
         section, _, name = key.rpartition(".")
         c[section][name] = value
@@ -271,7 +277,8 @@ def test_sigkilled_worker_group_restarts_and_resumes_step_exactly(tmp_path, data
     assert f"worker {worker} was killed by SIGKILL" in p.stdout
     assert p.stdout.count(f"tfdist launch: started {WORKERS} worker(s)") == 2  # exactly one restart
     assert f"resuming from {tmp_path}/backup at step {kill_at} of {CHAOS_STEPS}" in p.stdout
-    assert steps_by_worker(tmp_path) == {w: CHAOS_STEPS for w in range(WORKERS)}  # none lost or repeated
+    # none lost or repeated
+    assert steps_by_worker(tmp_path) == {w: CHAOS_STEPS for w in range(WORKERS)}
     assert res[0]["final_step"] == CHAOS_STEPS
     for a, b in zip(final_weights(tmp_path), uninterrupted["weights"]):
         np.testing.assert_array_equal(a, b)  # bitwise, with op determinism (and dropout RNG)
@@ -287,11 +294,13 @@ def test_sigterm_to_one_worker_backs_up_every_worker_at_its_step(tmp_path, data_
     o = {**chaos_overrides(data_dir), "backup.every_steps": 0}
     p, res = launch(tmp_path, o, "--signal-at-step", str(at), "--kill-worker", "1")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    assert "worker 1 was preempted (exit 75" in p.stdout or "worker 0 was preempted (exit 75" in p.stdout
+    assert ("worker 1 was preempted (exit 75" in p.stdout
+            or "worker 0 was preempted (exit 75" in p.stdout)
     assert f"preempted (SIGTERM) at step {at}: backup written" in p.stdout + p.stderr
     assert f"preempted (another process's signal) at step {at}" in p.stdout + p.stderr
     assert f"resuming from {tmp_path}/backup at step {at} of {CHAOS_STEPS}" in p.stdout
-    assert steps_by_worker(tmp_path) == {w: CHAOS_STEPS for w in range(WORKERS)}  # none lost or repeated
+    # none lost or repeated
+    assert steps_by_worker(tmp_path) == {w: CHAOS_STEPS for w in range(WORKERS)}
     assert res[0]["final_step"] == CHAOS_STEPS
     for a, b in zip(final_weights(tmp_path), uninterrupted["weights"]):
         np.testing.assert_array_equal(a, b)

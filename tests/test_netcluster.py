@@ -284,7 +284,8 @@ def test_horovod_gloo_across_two_hosts_equals_single(tmp_path, data_dir, single)
 def _mpimissing():
     if not shutil.which("mpirun"):
         return "needs Open MPI's mpirun (make cluster-tools installs openmpi-bin)"
-    p = subprocess.run([sys.executable, "-c", "import horovod.tensorflow as h; print(h.mpi_built())"],
+    p = subprocess.run([sys.executable, "-c",
+                        "import horovod.tensorflow as h; print(h.mpi_built())"],
                        capture_output=True, text=True, timeout=120)
     if p.stdout.strip() != "True":
         return "needs Horovod built with MPI (make horovod, after make cluster-tools)"
@@ -309,10 +310,11 @@ def test_horovod_mpi_across_two_hosts_equals_single(tmp_path, data_dir, single):
                 "-x", "PATH", "-x", "PYTHONUNBUFFERED", "-x", f"LD_PRELOAD={loopback_shim()}",
                 "-x", "TFDIST_BIND_INTERFACE=eth0", *program]  # Open MPI binds the wildcard
     out = _horovod_across(tmp_path, data_dir, single, launcher)
-    assert "horovod: rank 0 of 2, ring-allreduce (mpi)" in out, out[-3000:]  # Horovod's controller: MPI
+    # Horovod's controller: MPI
+    assert "horovod: rank 0 of 2, ring-allreduce (mpi)" in out, out[-3000:]
 
 
-# -- faults across hosts (tools/faults/chaos_partition.py runs the trials: make chaos-partition) ---------
+# -- faults across hosts (tools/faults/chaos_partition.py runs the trials: make chaos-partition) ---
 @pytest.fixture(scope="module")
 def uninterrupted_mwms(tmp_path_factory, data_dir):
     """The fault trials' run on this machine's loopback, never interrupted."""
@@ -323,8 +325,8 @@ def uninterrupted_mwms(tmp_path_factory, data_dir):
 
 def _dropped(net, i):
     """Packets host i's loss rule has dropped (its iptables counter)."""
-    rules = subprocess.run(["ip", "netns", "exec", net.ns(i), "iptables", "-L", "OUTPUT", "-v", "-n",
-                            "-x"], capture_output=True, text=True, timeout=30).stdout
+    rules = subprocess.run(["ip", "netns", "exec", net.ns(i), "iptables", "-L", "OUTPUT", "-v",
+                            "-n", "-x"], capture_output=True, text=True, timeout=30).stdout
     return sum(int(line.split()[0]) for line in rules.splitlines() if "statistic" in line)
 
 
@@ -376,14 +378,15 @@ def test_mwms_under_5_percent_packet_loss_ends_bitwise(tmp_path, data_dir, unint
 @pytest.mark.slow
 def test_the_parameter_server_trains_on_while_a_worker_is_cut_off_and_takes_it_back(tmp_path,
                                                                                     data_dir):
-    """4 hosts (chief, 2 workers, ps); worker 1's host cut off for 30 s mid-epoch (step 150 of
-    1200: the steps after the heal must outlast worker 1's reconnection; with 600, since issue
-    33's faster step, the run could end before worker 1 was back). gRPC keepalive (the plugin's keepalive_secs, 5 s) fails the chief's call to it, TF's
-    coordinator runs that step on worker 0, and the run passes the epoch end (a barrier: every
-    step in flight joined) while worker 1 is still cut off; after the heal worker 1 trains again.
-    Every step is counted once, no stretch without a logged step exceeds the bound. Without the
-    keepalive (keepalive_secs=0) the barrier waits for the cut-off worker until after the heal,
-    and the step logged at the heal is still below 200 (measured)."""
+    """4 hosts (chief, 2 workers, ps); worker 1's host cut off for 30 s mid-epoch (step 150 of 1200:
+    the steps after the heal must outlast worker 1's reconnection; with 600, since issue 33's faster
+    step, the run could end before worker 1 was back). gRPC keepalive (the plugin's keepalive_secs,
+    5 s) fails the chief's call to it, TF's coordinator runs that step on worker 0, and the run
+    passes the epoch end (a barrier: every step in flight joined) while worker 1 is still cut off;
+    after the heal worker 1 trains again. Every step is counted once, no stretch without a logged
+    step exceeds the bound. Without the keepalive (keepalive_secs=0) the barrier waits for the
+    cut-off worker until after the heal, and the step logged at the heal is still below 200
+    (measured)."""
     work, steps = tmp_path / "run", PS_STEPS
     with NetCluster(4, rate="1gbit") as net:
         r = partition_trial(net, work, data_dir, host=2, at_step=150, seconds=30,

@@ -27,9 +27,9 @@ WORKERS, MAX_RESTARTS = 2, 3  # of every launch below
 
 
 def flags(workdir, data_dir, steps, per_epoch, **extra):
-    f = ["--config=configs/gpt_nano.py", f"--workdir={workdir}", f"--config.data.data_dir={data_dir}",
-         f"--config.train.steps={steps}", f"--config.train.steps_per_epoch={per_epoch}",
-         "--config.train.eval_steps=4"]
+    f = ["--config=configs/gpt_nano.py", f"--workdir={workdir}",
+         f"--config.data.data_dir={data_dir}", f"--config.train.steps={steps}",
+         f"--config.train.steps_per_epoch={per_epoch}", "--config.train.eval_steps=4"]
     return f + [f"--config.{k}={v}" for k, v in extra.items()]
 
 
@@ -245,7 +245,8 @@ def test_sigterm_to_the_launcher_drains_backs_up_and_resumes(tmp_path, data_dir)
     assert found, run.out[-3000:]
     at = int(found.group(1))
     assert 50 <= at < per_epoch
-    assert "tfdist launch: preempted (SIGTERM): the workers backed up their step; exit 75" in run.out
+    assert ("tfdist launch: preempted (SIGTERM): the workers backed up their step; exit 75"
+            in run.out)
     again = Launch("parameter_server", f, per_epoch)
     assert again.finish() == 0, again.out[-3000:]
     assert f"resuming from {tmp_path}/backup at step {at} of {steps}" in again.out
@@ -279,7 +280,8 @@ def test_a_users_model_trains_with_plain_model_fit(tmp_path):
     prog.write_text(USER_MODEL)
     p = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--strategy=parameter_server",
                         f"--workers={WORKERS}", "--ps=1", "--max_restarts=0", "--", sys.executable,
-                        str(prog), str(epochs)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        str(prog), str(epochs)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert "needs steps_per_epoch" in p.stdout
     losses = json.loads(p.stdout.split("[c0] RESULT ", 1)[1].splitlines()[0])

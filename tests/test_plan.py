@@ -71,7 +71,8 @@ def test_validate_prints_the_table():
     r = tfdist_plan("--validate")
     assert r.returncode == 0, r.stderr
     for row in plan.validate():
-        assert f"published {row['published']:,.1f}, predicted {row['predicted']:,.1f} ({row['error']:+.1%})" in r.stdout
+        assert (f"published {row['published']:,.1f}, predicted {row['predicted']:,.1f} "
+                f"({row['error']:+.1%})") in r.stdout
     for text in ("published 138.0", "published 163.0", "published 1,720,320.0", "arXiv:2104.04473",
                  "arXiv:2307.09288", "ZeRO Figure 1"):
         assert text in r.stdout
@@ -82,7 +83,8 @@ def test_validate_prints_the_table():
 def test_parameter_counts_match_the_papers_and_tfdists_gpt():
     assert plan.MODELS["megatron-1t"].params / 1e9 == pytest.approx(1008.0, abs=0.05)  # Table 1
     assert plan.MODELS["gpt3-175b"].params / 1e9 == pytest.approx(174.6, abs=0.05)
-    assert plan.MODELS["llama2-70b"].params / 1e9 == pytest.approx(68.98, abs=0.01)  # released weights
+    # released weights
+    assert plan.MODELS["llama2-70b"].params / 1e9 == pytest.approx(68.98, abs=0.01)
     from tfdist import config as config_lib
     from tfdist.models.gpt import GPT
     for name in ("gpt_nano", "gpt_mini"):
@@ -94,20 +96,23 @@ def test_parameter_counts_match_the_papers_and_tfdists_gpt():
 
 
 def test_activation_memory_is_korthikanti_equation():
-    """s b h (34 + 5 a s / h) without tensor parallelism; s b h (10 + 24/t + 5 a s / (h t)) with t."""
+    """s b h (34 + 5 a s / h) without tensor parallelism; s b h (10 + 24/t + 5 a s / (h t)) with
+    t."""
     m = plan.MODELS["gpt3-175b"]
     s, h, a, b = m.seq_len, m.n_embd, m.n_head, 2
     for t in (1, 2, 8):
         got = plan.activation_bytes_per_layer(m, plan.planned(b, 1, tp=t), b * s, "mixed")
         assert got == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
     flash = dataclasses.replace(m, flash_attention=True)
-    assert plan.activation_bytes_per_layer(flash, plan.planned(1, 1), s, "mixed") == pytest.approx(34 * s * h)
+    assert (plan.activation_bytes_per_layer(flash, plan.planned(1, 1), s, "mixed")
+            == pytest.approx(34 * s * h))
 
 
 def test_recomputation_and_1f1b_shrink_activations():
     m, batch = plan.MODELS["gpt3-175b"], 64
     full = plan.memory(m, plan.planned(batch, 1, tp=8, pp=8), plan.Options(schedule="1f1b"))
-    rc = plan.memory(m, plan.planned(batch, 1, tp=8, pp=8, recompute=True), plan.Options(schedule="1f1b"))
+    rc = plan.memory(m, plan.planned(batch, 1, tp=8, pp=8, recompute=True),
+                     plan.Options(schedule="1f1b"))
     gpipe = plan.memory(m, plan.planned(batch, 1, tp=8, pp=8), plan.Options(schedule="gpipe"))
     assert rc["activations"] < full["activations"] / 5
     # GPipe keeps all 64 microbatches, 1F1B at most pp = 8 on the first stage
@@ -128,9 +133,9 @@ def test_ring_allreduce_and_the_pipeline_bubble():
 
 
 def test_zero3_memory_is_a_share_of_the_weights_plus_two_gathered_layers():
-    """ZeRO-3 (tfdist.parallel.zero.weights): 1/N of the weights, plus the layer that runs and the one
-    prefetched, gathered whole."""
-    m, c = plan.MODELS["gpt3-175b"], plan.Cluster(plan.DEVICES["a100-80gb"], 64)
+    """ZeRO-3 (tfdist.parallel.zero.weights): 1/N of the weights, plus the layer that runs and the
+    one prefetched, gathered whole."""
+    m = plan.MODELS["gpt3-175b"]
     z2 = plan.memory(m, plan.planned(64, 8, tp=8, zero=2))
     z3 = plan.memory(m, plan.planned(64, 8, tp=8, zero=3))
     assert z3["weights"] == pytest.approx(z2["weights"] / 8, rel=1e-9)
@@ -147,7 +152,8 @@ def test_data_parallel_time_and_zero_traffic():
     grads = plan.stage_params(m, 1) / 8 * 2
     dp = plan.allreduce_seconds(grads, 8, 25e9)  # the 8 replicas span 8 nodes: InfiniBand
     tp = 96 * 4 * plan.allreduce_seconds(2048 * 12288 * 2, 8, 300e9)  # 4 per layer, within a node
-    assert base["network"] == pytest.approx(8 * tp + dp, rel=1e-9)  # 8 microbatches of 1, then the ring
+    # 8 microbatches of 1, then the ring
+    assert base["network"] == pytest.approx(8 * tp + dp, rel=1e-9)
     # ZeRO-3 (the ZeRO paper's 1.5x an all-reduce) gathers and reduce-scatters for each of the
     # 8 accumulated microbatches; with one microbatch of 8 sequences, once
     assert z3["network"] - z1["network"] == pytest.approx((1.5 * 8 - 1) * dp, rel=1e-6)
@@ -198,7 +204,8 @@ def test_the_recommended_command_is_valid_tfdist_flags():
             if arg.startswith("--config."):
                 key, value = arg[len("--config."):].split("=")
                 section, name = key.split(".")
-                c[section][name] = type(c[section][name])(value == "True" if value in ("True", "False") else value)
+                c[section][name] = type(c[section][name])(
+                    value == "True" if value in ("True", "False") else value)
         tfdist_config.validate(c)  # every key exists and every value is valid
         assert "--config.pipeline.stages=4" in cmd and "--config.pipeline.microbatches=8" in cmd
         assert cmd.startswith("tfdist launch --workers 2 ")
@@ -212,8 +219,8 @@ def test_the_recommended_command_is_valid_tfdist_flags():
 
 
 def test_command_line_writes_table_chart_and_json(tmp_path):
-    r = tfdist_plan("--config=configs/gpt2_xl.py", "--device=a100-40gb", "--devices=16", "--batch=256",
-                    f"--out={tmp_path}")
+    r = tfdist_plan("--config=configs/gpt2_xl.py", "--device=a100-40gb", "--devices=16",
+                    "--batch=256", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr
     assert "bottleneck" in r.stdout and "best:" in r.stdout
     assert "tfdist launch --workers" in r.stdout or "sbatch --nodes" in r.stdout
@@ -227,13 +234,15 @@ def test_command_line_writes_table_chart_and_json(tmp_path):
 
 @pytest.mark.slow
 def test_the_command_keeps_the_users_model_changes_and_pinned_dims(tmp_path):
-    r = tfdist_plan("--config=configs/gpt_mini.py", "--config.model.n_layer=4", "--n_embd=192", "--devices=2",
-                    "--batch=32", "--device=a100-40gb", f"--out={tmp_path}")
+    r = tfdist_plan("--config=configs/gpt_mini.py", "--config.model.n_layer=4", "--n_embd=192",
+                    "--devices=2", "--batch=32", "--device=a100-40gb", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr
-    cmd = next(line for line in r.stdout.splitlines() if "tfdist launch" in line or "tfdist train" in line)
+    cmd = next(line for line in r.stdout.splitlines()
+               if "tfdist launch" in line or "tfdist train" in line)
     assert "--config=configs/gpt_mini.py --config.model.n_layer=4 --config.model.n_embd=192" in cmd
     # a pinned tensor-parallel degree larger than a node is evaluated, over the network
-    r = tfdist_plan("--model=gpt3-175b", "--devices=64", "--tp=16", "--batch=64", f"--out={tmp_path}")
+    r = tfdist_plan("--model=gpt3-175b", "--devices=64", "--tp=16", "--batch=64",
+                    f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr
     assert "tp=16" in r.stdout and "bound by network" in r.stdout
 
@@ -255,7 +264,8 @@ def _fake_bench(d, with_pipeline=True):
 @pytest.mark.slow
 def test_measured_predicts_the_benches_from_their_inputs(tmp_path):
     _fake_bench(tmp_path)
-    mini = plan.model_from_config(plan.load_config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
+    mini = plan.model_from_config(plan.load_config(os.path.join(ROOT, "configs", "gpt_mini.py")),
+                                  "gpt_mini")
     rows = {r["figure"]: r for r in plan.measured(str(tmp_path), mini)}
     eff = rows["scaling.json: MWMS, 2 processes vs 1"]
     t1 = 16 * 256 / 1400.0
@@ -263,15 +273,18 @@ def test_measured_predicts_the_benches_from_their_inputs(tmp_path):
     # no tensor.json, so no contention; the reference itself is unloaded: the step is the
     # one-process step plus the all-reduce at the measured 0.3 GB/s, on the cores (not hidden)
     assert eff["predicted"] == pytest.approx(t1 / (t1 + grads / 0.3e9), rel=1e-3)
-    assert eff["measured"] == 0.9 and eff["within"] and eff["error"] == pytest.approx(eff["predicted"] / 0.9 - 1)
+    assert (eff["measured"] == 0.9 and eff["within"]
+            and eff["error"] == pytest.approx(eff["predicted"] / 0.9 - 1))
     assert rows["scaling-horovod.json"]["missing"] == "make bench-scaling-horovod"
     assert rows["tensor.json"]["missing"] == "make bench-model-parallel"
     pipe = rows["pipeline.json: K=2, M=8 speedup vs one core"]
-    assert 1.6 < pipe["predicted"] < 16 / 9 and pipe["measured"] == 2.1  # just under the ideal KM/(M+K-1)
+    # just under the ideal KM/(M+K-1)
+    assert 1.6 < pipe["predicted"] < 16 / 9 and pipe["measured"] == 2.1
     assert not pipe["within"] and "faster than 2 cores' worth" in pipe["reason"]  # 2.1 > K: named
     r = tfdist_plan("--measured", "--config=configs/gpt_mini.py", f"--bench_dir={tmp_path}")
     assert r.returncode == 0, r.stderr
-    assert "predicted" in r.stdout and "not measured here: run `make bench-scaling-horovod`" in r.stdout
+    assert ("predicted" in r.stdout
+            and "not measured here: run `make bench-scaling-horovod`" in r.stdout)
     assert "within 10 %" in r.stdout and "OFF" in r.stdout
 
 
@@ -281,7 +294,8 @@ def test_every_committed_benchmark_row_is_predicted_within_10_percent_or_named()
     (loopback, links, Horovod, the parameter server, pipeline, ZeRO) are predictions within ±10 %
     where docs/benchmarks.md does not call the run unusable."""
     bench_dir = os.path.join(ROOT, "bench_results")
-    mini = plan.model_from_config(plan.load_config(os.path.join(ROOT, "configs", "gpt_mini.py")), "gpt_mini")
+    mini = plan.model_from_config(plan.load_config(os.path.join(ROOT, "configs", "gpt_mini.py")),
+                                  "gpt_mini")
     rows = plan.measured(bench_dir, mini)
     assert not [r for r in rows if "missing" in r]
     judged = [r for r in rows if "measured" in r]
@@ -289,7 +303,8 @@ def test_every_committed_benchmark_row_is_predicted_within_10_percent_or_named()
         assert r["error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
         assert r["within"] == (abs(r["error"]) <= 0.10), r
         assert r["within"] or r["reason"], r  # off, and says why
-    assert [r["figure"] for r in judged if r.get("fitted")] == ["tensor.json: t=2 speedup vs one core"]
+    assert [r["figure"] for r in judged if r.get("fitted")] == [
+        "tensor.json: t=2 speedup vs one core"]
     by_file = {}
     for r in judged:
         by_file.setdefault(r["figure"].split(":")[0], []).append(r)
@@ -301,33 +316,38 @@ def test_every_committed_benchmark_row_is_predicted_within_10_percent_or_named()
     for name in os.listdir(bench_dir):
         if name.startswith("scaling"):
             assert len(by_file[name]) == 1, name
-    assert len(by_file["overlap.json"]) == len(load("overlap.json")["rows"]) - 1  # less the reference
-    assert len(by_file["pipeline.json"]) == sum(1 for r in load("pipeline.json")["rows"] if r["microbatches"])
+    # less the reference
+    assert len(by_file["overlap.json"]) == len(load("overlap.json")["rows"]) - 1
+    assert len(by_file["pipeline.json"]) == sum(1 for r in load("pipeline.json")["rows"]
+                                                if r["microbatches"])
     assert len(by_file["zero.json"]) == len(by_file["zero-mwms.json"]) == 2
     assert len(by_file["schedules.json"]) == len(load("schedules.json")["rows"])
     assert {r["figure"].split(":")[0] for r in rows if "input" in r} >= {
         "bench.json", "allreduce.json", "allreduce-1gbit.json", "allreduce-10gbit.json"}
     # the issue's rows: predictions within ±10 %
-    for name in ("scaling.json", "scaling-horovod.json", "scaling-horovod-fp16.json", "scaling-1gbit.json",
-                 "scaling-10gbit.json", "scaling-1gbit-straggler100mbit.json", "scaling-ps.json",
-                 "zero.json", "zero-mwms.json"):
+    for name in ("scaling.json", "scaling-horovod.json", "scaling-horovod-fp16.json",
+                 "scaling-1gbit.json", "scaling-10gbit.json", "scaling-1gbit-straggler100mbit.json",
+                 "scaling-ps.json", "zero.json", "zero-mwms.json"):
         assert all(r["within"] for r in by_file[name]), by_file[name]
     assert sum(r["within"] for r in by_file["pipeline.json"]) >= 4
     # the rows docs/benchmarks.md calls unusable are named as such
-    for name in ("scaling-horovod-1gbit.json", "scaling-horovod-10gbit.json", "scaling-ps-10gbit.json"):
+    for name in ("scaling-horovod-1gbit.json", "scaling-horovod-10gbit.json",
+                 "scaling-ps-10gbit.json"):
         assert not by_file[name][0]["within"] and "docs/benchmarks.md" in by_file[name][0]["reason"]
 
 
 @pytest.mark.slow
 def test_cpu_device_without_a_bench_is_one_clear_line(tmp_path):
-    r = tfdist_plan("--device=cpu", "--devices=2", "--config=configs/gpt_mini.py", f"--bench_dir={tmp_path}")
+    r = tfdist_plan("--device=cpu", "--devices=2", "--config=configs/gpt_mini.py",
+                    f"--bench_dir={tmp_path}")
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
-        f"tfdist: error: this CPU has not been measured: no {tmp_path}/bench.json; run `make bench` "
-        f"first (or pick another --device)"]
+        f"tfdist: error: this CPU has not been measured: no {tmp_path}/bench.json; "
+        f"run `make bench` first (or pick another --device)"]
     _fake_bench(tmp_path, with_pipeline=False)
     r = tfdist_plan("--device=cpu", "--devices=2", f"--config={ROOT}/configs/gpt_mini.py",
-                    f"--bench_dir={tmp_path}", f"--out={tmp_path / 'out'}", cwd=tmp_path)  # outside the repo
+                    f"--bench_dir={tmp_path}", f"--out={tmp_path / 'out'}",
+                    cwd=tmp_path)  # outside the repo
     assert r.returncode == 0, r.stderr
     assert "x cpu" in r.stdout
     assert "tfdist train --config=" in r.stdout or "tfdist launch --workers 2" in r.stdout
@@ -342,17 +362,20 @@ def test_cpu_device_without_a_bench_is_one_clear_line(tmp_path):
      "--batch=97 does not split into 2 data-parallel replicas x microbatches of 1"),
     (["--model=gpt4"], "unknown --model 'gpt4'"),
     (["--model=gpt3-175b", "--tp=5"], "--tp=5 must divide the 96 attention heads"),
-    (["--model=gpt3-175b", "--devices=12", "--pp=8"], "--devices=12 is not a multiple of tp x pp = 8"),
+    (["--model=gpt3-175b", "--devices=12", "--pp=8"],
+     "--devices=12 is not a multiple of tp x pp = 8"),
     (["--devices=8"], "say which model"),
     (["--config=configs/nope.py"], "config file 'configs/nope.py' not found"),
     (["--model=gpt3-175b", "--efficiency=1.5"], "--efficiency=1.5 is a fraction of peak"),
-    (["--model=gpt3-175b", "--devices=64", "--pp=2", "--zero=2"], "--zero=2 with --pp=2: ZeRO-2 shards"),
+    (["--model=gpt3-175b", "--devices=64", "--pp=2", "--zero=2"],
+     "--zero=2 with --pp=2: ZeRO-2 shards"),
 ]))
 def test_bad_input_is_one_line_and_exit_2(args, message):
     r = tfdist_plan(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tfdist: error: ") and message in lines[0], r.stderr
+    assert (len(lines) == 1 and lines[0].startswith("tfdist: error: ")
+            and message in lines[0]), r.stderr
 
 
 @pytest.mark.parametrize("name,device,devices,batch", [
@@ -360,8 +383,8 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 def test_every_layout_the_planner_calls_runnable_is_what_its_command_runs(name, device, devices,
                                                                            batch):
     """Over every layout the planner enumerates: the command it prints for a runnable one is a
-    config that `tfdist train` accepts (its config rules, then `tfdist.parallel.layout.Layout`, the one
-    judge) and whose layout is the planned one; the others it calls modelled."""
+    config that `tfdist train` accepts (its config rules, then `tfdist.parallel.layout.Layout`, the
+    one judge) and whose layout is the planned one; the others it calls modelled."""
     from tfdist import strategies
     from tfdist.parallel.layout import Layout
     c0 = plan.load_config(os.path.join(ROOT, "configs", f"{name}.py"))

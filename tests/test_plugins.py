@@ -13,7 +13,8 @@ def run_cli(args, env=None):
     return tfdist(*args, env=env, check=False, timeout=600)
 
 PACKAGE = os.path.join(ROOT, "tfdist")
-STRATEGY_NAMES = {"single", "mirrored", "multi_worker_mirrored", "parameter_server", "horovod", "tpu"}
+STRATEGY_NAMES = {"single", "mirrored", "multi_worker_mirrored", "parameter_server", "horovod",
+                  "tpu"}
 
 
 def name_comparisons(tree):
@@ -43,7 +44,8 @@ def test_no_code_outside_the_plugins_compares_strategy_names():
             if f.endswith(".py"):
                 path = os.path.join(d, f)
                 with open(path) as fh:
-                    found += [(os.path.relpath(path, ROOT), *x) for x in name_comparisons(ast.parse(fh.read()))]
+                    found += [(os.path.relpath(path, ROOT), *x)
+                              for x in name_comparisons(ast.parse(fh.read()))]
     assert found == [], found
 
 
@@ -62,7 +64,8 @@ from tfdist.strategies.single import SingleDevice
 
 class Toy(SingleDevice):
     name = "toy"
-    options = {"toy_level": (3, lambda v: isinstance(v, int) and 1 <= v <= 9, "an integer in [1, 9]")}
+    options = {"toy_level": (3, lambda v: isinstance(v, int) and 1 <= v <= 9,
+                             "an integer in [1, 9]")}
     recommended = {"train.log_every_steps": 2}
     launch = Launch()
 
@@ -111,5 +114,6 @@ def test_an_eighth_strategy_is_its_file_and_a_registry_entry(tmp_path, toy_env, 
 def test_launch_refuses_a_strategy_without_a_launch_spec():
     p = run_cli(["launch", "--strategy=mirrored", "--", "--config=configs/gpt_nano.py"])
     assert p.returncode == 2
-    assert p.stderr.splitlines() == ["tfdist: error: tfdist launch cannot start strategy 'mirrored'; "
-                                     "it starts: horovod, multi_worker_mirrored, parameter_server"]
+    assert p.stderr.splitlines() == [
+        "tfdist: error: tfdist launch cannot start strategy 'mirrored'; "
+        "it starts: horovod, multi_worker_mirrored, parameter_server"]

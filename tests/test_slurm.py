@@ -74,7 +74,8 @@ def task_pid(job, rank):
                 cmd = f.read()
         except OSError:
             continue
-        if (env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"SLURM_PROCID") == str(rank).encode()
+        if (env.get(b"SLURM_JOB_ID") == job.encode()
+                and env.get(b"SLURM_PROCID") == str(rank).encode()
                 and b"tfdist\0train" in cmd and b"--prepare_only" not in cmd):
             return int(pid)
     return None
@@ -129,7 +130,8 @@ def test_a_killed_task_is_rerun_and_resumes_at_the_backed_up_step(killed_and_res
     assert "tfdist.sbatch: done after 1 restart(s)" in text
 
 
-@pytest.mark.long  # time: tests/test_backup.py shows the end window; the SIGKILL case the script's rerun
+# time: tests/test_backup.py shows the end window; the SIGKILL case the script's rerun
+@pytest.mark.long
 def test_the_end_window_finishes_under_slurm(slurm, killed_and_resumed, tmp_path, data_dir):
     """What a kill after the final backup and before model.keras leaves: the job finishes it."""
     done, _ = killed_and_resumed

@@ -26,8 +26,8 @@ from tfdist.data import ByteTokenizer
 
 BYTES = ByteTokenizer.vocab_size  # the byte tokenizer's vocabulary
 
-NANO = ["--config.train.steps=4", "--config.train.steps_per_epoch=2", "--config.train.warmup_steps=1",
-        "--config.train.eval_steps=2"]
+NANO = ["--config.train.steps=4", "--config.train.steps_per_epoch=2",
+        "--config.train.warmup_steps=1", "--config.train.eval_steps=2"]
 
 
 def store_of(tmp_path, name, n_train, seed=0, **kw):
@@ -69,13 +69,15 @@ def test_bad_data_is_one_line_and_exit_2_with_nothing_touched(tmp_path, data_dir
     wd = tmp_path / "wd"
     train = ["train", f"--workdir={wd}", f"--config.data.data_dir={tmp_path / 'dd'}"]
     cases = [
-        (train + [f"--config.data.source=store:{bad['no-manifest']}"], "not a prepared token store"),
+        (train + [f"--config.data.source=store:{bad['no-manifest']}"],
+         "not a prepared token store"),
         (train + [f"--config.data.source=store:{bad['corrupt-manifest']}"], "manifest"),
         (train + [f"--config.data.source=store:{bad['truncated-shard']}"],
          f"{os.path.basename(shard)} is {truncated:,} bytes"),
         (train + [f"--config.data.source=store:{good}", "--config.model.vocab_size=100"],
          f"smaller than the tokenizer's vocabulary ({BYTES}"),
-        (train + ["--config.data.tokenizer=/no/such/vocab.json"], "tokenizer file '/no/such/vocab.json' not found"),
+        (train + ["--config.data.tokenizer=/no/such/vocab.json"],
+         "tokenizer file '/no/such/vocab.json' not found"),
         (train + ["--config.data.source=hdfs:corpus"], "unknown data source scheme 'hdfs:'"),
         (["prepare", f"--out={good}", f"--config.data.source={tmp_path / 'text'}"],
          "holds the token store of another corpus"),
@@ -86,9 +88,11 @@ def test_bad_data_is_one_line_and_exit_2_with_nothing_touched(tmp_path, data_dir
         (train + [f"--config.data.source=nanogpt:{tmp_path / 'big-ids'}",
                   f"--config.data.vocab_size={stated_vocab}"],
          f"not below the stated vocabulary size {stated_vocab}"),
-        (train + [f"--config.data.source=nanogpt:{tmp_path / 'big-ids'}"], "needs its vocabulary size"),
+        (train + [f"--config.data.source=nanogpt:{tmp_path / 'big-ids'}"],
+         "needs its vocabulary size"),
         (train + [f"--config.data.source={tmp_path / 'text'}", "--config.data.tokenizer=bpe",
-                  "--config.data.vocab_size=100"], f"at least {BYTES + 1}"),  # the bytes and end-of-text
+                  "--config.data.vocab_size=100"],
+         f"at least {BYTES + 1}"),  # the bytes and end-of-text
     ]
     before = tree_digest(str(tmp_path))
     for args, expected in cases:
@@ -97,8 +101,9 @@ def test_bad_data_is_one_line_and_exit_2_with_nothing_touched(tmp_path, data_dir
 
 
 def prepare_cmd(out, corpus):
-    return [sys.executable, "-m", "tfdist", "prepare", f"--out={out}", f"--config.data.source={corpus}",
-            "--config.data.tokenizer=bpe", "--config.data.vocab_size=2048", "--workers=2"]
+    return [sys.executable, "-m", "tfdist", "prepare", f"--out={out}",
+            f"--config.data.source={corpus}", "--config.data.tokenizer=bpe",
+            "--config.data.vocab_size=2048", "--workers=2"]
 
 
 def fingerprint(p):
@@ -125,12 +130,13 @@ def test_a_killed_prepare_finishes_on_rerun_with_the_same_store(tmp_path):
     points = sorted(rng.sample(range(-1, units - 1), 2))
     out = tmp_path / "store"
     for point in points:
-        p = subprocess.Popen(prepare_cmd(out, corpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             cwd=ROOT, start_new_session=True)
-        wait_until(lambda: os.path.exists(out / ".work" / "key") and  # units: <split>-<k>.json
+        p = subprocess.Popen(prepare_cmd(out, corpus), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True)
+        # units: <split>-<k>.json
+        wait_until(lambda point=point: os.path.exists(out / ".work" / "key") and
                    len(glob.glob(str(out / ".work" / "*-*.json"))) >= point, 300,
                    f"{point} finished units", proc=p,
-                   describe=lambda: p.communicate()[1][-2000:] if p.poll() is not None else "")
+                   describe=lambda p=p: p.communicate()[1][-2000:] if p.poll() is not None else "")
         os.killpg(p.pid, signal.SIGKILL)  # the prepare and the tokenizer processes it started
         p.communicate(timeout=60)
         assert p.returncode == -signal.SIGKILL, point
@@ -142,7 +148,8 @@ def test_a_killed_prepare_finishes_on_rerun_with_the_same_store(tmp_path):
     assert not os.path.exists(out / ".work")
     for name in ("train", "val"):  # the same shards, byte for byte
         for f in sorted(os.listdir(tmp_path / "ref" / name)):
-            assert open(out / name / f, "rb").read() == open(tmp_path / "ref" / name / f, "rb").read()
+            assert (open(out / name / f, "rb").read()
+                    == open(tmp_path / "ref" / name / f, "rb").read())
 
 
 @pytest.mark.slow
@@ -152,8 +159,8 @@ def test_nanogpt_bins_train_unchanged(tmp_path):
     before = tree_digest(str(tmp_path / "owt"))
     wd = tmp_path / "run"
     p = tfdist("train", f"--workdir={wd}", f"--config.data.data_dir={tmp_path / 'dd'}",
-               f"--config.data.source=nanogpt:{tmp_path / 'owt'}", f"--config.data.vocab_size={vocab}",
-               *NANO)
+               f"--config.data.source=nanogpt:{tmp_path / 'owt'}",
+               f"--config.data.vocab_size={vocab}", *NANO)
     assert f"{n_train:,} train / {n_val:,} validation tokens" in p.stdout
     assert "bits/byte unknown" in p.stdout  # ids only: the text's size is not known
     m = metrics(wd)
@@ -176,10 +183,12 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
     rss = {}
     for mb in (30, 300):
         s = store_of(tmp_path, f"s{mb}", mb * (1 << 20) // token_bytes, seed=mb)
-        p = tfdist("train", f"--workdir={tmp_path / f'run{mb}'}", f"--config.data.source=store:{s.dir}",
+        # fresh: a process of its own: a fork's resident set starts with the server's
+        p = tfdist("train", f"--workdir={tmp_path / f'run{mb}'}",
+                   f"--config.data.source=store:{s.dir}",
                    "--config.train.steps=10", "--config.train.steps_per_epoch=10",
                    "--config.train.warmup_steps=1", "--config.train.eval_steps=2", timeout=300,
-                   fresh=True)  # a process of its own: a fork's resident set starts with the server's
+                   fresh=True)
         rss[mb] = peak_rss(p)
     assert abs(rss[300] - rss[30]) < 60, rss
 
@@ -199,6 +208,7 @@ def test_a_bpe_run_follows_its_vocabulary_and_samples_text(tmp_path):
     assert config["kind"] == "bpe" and config["vocab_size"] == vocab
     m = metrics(wd)
     assert m["evals"][-1]["bits_per_byte"] > 0
-    s = tfdist("sample", f"--model={wd}/model.keras", "--prompt=def function_", "--max_new_tokens=20")
+    s = tfdist("sample", f"--model={wd}/model.keras", "--prompt=def function_",
+               "--max_new_tokens=20")
     text = s.stdout.split("---\n", 1)[1]
     assert text.startswith("def function_") and len(text) > len("def function_") + 5

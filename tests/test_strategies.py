@@ -28,7 +28,8 @@ def test_a_hooks_subclass_of_the_earlier_api_is_told_what_replaced_it():
     from tfdist.train import Hooks
     with pytest.raises(TypeError, match=r"Old.wrap_optimizer is never called.*Hooks.reduction"):
         type("Old", (Hooks,), {"wrap_optimizer": lambda self, optimizer, strategy: optimizer})
-    assert type("New", (Hooks,), {"reduction": lambda self, strategy: None})().reduction(None) is None
+    new = type("New", (Hooks,), {"reduction": lambda self, strategy: None})
+    assert new().reduction(None) is None
 
 
 def test_a_model_compiled_in_the_scope_and_stepped_by_tfdist_is_prepared_once(monkeypatch):
@@ -55,7 +56,8 @@ def test_a_model_compiled_in_the_scope_and_stepped_by_tfdist_is_prepared_once(mo
 
 
 @pytest.mark.slow
-def test_mirrored_on_2_logical_cpus_matches_single_step_for_step(tmp_path, data_dir, single_reference):
+def test_mirrored_on_2_logical_cpus_matches_single_step_for_step(tmp_path, data_dir,
+                                                                  single_reference):
     """Same global batch and seed: per-step losses equal within 1e-5 over 20 steps."""
     common = {**single_overrides(data_dir), "strategy.name": "mirrored", "strategy.devices": 2}
     single = json.loads((single_reference / "result.json").read_text())
@@ -149,13 +151,14 @@ model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Losses()])
 ])
 def test_optimizer_corrections_make_mirrored_equal_single(mode, rows, equal):
     """Keras 3 AdamW with global_clipnorm and a position embedding: mirrored (2 logical CPUs) vs
-    single. Each correction in compat.set_gradient_reduction is needed; with them the two agree. (On one
-    device the 16 slices are distinct; the all-reduce concatenates 2 x 16 with each index twice.)"""
+    single. Each correction in compat.set_gradient_reduction is needed; with them the two agree. (On
+    one device the 16 slices are distinct; the all-reduce concatenates 2 x 16 with each index
+    twice.)"""
     steps = 6
 
     def printed_losses(name):
-        p = run([sys.executable, "-c", SPARSE_MODEL, name, mode, str(rows), str(DEVICES), str(steps)],
-                timeout=300)
+        p = run([sys.executable, "-c", SPARSE_MODEL, name, mode, str(rows), str(DEVICES),
+                 str(steps)], timeout=300)
         return [float(x.split()[1]) for x in p.stdout.splitlines() if x.startswith("LOSS")]
     # Keras reports the running mean over the epoch; the k-th value still differs if step k does.
     a, b = printed_losses("single"), printed_losses("mirrored")

@@ -34,8 +34,8 @@ GUARD = 60
 
 def train_tpu(tmp_path, *flags):
     """`tfdist train --strategy=tpu`; it must end by itself under GUARD seconds."""
-    return tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}", "--strategy=tpu",
-                  *flags, check=False, timeout=GUARD)
+    return tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
+                  "--strategy=tpu", *flags, check=False, timeout=GUARD)
 
 
 def test_the_hang_guard_is_shorter_than_the_default_timeout():
@@ -110,7 +110,8 @@ c = config_lib.default_config(); c.train.steps_per_epoch = {per_epoch}
 said = _apply_recommended(c, s)
 mine = config_lib.default_config(); mine.train.precision = "float32_explicit"
 said += _apply_recommended(mine, s)
-tokens = store.from_arrays(tempfile.mkdtemp(), train=np.arange(10000) % 256, val=np.arange(500) % 256)
+tokens = store.from_arrays(tempfile.mkdtemp(), train=np.arange(10000) % 256,
+                           val=np.arange(500) % 256)
 w = Windows(tokens.split("train"), {block}, {batch}, seed=0)
 ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                  num_replicas_in_sync=s.num_replicas)
@@ -126,7 +127,8 @@ print("FAKE " + json.dumps({{"replicas": s.num_replicas, "describe": s.describe(
     assert r["describe"] == f"tpu: {cores} TPU core(s) on 1 host(s)"
     assert r["precision"] == RECOMMENDED["train.precision"] and r["kept"] == "float32_explicit"
     # the largest divisor of steps_per_epoch up to the recommended steps_per_execution
-    spe = max(d for d in range(1, RECOMMENDED["train.steps_per_execution"] + 1) if per_epoch % d == 0)
+    spe = max(d for d in range(1, RECOMMENDED["train.steps_per_execution"] + 1)
+              if per_epoch % d == 0)
     assert r["spe"] == spe and spe > 1
     assert any(f"steps_per_execution={spe}" in s for s in r["said"])
     assert r["shapes"] == [[batch // cores, block]] * 2  # static: per replica, drop_remainder
@@ -148,10 +150,12 @@ FORBIDDEN = {"open", "os.open", "os.makedirs", "os.mkdir", "os.remove", "os.unli
              "pathlib.Path", "Path"}
 # Local by nature, each with its reason:
 ALLOWED = {
-    ("tfdist/data/sources.py", "os.walk"): "the running Python's own standard library (default corpus)",
+    ("tfdist/data/sources.py", "os.walk"):
+        "the running Python's own standard library (default corpus)",
     ("tfdist/train.py", "open"): "/proc/self/status: this process's peak memory (VmHWM)",
     ("tfdist/data/build.py", "os.makedirs"): "the prepare lock, taken only for local stores",
-    ("tfdist/data/build.py", "os.open"): "the prepare lock (flock of the directory), local stores only",
+    ("tfdist/data/build.py", "os.open"):
+        "the prepare lock (flock of the directory), local stores only",
 }
 
 

@@ -1,9 +1,9 @@
-"""ZeRO (tfdist/parallel/zero/): whole variables partitioned with a small imbalance, each replica holding
-1/N of the optimizer state, one replica's ZeRO step equal to the plain optimizer's (with and
-without gradient accumulation), and 2 replicas under Horovod and under multi_worker_mirrored
-giving plain data parallelism's losses with bitwise identical weights after every step; without
-the all-gather the replicas drift apart; killed runs resume from the shards, also at another
-number of replicas; bad configs are one line."""
+"""ZeRO (tfdist/parallel/zero/): whole variables partitioned with a small imbalance, each replica
+holding 1/N of the optimizer state, one replica's ZeRO step equal to the plain optimizer's (with and
+without gradient accumulation), and 2 replicas under Horovod and under multi_worker_mirrored giving
+plain data parallelism's losses with bitwise identical weights after every step; without the
+all-gather the replicas drift apart; killed runs resume from the shards, also at another number of
+replicas; bad configs are one line."""
 import json
 import os
 import shutil
@@ -80,7 +80,8 @@ def test_the_partition_is_balanced_and_the_same_on_every_replica():
 
 def test_a_tensor_parallel_layers_shards_share_one_owner():
     """(so that a backup can save their slots joined, as the unsplit variable's)"""
-    v = [keras.Variable(np.zeros(shape, "float32")) for shape in [(8, 4), (8, 4), (16,), (4,), (4,)]]
+    v = [keras.Variable(np.zeros(shape, "float32"))
+         for shape in [(8, 4), (8, 4), (16,), (4,), (4,)]]
     v[0].tfdist_shard_of = v[1].tfdist_shard_of = "kernel"
     v[3].tfdist_shard_of = v[4].tfdist_shard_of = "bias"
     s = zero.Partition(v, 2)
@@ -113,6 +114,10 @@ def test_one_replica_zero_step_equals_the_plain_optimizer(stage, accumulate):
         apply([tf.constant(np.mean([grads[i][j] for i in range(k, k + accumulate)], 0))
                for j in range(len(init))])
     strategy = tfdist.strategies.get("single")
+
+    def updater(step, model):
+        return tf.function(lambda g: step.update(list(zip(g, model.trainable_weights))))
+
     finals = []
     for sharded in (0, stage):
         with strategy.scope():
@@ -121,7 +126,7 @@ def test_one_replica_zero_step_equals_the_plain_optimizer(stage, accumulate):
             model.compile(optimizer=adamw(), loss="mse")
             step = TrainStep(model, strategy, Layout(zero=sharded, accumulate=accumulate),
                              clipnorm=1.0, collectives=zero.local())
-        update = tf.function(lambda g: step.update(list(zip(g, model.trainable_weights))))
+        update = updater(step, model)
         for g in grads:
             update([tf.constant(x) for x in g])
         assert int(model.optimizer.iterations.numpy()) == 9 // accumulate
@@ -214,8 +219,9 @@ def assert_equal_to_plain(run, plain, stage, sharded_accumulators=False):
         assert mine["zero"].startswith(f"ZeRO-{stage} over 2 replica(s)")
         imbalance = float(mine["zero"].rsplit(" ", 1)[1])
         sharded = full["bytes"] - full["accumulator_bytes"] * (not sharded_accumulators)
-        assert mine["bytes"] - (full["bytes"] - sharded) <= sharded / 2 * (imbalance + 0.005) + 64, (
-            mine, full)  # + the scalars; (the imbalance is printed rounded to 0.01)
+        # + 64: the scalars; (the imbalance is printed rounded to 0.01)
+        assert (mine["bytes"] - (full["bytes"] - sharded)
+                <= sharded / 2 * (imbalance + 0.005) + 64), (mine, full)
 
 
 @pytest.fixture(scope="module")

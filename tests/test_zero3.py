@@ -1,7 +1,7 @@
-"""ZeRO-3 (tfdist/parallel/zero/weights.py), in one process: each replica holds 1/N of the weights, counted from
-its variables; one replica's sharded step equals the plain step, for tfdist's GPT (with dropout,
-with gradient accumulation) and for a user's Keras model with BatchNormalization and Dropout;
-a weight another replica holds cannot be read by mistake. Two replicas (Horovod,
+"""ZeRO-3 (tfdist/parallel/zero/weights.py), in one process: each replica holds 1/N of the weights,
+counted from its variables; one replica's sharded step equals the plain step, for tfdist's GPT (with
+dropout, with gradient accumulation) and for a user's Keras model with BatchNormalization and
+Dropout; a weight another replica holds cannot be read by mistake. Two replicas (Horovod,
 multi_worker_mirrored), their companions and the resumes are in tests/test_zero.py."""
 import keras
 import numpy as np

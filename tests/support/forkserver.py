@@ -8,7 +8,8 @@ status, stdout and stderr, environment, working directory and process group, who
 where `python -m tfdist ...`, `python script.py ...` or `python -c ...` would, after the imports.
 
     server = ForkServer()
-    p = server.run(["-m", "tfdist", "train", "--config=..."], env=dict(os.environ), cwd=ROOT, timeout=300)
+    p = server.run(["-m", "tfdist", "train", "--config=..."], env=dict(os.environ), cwd=ROOT,
+                   timeout=300)
     p.returncode, p.stdout, p.stderr            # as subprocess.run(capture_output=True) gives them
 
 Not for what differs between a fork and a new process (`tests.helpers.run` decides, and starts
@@ -36,13 +37,15 @@ class ForkServer:
         self._lock = threading.Lock()
 
     def _start(self):
-        self._p = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        self._p = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True,
                                    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get(
                                        "TF_CPP_MIN_LOG_LEVEL", "2")})
 
     def run(self, argv, env, cwd, timeout):
-        """Runs `python <argv>` in a fork; a CompletedProcess, or TimeoutExpired after `timeout` s."""
+        """Runs `python <argv>` in a fork; a CompletedProcess, or TimeoutExpired after `timeout`
+        s."""
         with self._lock:
             if self._p is None or self._p.poll() is not None:
                 self._start()
@@ -56,7 +59,8 @@ class ForkServer:
         cmd = [sys.executable, *argv]
         if reply["timed_out"]:
             raise subprocess.TimeoutExpired(cmd, timeout, reply["stdout"], reply["stderr"])
-        return subprocess.CompletedProcess(cmd, reply["returncode"], reply["stdout"], reply["stderr"])
+        return subprocess.CompletedProcess(cmd, reply["returncode"], reply["stdout"],
+                                           reply["stderr"])
 
     def close(self):
         if self._p is not None and self._p.poll() is None:

@@ -1,8 +1,9 @@
-"""A Horovod Keras MNIST program in the form of Horovod's examples/tensorflow2/
+r"""A Horovod Keras MNIST program in the form of Horovod's examples/tensorflow2/
 tensorflow2_keras_mnist.py, on Keras 3. Its import line alone decides which Horovod Keras API
 runs (tests/test_horovod_keras.py swaps it): `tfdist.horovod.keras` or Horovod's own.
 
-    horovodrun -np 2 -H localhost:2 --gloo python tests/support/horovod_keras_mnist.py mnist.npz OUTDIR
+    horovodrun -np 2 -H localhost:2 --gloo \
+        python tests/support/horovod_keras_mnist.py mnist.npz OUTDIR
 
 The images come from a local .npz (x_train, y_train) instead of the download. Each rank shuffles
 its own stream, as in Horovod's example. The last line of each rank is `RESULT {json}`: the
@@ -45,7 +46,8 @@ def train(npz, out, epochs=4):
     # Horovod: scale the learning rate by the number of ranks, and wrap the optimizer.
     scaled_lr = 0.001 * hvd.size()
     opt = keras.optimizers.Adam(scaled_lr)
-    opt = hvd.DistributedOptimizer(opt, backward_passes_per_step=1, average_aggregated_gradients=True)
+    opt = hvd.DistributedOptimizer(opt, backward_passes_per_step=1,
+                                   average_aggregated_gradients=True)
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(), optimizer=opt,
                   metrics=["accuracy"])
 
@@ -56,7 +58,8 @@ def train(npz, out, epochs=4):
     ]
     # Horovod: checkpoints on rank 0 only.
     if hvd.rank() == 0:
-        callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(out, "checkpoint-{epoch}.keras")))
+        callbacks.append(keras.callbacks.ModelCheckpoint(
+            os.path.join(out, "checkpoint-{epoch}.keras")))
 
     history = model.fit(dataset, steps_per_epoch=60 // hvd.size(), callbacks=callbacks,
                         epochs=epochs, verbose=1 if hvd.rank() == 0 else 0)

@@ -1,8 +1,9 @@
-"""A Horovod Keras synthetic benchmark in the form of Horovod's examples/tensorflow2/
+r"""A Horovod Keras synthetic benchmark in the form of Horovod's examples/tensorflow2/
 tensorflow2_keras_synthetic_benchmark.py, on Keras 3 and with a small model. Its import line alone
 decides which Horovod Keras API runs (tests/test_horovod_keras.py swaps it).
 
-    horovodrun -np 2 -H localhost:2 --gloo python tests/support/horovod_keras_synthetic.py --fp16-allreduce
+    horovodrun -np 2 -H localhost:2 --gloo \
+        python tests/support/horovod_keras_synthetic.py --fp16-allreduce
 
 Each rank's last line is `RESULT {json}`: the epoch losses, images/s, and a digest of the final
 weights.
@@ -45,7 +46,8 @@ compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.n
 opt = hvd.DistributedOptimizer(opt, compression=compression)
 model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer=opt)
 
-callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+             hvd.callbacks.MetricAverageCallback()]
 
 
 class TimingCallback(keras.callbacks.Callback):
@@ -69,6 +71,6 @@ if hvd.rank() == 0:
 history = model.fit(dataset, steps_per_epoch=args.num_batches_per_iter, callbacks=callbacks,
                     epochs=args.num_iters, verbose=0)
 digest = hashlib.sha256(b"".join(np.asarray(w).tobytes() for w in model.get_weights()))
+img_sec = float(np.mean(timing.img_secs)) if hvd.rank() == 0 else None
 print("RESULT " + json.dumps({"rank": hvd.rank(), "loss": history.history["loss"],
-                              "img_sec": float(np.mean(timing.img_secs)) if hvd.rank() == 0 else None,
-                              "weights": digest.hexdigest()}), flush=True)
+                              "img_sec": img_sec, "weights": digest.hexdigest()}), flush=True)

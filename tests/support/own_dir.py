@@ -1,6 +1,6 @@
-"""Runs a program (`python tests/support/own_dir.py BASE program.py args...`) in its own working directory
-BASE/<task>: chief0, worker1, ps0 from TF_CONFIG, rank<r> under Horovod, single otherwise. A
-test then sees which process wrote what through the program's relative paths.
+"""Runs a program (`python tests/support/own_dir.py BASE program.py args...`) in its own working
+directory BASE/<task>: chief0, worker1, ps0 from TF_CONFIG, rank<r> under Horovod, single
+otherwise. A test then sees which process wrote what through the program's relative paths.
 
 With TFDIST_TEST_EXIT_AFTER_EPOCH=N the chief ends itself (status 3) right after Keras's
 BackupAndRestore has saved epoch N: a run interrupted at a known point, for a restore test."""

@@ -8,7 +8,8 @@ before TF starts). Prints one `PROBE {...}` JSON line.
                                                    # 10 fit steps, split vs unsplit
     python tests/support/pipeline_probe.py placement K M           # devices of variables and of ops
     python tests/support/pipeline_probe.py tensor_placement K M t=T  # where each shard's ops ran
-    python tests/support/pipeline_probe.py zero3 K M [recompute] [t=T] [sp] [schedule=1f1b] [reuse_reads]
+    python tests/support/pipeline_probe.py zero3 K M [recompute] [t=T] [sp] [schedule=1f1b]
+                                                   [reuse_reads]
                                                    # one replica's ZeRO-3 gradients vs plain's
 """
 import json
@@ -78,7 +79,8 @@ def grads(k, m, recompute=False, t=1, schedule="gpipe"):
     ref = state.by_name(plain, tape.gradient(ref_loss, plain.trainable_weights))
     loss, got = tf.function(piped.compute_gradients)(x, y)
     got = state.by_name(piped, got)
-    return {"loss_diff": abs(float(loss) - float(ref_loss)), "max_grad_diff": max_abs_diff(ref, got),
+    return {"loss_diff": abs(float(loss) - float(ref_loss)),
+            "max_grad_diff": max_abs_diff(ref, got),
             "max_grad": max(float(np.max(np.abs(g.numpy()))) for g in ref.values()),
             "n": len(got), "shards": len(piped.trainable_weights)}
 
@@ -121,19 +123,23 @@ def losses(k, m, t=1, optimizer="sgd", sp=False):
 
 
 def zero3_grads(k, m, recompute=False, t=1, schedule="gpipe", sp=False):
-    """One replica's ZeRO-3 gradients (tfdist.parallel.zero.weights: each block run with its gathered weights
-    under a custom gradient, the tied head's read gathered where it is read) against the same
-    pipeline's plain gradients. (One replica: no collective; what is checked is that every
-    weight's gradient reaches it through the gathers, stage recomputation included.)"""
+    """One replica's ZeRO-3 gradients (tfdist.parallel.zero.weights: each block run with its
+    gathered weights under a custom gradient, the tied head's read gathered where it is read)
+    against the same pipeline's plain gradients. (One replica: no collective; what is checked is
+    that every weight's gradient reaches it through the gathers, stage recomputation included.)"""
     from tfdist.parallel import zero
     x, y = batch()
+
+    def gradients(piped, sources):
+        return tf.function(lambda: piped.compute_gradients(x, y, variables=sources))()
+
     out = []
     for sharded in (False, True):
         _, piped = models(k, m, recompute, t, schedule, sp)
         piped.compile(optimizer="sgd", loss=loss_fn())
         sources = zero.make(3, piped, zero.local()).sources() if sharded \
             else list(piped.trainable_weights)
-        loss, got = tf.function(lambda: piped.compute_gradients(x, y, variables=sources))()
+        loss, got = gradients(piped, sources)
         grads = dict(zip(map(id, sources), got))
         out.append((float(loss), state.by_name(piped, [grads[id(v)] for v in
                                                        piped.trainable_weights])))
@@ -155,7 +161,7 @@ def placement(k, m):
     # The device every block's forward and backward ops asked for (tf.device in the forward,
     # tf.gradients' colocation in the backward), by the block's name scope; and the devices of
     # the optimizer's update math.
-    block_ops, update_ops, unplaced = {}, {}, 0
+    block_ops, update_ops = {}, {}
     for op in graph.get_operations():
         index = tf.DeviceSpec.from_string(op.device).device_index if op.device else None
         found = re.search(r"/h_(\d+)(?:_\d+)?/", op.name)
@@ -164,7 +170,8 @@ def placement(k, m):
         if found:
             entry = block_ops.setdefault(int(found.group(1)), {"forward": set(), "backward": set()})
             entry["backward" if op.name.startswith("gradients/") else "forward"].add(index)
-        elif op.name.startswith("adam/") and op.type not in ("Const", "ReadVariableOp", "Placeholder"):
+        elif op.name.startswith("adam/") and op.type not in ("Const", "ReadVariableOp",
+                                                              "Placeholder"):
             update_ops.setdefault(str(index), 0)
             update_ops[str(index)] += 1
     return {"stage_blocks": piped.stage_blocks, "devices": piped.devices,
