@@ -198,6 +198,26 @@ def test_a_damaged_newest_backup_falls_back_to_the_one_before(tmp_path, data_dir
 
 
 @pytest.mark.slow
+def test_a_damaged_backup_index_resumes_from_the_backups_on_disk(tmp_path, data_dir, reference,
+                                                                 killed_at_13):
+    """The index that names the backups (`backup/checkpoint`) overwritten with text TF cannot
+    parse: TF's own reader logs two lines and answers "no checkpoint", which made the run start
+    over at step 0 without a word. It resumes from the newest backup on disk, ckpt-12, says so in
+    one line, and ends as the uninterrupted run."""
+    run = tmp_path / "run"
+    shutil.copytree(killed_at_13, run)
+    (run / "backup" / "checkpoint").write_text("not a checkpoint index\n")
+    p, result = driver(run, overrides(data_dir, **{"backup.every_steps": 4}))
+    warned = [line for line in p.stderr.splitlines() if "cannot be read" in line]
+    assert len(warned) == 1 and "the backup index" in warned[0], p.stderr[-2000:]
+    assert "using ckpt-12, the newest backup on disk" in warned[0]
+    assert "Checkpoint ignored" not in p.stderr  # (TF's two lines)
+    assert result["steps_run"] == STEPS - 12
+    for a, b in zip(final_weights(run), reference[4]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
 def test_every_backup_damaged_is_one_line_and_deletes_nothing(tmp_path, data_dir, killed_at_13):
     run = tmp_path / "run"
     shutil.copytree(killed_at_13, run)

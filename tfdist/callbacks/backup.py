@@ -2,6 +2,7 @@
 
 Used by `tfdist train`; the example is in `tfdist/callbacks/__init__.py`.
 """
+import contextlib
 import os
 import statistics
 import sys
@@ -87,6 +88,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._ckpt = None
         self._manager = None
         self._last_saved = -1
+        self.index_unreadable = False  # (the checkpoint index was found damaged: `backups`)
 
     @property
     def _write_dir(self):
@@ -134,13 +136,20 @@ class BackupAndRestore(keras.callbacks.Callback):
     def backups(self):
         """The backups on disk, newest first: those the checkpoint index names (a save killed
         before it updated the index is not one), or, when that index itself cannot be read,
-        every `ckpt-N` whose own index file exists."""
+        every `ckpt-N` whose own index file exists (and `index_unreadable` is set)."""
         try:
-            st = tf.train.get_checkpoint_state(self.backup_dir)
-            paths = list(st.all_model_checkpoint_paths) if st else []
+            with _index_read_quietly():
+                state = tf.train.get_checkpoint_state(self.backup_dir)
         except Exception:  # noqa: BLE001 (a damaged text proto: the parser's own error types)
+            state = None
+        if state is not None:
+            paths = list(state.all_model_checkpoint_paths)
+        elif tf.io.gfile.exists(os.path.join(self.backup_dir, "checkpoint")):
+            self.index_unreadable = True
             paths = [p[:-len(".index")] for p in
                      tf.io.gfile.glob(os.path.join(self.backup_dir, "ckpt-*.index"))]
+        else:
+            paths = []
         paths = [p if os.path.isabs(p) or "://" in p else os.path.join(self.backup_dir, p)
                  for p in paths]
         return sorted(set(paths), key=_step_of, reverse=True)
@@ -180,6 +189,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                 raise UsageError(f"backup {path} does not match this model "
                                  f"({_first_line(e)}); use another backup dir") from None
             self._last_saved = int(self.step.numpy())
+            if self.index_unreadable and self.is_chief:
+                index = os.path.join(self.backup_dir, "checkpoint")
+                print(f"tfdist: warning: the backup index {index} cannot be read; using "
+                      f"{os.path.basename(path)}, the newest backup on disk", file=sys.stderr,
+                      flush=True)
             for bad, why in damaged if self.is_chief else ():
                 print(f"tfdist: warning: backup {bad} cannot be read ({why}); using "
                       f"{os.path.basename(path)}, the newest intact one", file=sys.stderr,
@@ -286,15 +300,18 @@ class BackupAndRestore(keras.callbacks.Callback):
                 shards.wait_for_shards(self.backup_dir, step, self.WRITE_TIMEOUT)
         if not (self.is_chief or (self.collective and not background)):
             return  # (frozen values need no collective: the chief alone writes them)
-        if background:  # a checkpoint of the frozen values has the live one's keys
-            manager = tf.train.CheckpointManager(tf.train.Checkpoint(
-                optimizer=state["optimizer"], **state["parts"]), self._write_dir,
-                max_to_keep=self.keep)
-        else:
-            if self._manager is None:
+        # (a damaged index, said once by `restore`: the manager reads it again, and its first
+        # save replaces it)
+        quiet = _index_read_quietly() if self.index_unreadable else contextlib.nullcontext()
+        with quiet:
+            if background:  # a checkpoint of the frozen values has the live one's keys
+                manager = tf.train.CheckpointManager(tf.train.Checkpoint(
+                    optimizer=state["optimizer"], **state["parts"]), self._write_dir,
+                    max_to_keep=self.keep)
+            elif self._manager is None:
                 self._manager = tf.train.CheckpointManager(self._ckpt, self._write_dir,
                                                            max_to_keep=self.keep)
-            manager = self._manager
+        manager = manager if background else self._manager
         if self.is_chief and not tf.io.gfile.exists(self._meta_path):
             tf.io.gfile.makedirs(self.backup_dir)
             write_json_atomic(self._meta_path, self._metadata(self.model))
@@ -342,6 +359,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         done = self.total_steps is not None and int(self.step.numpy()) >= self.total_steps
         if done and self.delete_on_success:
             self.remove()
+
+
+@contextlib.contextmanager
+def _index_read_quietly():
+    """TF reads a checkpoint index (`get_checkpoint_state`, a `CheckpointManager` made) and logs
+    an unreadable one in two lines before it ignores it; `BackupAndRestore.restore` says so in
+    one line instead."""
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _step_of(path):
