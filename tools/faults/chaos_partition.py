@@ -8,10 +8,11 @@ hosts.
 --hosts=<both> --workers=2` on host 0 (40 steps of gpt_nano, a backup every 5 steps), and once
 the run has logged a step chosen at random (seeded, 8-30), cuts one host off (host 1 and host 0
 in turn: every packet dropped both ways, no error to the sender) for the given seconds, then
-heals it. What happens (docs/deployment.md#faults): the synchronous strategies detect the loss
-(MWMS: TF's coordination service, 10 s without a heartbeat; Horovod: its Gloo timeout, 30 s),
-every process exits, and the launcher restarts the group, which waits for the host and resumes
-from the newest backup. A short partition may also pass unnoticed (TCP retransmits).
+heals it. What happens (docs/deployment.md, "Several hosts ..., and network faults"): the
+synchronous strategies detect the loss (MWMS: TF's coordination service, 10 s without a
+heartbeat; Horovod: its Gloo timeout, 30 s), every process exits, and the launcher restarts the
+group, which waits for the host and resumes from the newest backup. A short partition may also
+pass unnoticed (TCP retransmits).
 
 A trial passes when the launcher exits 0, every step 1..40 is logged once, the final weights are
 bitwise those of an uninterrupted run on this machine's loopback, and training moved past the
