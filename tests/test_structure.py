@@ -1,7 +1,7 @@
 """The package's structure (tools/structure.py): its layers are its folders, no import cycle
 between files, no import from a lower layer to a higher one, at most 10 modules directly in
-tfdist/, no function over 100 lines but declarative tables, and docs/design.md's tree is the
-package's; each check fails on a copy of the package changed to break it."""
+tfdist/, no function over 100 lines, and docs/design.md's tree is the package's; each check fails
+on a copy of the package changed to break it."""
 import os
 import re
 import shutil

@@ -25,106 +25,150 @@ _SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")  # what a scheduler sends befo
 
 
 def default_config():
+    """The config every run starts from: one section per concern, each key with its default
+    and what it means (configs/*.py change what they need)."""
     c = ml_collections.ConfigDict()
     c.seed = 1337
+    c.model = _model()
+    c.data = _data()
+    c.train = _train()
+    c.strategy = _strategy()
+    c.pipeline = _pipeline()
+    c.tensor = _tensor()
+    c.zero = _zero()
+    c.backup = _backup()
+    c.sample = _sample()
+    return c
 
-    c.model = ml_collections.ConfigDict()
-    c.model.vocab_size = 0  # 0: the tokenizer's; larger values leave unused rows (padding)
-    c.model.block_size = 64  # context length
-    c.model.n_layer = 2
-    c.model.n_head = 2
-    c.model.n_embd = 64
-    c.model.dropout = 0.0
-    c.model.bias = True
 
-    c.data = ml_collections.ConfigDict()
+def _model():
+    """The GPT's shape (tfdist/models/gpt.py)."""
+    s = ml_collections.ConfigDict()
+    s.vocab_size = 0  # 0: the tokenizer's; larger values leave unused rows (padding)
+    s.block_size = 64  # context length
+    s.n_layer = 2
+    s.n_head = 2
+    s.n_embd = 64
+    s.dropout = 0.0
+    s.bias = True
+    return s
+
+
+def _data():
+    """The corpus, its tokenizer and its token store (tfdist/data/)."""
+    s = ml_collections.ConfigDict()
     # "stdlib" (this Python's standard-library source), a comma-separated list of text files or
     # directories, "tfds:<name>[/<config>]" for a TFDS dataset already prepared in data_dir,
     # "nanogpt:<dir>" (train.bin/val.bin), or "store:<dir>" (a store from `tfdist prepare`).
-    c.data.source = "stdlib"
+    s.source = "stdlib"
     # TFDS data_dir and home of prepared stores; "" means ~/tensorflow_datasets
-    c.data.data_dir = ""
+    s.data_dir = ""
     # "byte", "bpe" (trained on the corpus), or a tokenizer file: GPT-2 vocab.json (merges.txt
     # beside it), a Hugging Face tokenizer.json, or a SentencePiece .model.
-    c.data.tokenizer = "byte"
-    c.data.vocab_size = 0  # bpe: tokens to train (0: 8192); nanogpt: the ids' vocabulary (required)
-    c.data.shard_tokens = 1 << 17  # tokens per store shard (256 KiB at uint16)
-    c.data.text_key = "text"  # feature holding the text in a TFDS dataset
-    c.data.val_fraction = 0.05  # tail of the corpus kept for validation (if no validation split)
+    s.tokenizer = "byte"
+    s.vocab_size = 0  # bpe: tokens to train (0: 8192); nanogpt: the ids' vocabulary (required)
+    s.shard_tokens = 1 << 17  # tokens per store shard (256 KiB at uint16)
+    s.text_key = "text"  # feature holding the text in a TFDS dataset
+    s.val_fraction = 0.05  # tail of the corpus kept for validation (if no validation split)
+    return s
 
-    c.train = ml_collections.ConfigDict()
-    c.train.batch_size = 32  # global batch, split across replicas
-    c.train.steps = 200  # total optimizer steps (batches)
-    c.train.steps_per_epoch = 100  # validation and a backup at each epoch end
-    c.train.learning_rate = 1e-3
-    c.train.min_learning_rate = 1e-4
-    c.train.warmup_steps = 20
-    c.train.weight_decay = 0.1
-    c.train.beta1 = 0.9
-    c.train.beta2 = 0.95
-    c.train.grad_clip = 1.0  # global norm; 0 disables
-    c.train.grad_accum_steps = 1
-    c.train.precision = "float32"
-    c.train.jit_compile = False
-    c.train.eval_steps = 10  # validation batches per evaluation
-    c.train.deterministic = False  # tf.config.experimental.enable_op_determinism()
-    c.train.log_every_steps = 1
-    c.train.steps_per_execution = 1  # training steps per host round trip (Keras compile); TPU: 32
-    c.train.intra_op_threads = 0  # TF's thread pools per process; 0 = TF's default (all cores)
-    c.train.inter_op_threads = 0
+
+def _train():
+    """The optimizer, its schedule, the steps, and how TensorFlow runs them."""
+    s = ml_collections.ConfigDict()
+    s.batch_size = 32  # global batch, split across replicas
+    s.steps = 200  # total optimizer steps (batches)
+    s.steps_per_epoch = 100  # validation and a backup at each epoch end
+    s.learning_rate = 1e-3
+    s.min_learning_rate = 1e-4
+    s.warmup_steps = 20
+    s.weight_decay = 0.1
+    s.beta1 = 0.9
+    s.beta2 = 0.95
+    s.grad_clip = 1.0  # global norm; 0 disables
+    s.grad_accum_steps = 1
+    s.precision = "float32"
+    s.jit_compile = False
+    s.eval_steps = 10  # validation batches per evaluation
+    s.deterministic = False  # tf.config.experimental.enable_op_determinism()
+    s.log_every_steps = 1
+    s.steps_per_execution = 1  # training steps per host round trip (Keras compile); TPU: 32
+    s.intra_op_threads = 0  # TF's thread pools per process; 0 = TF's default (all cores)
+    s.inter_op_threads = 0
     # Capture a TensorBoard profile of this global step (every op's start and end, per thread)
     # in <workdir>/profile/worker-<i>; 0: none. `tfdist.runtime.profiling` reads it.
-    c.train.profile_step = 0
+    s.profile_step = 0
+    return s
 
-    # The strategy's name, and every plugin's own options with their defaults: the plugins
-    # declare them (`options` in tfdist/strategies/<name>.py) and the registry registers them
-    # here when it is imported (`register_options`; every tfdist command imports it).
-    c.strategy = ml_collections.ConfigDict()
-    c.strategy.name = "single"
+
+def _strategy():
+    """The strategy's name, and every plugin's own options with their defaults: the plugins
+    declare them (`options` in tfdist/strategies/<name>.py) and the registry registers them here
+    when it is imported (`register_options`; every tfdist command imports it)."""
+    s = ml_collections.ConfigDict()
+    s.name = "single"
     for key, (default, _) in sorted(_OPTIONS["strategy"].items()):
-        c.strategy[key] = default
+        s[key] = default
+    return s
 
-    # Layer-split model parallelism (tfdist/models/pipeline.py): the GPT's blocks in `stages`
-    # contiguous stages on as many devices, each batch in `microbatches` (GPipe).
-    c.pipeline = ml_collections.ConfigDict()
-    c.pipeline.stages = 1  # 1 with microbatches 1: no pipeline
-    c.pipeline.microbatches = 1
-    c.pipeline.layers_per_stage = ""  # e.g. "2,4"; "" balances the blocks by compute
-    c.pipeline.devices = ""  # e.g. "/gpu:0,/gpu:1"; "" = the GPUs, else the CPU split in K
-    c.pipeline.recompute = False  # recompute each stage's activations in the backward pass
+
+def _pipeline():
+    """Layer-split model parallelism (tfdist/models/pipeline.py): the GPT's blocks in `stages`
+    contiguous stages on as many devices, each batch in `microbatches` (GPipe)."""
+    s = ml_collections.ConfigDict()
+    s.stages = 1  # 1 with microbatches 1: no pipeline
+    s.microbatches = 1
+    s.layers_per_stage = ""  # e.g. "2,4"; "" balances the blocks by compute
+    s.devices = ""  # e.g. "/gpu:0,/gpu:1"; "" = the GPUs, else the CPU split in K
+    s.recompute = False  # recompute each stage's activations in the backward pass
     # "gpipe": all M forwards, then all backwards (keeps M microbatches' activations per stage);
     # "1f1b": Megatron-LM's one-forward-one-backward (keeps at most K)
-    c.pipeline.schedule = "gpipe"
+    s.schedule = "gpipe"
+    return s
 
-    # Tensor parallelism (tfdist/models/tensor_parallel.py, Megatron-LM): each block's attention
-    # heads and MLP units split over `parallel` devices of this process (per pipeline stage).
-    c.tensor = ml_collections.ConfigDict()
-    c.tensor.parallel = 1
-    c.tensor.sequence_parallel = False  # norms and residuals split along the sequence (Megatron)
 
-    # ZeRO (tfdist/parallel/zero/): 1 shards the optimizer states over the data-parallel
-    # replicas, 2 also the gradients, 3 also the weights; 0 keeps them whole on every replica.
-    c.zero = ml_collections.ConfigDict()
-    c.zero.stage = 0
+def _tensor():
+    """Tensor parallelism (tfdist/models/tensor_parallel.py, Megatron-LM): each block's
+    attention heads and MLP units split over `parallel` devices of this process (per pipeline
+    stage)."""
+    s = ml_collections.ConfigDict()
+    s.parallel = 1
+    s.sequence_parallel = False  # norms and residuals split along the sequence (Megatron)
+    return s
 
-    c.backup = ml_collections.ConfigDict()
-    c.backup.enabled = True
-    c.backup.dir = ""  # "" means <workdir>/backup
-    c.backup.every_steps = 50
-    c.backup.keep = 2
-    c.backup.delete_on_success = True
-    c.backup.asynchronous = True  # written in the background while training goes on
+
+def _zero():
+    """ZeRO (tfdist/parallel/zero/): 1 shards the optimizer states over the data-parallel
+    replicas, 2 also the gradients, 3 also the weights; 0 keeps them whole on every replica."""
+    s = ml_collections.ConfigDict()
+    s.stage = 0
+    return s
+
+
+def _backup():
+    """Step-exact backups (tfdist/callbacks/backup.py) and preemption."""
+    s = ml_collections.ConfigDict()
+    s.enabled = True
+    s.dir = ""  # "" means <workdir>/backup
+    s.every_steps = 50
+    s.keep = 2
+    s.delete_on_success = True
+    s.asynchronous = True  # written in the background while training goes on
     # Preemption (tfdist/runtime/preemption.py): on these signals the run finishes its step,
     # writes a backup within grace_secs and exits with status 75 ("resume me").
-    c.backup.preemption_signals = "TERM,USR1"
-    c.backup.grace_secs = 30.0
+    s.preemption_signals = "TERM,USR1"
+    s.grace_secs = 30.0
+    return s
 
-    c.sample = ml_collections.ConfigDict()
-    c.sample.prompt = "def "
-    c.sample.max_new_tokens = 200
-    c.sample.temperature = 0.8
-    c.sample.top_k = 40
-    return c
+
+def _sample():
+    """What `tfdist sample` generates by default."""
+    s = ml_collections.ConfigDict()
+    s.prompt = "def "
+    s.max_new_tokens = 200
+    s.temperature = 0.8
+    s.top_k = 40
+    return s
 
 
 #: Options a higher layer registers in a section: section -> {key: (default, {owner: (check,

@@ -17,7 +17,12 @@ from absl import app, flags, logging
 
 from tfdist.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, PeerLost, UsageError
 from tfdist.runtime import cluster
-from tfdist.runtime.console import NOISE, pass_on_stderr, quiet_tensorflow_import, verbose  # noqa: F401
+from tfdist.runtime.console import (  # noqa: F401
+    NOISE,
+    pass_on_stderr,
+    quiet_tensorflow_import,
+    verbose,
+)
 
 #: The repository (its configs/), and the config a command reads without --config.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -17,7 +17,12 @@ public names.
 """
 from tfdist.parallel.layout import Layout  # noqa: F401  (the class the planner prices)
 from tfdist.plan.benchmarks import measured  # noqa: F401
-from tfdist.plan.machine import BENCH_HINT, allreduce_bandwidth, cpu_device, read_bench  # noqa: F401
+from tfdist.plan.machine import (  # noqa: F401
+    BENCH_HINT,
+    allreduce_bandwidth,
+    cpu_device,
+    read_bench,
+)
 from tfdist.plan.model import (  # noqa: F401
     GB,
     STATE_BYTES,
