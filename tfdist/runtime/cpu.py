@@ -11,7 +11,7 @@ figure was measured: `make bench-peer` on this project's machines (bench_results
     >>> from tfdist.runtime import cpu
     >>> c = config.default_config()
     >>> c.model.n_embd = 128
-    >>> [key for key, _, _ in cpu.recommendations(c, flags={"avx512f", "amx_bf16"})]
+    >>> [key for key, _, _ in cpu.recommendations(c, flags={"avx512f", "amx_bf16"}, environ={})]
     ['train.precision', 'train.jit_compile']
     >>> c.model.n_embd = 384
     >>> cpu.recommendations(c, flags={"avx2"})
@@ -81,7 +81,9 @@ def bf16_blocked(flags=None, environ=None):
 
 
 def recommendations(c, flags=None, device="cpu", environ=None):
-    """[(config key, value, why)] for config `c` on this host's CPU, where `c` still differs."""
+    """[(config key, value, why)] for config `c` on this host's CPU, where `c` still differs.
+    `flags`, `environ`: the CPU's flags and the environment (default: this host's, this
+    process's: a oneDNN cap there may block bfloat16, `bf16_blocked`)."""
     if device != "cpu":
         return []
     flags = cpu_flags() if flags is None else flags
