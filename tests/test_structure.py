@@ -86,3 +86,29 @@ def test_each_check_fails_on_a_package_that_breaks_it(tmp_path):
     assert len(r["top_modules"]) == 11 > structure.MAX_TOP_MODULES
     package = ["".join(p) for p in _tree_paths(structure.tree(str(copy)))]
     assert design_tree() != package and "tfdist/extra/__init__.py" in package
+
+
+def test_an_old_import_path_is_one_line_naming_the_new_one():
+    """`tfdist.MOVED`: a module that moved when the package took its folders gives one line and
+    exit status 2 (a user's program importing it); `from tfdist import zero3` too. The companion:
+    a name that never existed is Python's own ModuleNotFoundError, with its traceback."""
+    import subprocess
+    import sys
+
+    def python(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, cwd=structure.ROOT)
+
+    for code, old, new in (
+            ("import tfdist.zero", "tfdist.zero", "tfdist.parallel.zero"),
+            ("from tfdist import zero3", "tfdist.zero3", "tfdist.parallel.zero"),
+            ("from tfdist.layout import Layout", "tfdist.layout", "tfdist.parallel.layout"),
+            ("import tfdist.launch.cli", "tfdist.launch.cli", "tfdist.cli.launch")):
+        p = python(code)
+        assert p.returncode == 2 and p.stdout == "", (code, p.stderr)
+        lines = p.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"tfdist: error: {old} moved to {new}")
+        assert lines[0].endswith("in tfdist 0.2; import that instead"), lines
+    p = python("import tfdist.no_such_module")
+    assert p.returncode == 1 and "ModuleNotFoundError: No module named 'tfdist.no_such_module'" \
+        in p.stderr
