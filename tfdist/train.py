@@ -317,10 +317,8 @@ def _finish(run):
               "val_bits_per_byte": last_eval.get("bits_per_byte"),
               "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": run.workdir}
     sharded = zero.of(model)
-    if sharded and sharded.stage == 3:
-        # every process gathers the whole model (a collective), into local variables (outside
-        # the scope: none is mirrored)
-        sharded.materialize()
+    if sharded:  # ZeRO-3: every process gathers the whole model (a collective), into local
+        sharded.materialize()  # variables (outside the scope: none is mirrored)
     if run.strategy.is_chief:
         # The plain GPT (tensor-parallel shards joined): it samples on any device.
         plain_gpt(model).save(os.path.join(run.workdir, "model.keras"))

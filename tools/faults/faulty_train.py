@@ -178,7 +178,7 @@ def main():
             steps_file.flush()
             if args.hash_weights:
                 sharded = zero.of(self.model)  # ZeRO-3: the joined weights (a collective)
-                if sharded and sharded.stage == 3:
+                if sharded:
                     values = sharded.full_values()
                 else:
                     values = [v.numpy() for v in self.model.weights]

@@ -77,6 +77,15 @@ class Stage:
     #: ids of this replica's optimizer slots that no other replica has (its backup shard)
     slots = frozenset()
 
+    def full_values(self):
+        """The model's weights (`model.weights`' order), whole, as numpy arrays (ZeRO-3 gathers
+        them: a collective, which every replica calls)."""
+        return [w.numpy() for w in self.model.weights]
+
+    def materialize(self):
+        """Every weight whole in this replica's own variables, to save the model or read it
+        (they are, but under ZeRO-3, which gathers them: a collective)."""
+
     def common(self, variables):
         """Those of `variables` (the model's, the optimizer's) that every replica holds alike:
         what a broadcast from one replica may set."""
