@@ -305,7 +305,27 @@ def validate(c):
     if t.steps % t.steps_per_epoch:
         raise UsageError(f"train.steps ({t.steps}) must be a multiple of train.steps_per_epoch "
                          f"({t.steps_per_epoch})")
+    if t.grad_accum_steps > 1:
+        _check_accumulation(c)
     return c
+
+
+def _check_accumulation(c):
+    """Gradient accumulation's rules: an update's batches never straddle an epoch's end or a
+    backup (backups fall on update boundaries, where every replica's sums are 0), and each batch
+    is its own call (its step is chosen on the host: `tfdist.step.TrainStep.install`)."""
+    t, k = c.train, c.train.grad_accum_steps
+    if t.steps_per_epoch % k:
+        raise UsageError(f"train.grad_accum_steps ({k}) must divide train.steps_per_epoch "
+                         f"({t.steps_per_epoch}): an update's batches may not straddle an "
+                         f"epoch's end, where its validation and backup come")
+    if c.backup.enabled and c.backup.every_steps % k:
+        raise UsageError(f"backup.every_steps ({c.backup.every_steps}) must be a multiple of "
+                         f"train.grad_accum_steps ({k}): backups fall on update boundaries")
+    if t.steps_per_execution > 1:
+        raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) runs several "
+                         f"batches in one call, and gradient accumulation chooses each batch's "
+                         f"step on the host; set one of them to 1")
 
 
 def _check_options(c):

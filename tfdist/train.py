@@ -206,9 +206,8 @@ def _start(run):
         run.model = model = layout.build_model(c.model, devices)
         model.compile(optimizer=make_optimizer(t, t.steps), loss=loss_fn(),
                       jit_compile=t.jit_compile, steps_per_execution=t.steps_per_execution)
-        model.train_step = TrainStep(model, strategy, layout, clipnorm=t.grad_clip,
-                                     reduce=hooks.reduction(strategy),
-                                     zero_options=hooks.zero_options)
+        TrainStep(model, strategy, layout, clipnorm=t.grad_clip,
+                  reduce=hooks.reduction(strategy), zero_options=hooks.zero_options).install()
 
 
 def _windows(run, split):
@@ -216,7 +215,8 @@ def _windows(run, split):
     c = run.config
     if split == "train":
         return Windows(run.data.split("train"), c.model.block_size, c.train.batch_size,
-                       seed=c.seed, on_input=run.hooks.on_input)
+                       seed=c.seed, on_input=run.hooks.on_input,
+                       accumulate=c.train.grad_accum_steps)
     return Windows(run.data.split("val"), c.model.block_size, c.train.batch_size, seed=c.seed + 1)
 
 
@@ -298,7 +298,7 @@ def _callbacks(run, held, extra_callbacks):
             return int(backup.step.numpy())
         callbacks.append(held.enter_context(Preemption(
             c.backup.preemption_signals.split(","), save=save_now, agree=strategy.any_process,
-            grace_secs=c.backup.grace_secs)))
+            grace_secs=c.backup.grace_secs, every=c.train.grad_accum_steps)))
     return callbacks
 
 
@@ -315,7 +315,8 @@ def _finish(run):
     result = {"steps_run": log.step - run.start, "final_step": log.step,
               "val_loss": last_eval.get("loss"),
               "val_bits_per_byte": last_eval.get("bits_per_byte"),
-              "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": run.workdir}
+              "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": run.workdir,
+              "updates": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}
     sharded = zero.of(model)
     if sharded:  # ZeRO-3: every process gathers the whole model (a collective), into local
         sharded.materialize()  # variables (outside the scope: none is mirrored)
@@ -325,8 +326,10 @@ def _finish(run):
         if c.backup.enabled and c.backup.delete_on_success:
             run.backup.remove()  # only now: a kill before model.keras was written resumes from it
         bits = result["val_bits_per_byte"]
+        k = c.train.grad_accum_steps
+        updates = f"; optimizer update {result['updates']}, of {k} batches each" if k > 1 else ""
         say(f"tfdist: done: {result['steps_run']} steps run (step {log.step} of "
-            f"{c.train.steps}), validation loss {result['val_loss']:.4f} nats/token"
+            f"{c.train.steps}{updates}), validation loss {result['val_loss']:.4f} nats/token"
             + (f" ({bits:.4f} bits/byte), " if bits is not None else " (bits/byte unknown), ")
             + f"peak RSS {peak_rss_mib():,.0f} MiB, {result['tokens_per_sec']:,.0f} tokens/s; "
             f"model saved to {run.workdir}/model.keras")
@@ -388,7 +391,9 @@ def _apply_recommended(c, strategy):
         section, name = key.split(".")
         if c[section][name] != defaults[section][name]:
             continue  # the user chose
-        if name == "steps_per_execution":  # must divide the epoch
+        if name == "steps_per_execution":  # must divide the epoch; a step per call under
+            if c.train.grad_accum_steps > 1:  # accumulation (config.py)
+                continue
             value = max(d for d in range(1, value + 1) if c.train.steps_per_epoch % d == 0)
         c[section][name] = value
         said.append(f"{strategy.name}: {key}={value} (recommended; set it to override)")

@@ -50,7 +50,9 @@ from tfdist.compat.trainer import (  # noqa: F401
     take_initial_epoch,
     test_step_given,
     track_loss,
+    train_function_per_batch,
     train_step_loss,
+    train_step_losses,
 )
 from tfdist.compat.variables import (  # noqa: F401
     has_storage,

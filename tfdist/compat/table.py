@@ -94,7 +94,7 @@ PATCHES = {
         "tests/test_keras_programs.py::test_without_routing_horovod_ranks_read_whole_batches",
         "3ca7514a8954"),
     "loss_tracker": Patch(
-        ("track_loss", "train_step_loss", "test_step_given"),
+        ("track_loss", "train_step_loss", "train_step_losses", "test_step_given"),
         (f"{_K}.train_step", f"{_K}.test_step", "keras.src.trainers.trainer:Trainer._compute_loss",
          "keras.src.losses.loss:unscale_loss_for_distribution"),
         "none found: a train_step of one's own has no public way to update the `loss` metric "
@@ -104,6 +104,16 @@ PATCHES = {
         "steps and resets",
         "tests/test_pipeline.py::test_losses_over_ten_steps_equal_the_unsplit_model",
         "cedc6323e135"),
+    "train_function_per_batch": Patch(
+        ("train_function_per_batch",),
+        (f"{_K}._make_function", f"{_K}.make_train_function"),
+        "keras-team/keras#20582 (open: Keras's own gradient accumulation updates inside a cond, "
+        "where MirroredStrategy's merge_call cannot run); Keras has no public way to run a "
+        "different step function for some batches",
+        "gradient accumulation under mirrored, multi_worker_mirrored and the Keras programs that "
+        "tfdist steps would be refused: the update and its collective would sit in a cond",
+        "tests/test_accumulation.py::test_accumulation_equals_one_larger_batch",
+        "659b9844eb05"),
     "update_on_variable_device": Patch(
         ("update_on_variable_device",),
         (f"{_OPT}._distributed_tf_update_step",),

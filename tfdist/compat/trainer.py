@@ -27,16 +27,22 @@ def train_step_loss(model, batch):
     returns the loss tracker's mean since its last reset; under the parameter server the tracker's
     variables are on the ps, shared by every worker and reset by the chief at each report, so that
     mean mixed steps and resets (logged losses from 0.4 to 20 where the steps' were near 2.5)."""
+    return train_step_losses(model, lambda: model.train_step(batch))[0]
+
+
+def train_step_losses(model, call):
+    """Runs `call()` (steps of the model) and returns each step's own loss, in order, as
+    `train_step_loss` does for one."""
     using("loss_tracker")
-    seen = []  # the losses the step passed to the tracker
+    seen = []  # the losses the steps passed to the tracker
     tracker = model._loss_tracker
     update = tracker.update_state
     tracker.update_state = lambda values, **kw: seen.append(values) or update(values, **kw)
     try:
-        model.train_step(batch)
+        call()
     finally:
         del tracker.update_state  # the class's method again
-    return seen[0]
+    return seen
 
 
 def test_step_given(model, x, y, y_pred, sample_weight=None):
@@ -135,3 +141,27 @@ def replace_sublayer(parent, attr, layer):
     using("replace_sublayer")
     parent._tracker.untrack(getattr(parent, attr))
     setattr(parent, attr, layer)
+
+
+# -- a train function that chooses its step per batch ("train_function_per_batch") -------------
+
+def train_function_per_batch(model, choose, steps):
+    """Makes `model`'s Keras train function run, for each batch, the step `steps[choose()]`
+    (`steps`: {name: a function of one batch, as `train_step` is}), each made into a train
+    function as Keras makes its own (`_make_function`: the strategy's `run`, the per-replica
+    reduction of its logs). `choose` runs on the host, before each batch. Keras's
+    `make_train_function` is replaced on this model only."""
+    using("train_function_per_batch")
+
+    def make_train_function(force=False):
+        if model.train_function is not None and not force:
+            return model.train_function
+        made = {name: model._make_function(step) for name, step in steps.items()}
+
+        def train_function(iterator):
+            return made[choose()](iterator)
+        model.train_function = train_function
+        return train_function
+
+    model.make_train_function = make_train_function
+    model.train_function = None

@@ -2,7 +2,9 @@
 replica, resumable, and independent of the corpus size.
 
 Batch contents are a pure function of (seed, step): the start offsets of global step `s` are
-`stateless_uniform([global_batch], seed=(seed, s))`. So
+`stateless_uniform([global_batch], seed=(seed, s))`. With gradient accumulation over k steps,
+they are drawn per update instead, k x global_batch of them, and step `s` takes its k-th part: an
+update trains on the very rows one batch k times larger would. So
 
 * the same seed gives the same batches on any number of replicas (single vs mirrored compare
   step for step);
@@ -37,10 +39,11 @@ from tfdist.errors import UsageError
 class Windows:
     """Random windows of `block_size + 1` tokens from one split of a token store.
 
-    `on_input(windows, input_context)`, if given, is called as each input pipeline is built.
+    `accumulate`: steps per optimizer update (their rows drawn together). `on_input(windows,
+    input_context)`, if given, is called as each input pipeline is built.
     """
 
-    def __init__(self, split, block_size, global_batch, seed, on_input=None):
+    def __init__(self, split, block_size, global_batch, seed, on_input=None, accumulate=1):
         if split.num_tokens < block_size + 2:
             raise UsageError(f"the {split.name} split has {split.num_tokens:,} tokens, shorter "
                              f"than one window of {block_size + 1}; use more text or a smaller "
@@ -51,13 +54,18 @@ class Windows:
         self.global_batch = global_batch
         self.seed = seed
         self.on_input = on_input
+        self.accumulate = accumulate
 
     def offsets(self, step):
-        """Start offsets (int64, global_batch) of the windows of global step `step`."""
-        return tf.random.stateless_uniform(
-            [self.global_batch], seed=tf.stack([tf.cast(self.seed, tf.int64),
-                                                tf.cast(step, tf.int64)]),
+        """Start offsets (int64, global_batch) of the windows of global step `step`: its part of
+        its update's (`accumulate` x global_batch, drawn from the update's number)."""
+        k, b = self.accumulate, self.global_batch
+        step = tf.cast(step, tf.int64)
+        update_rows = tf.random.stateless_uniform(
+            [b * k], seed=tf.stack([tf.cast(self.seed, tf.int64), step // k]),
             minval=0, maxval=self.num_tokens - self.block_size - 1, dtype=tf.int64)
+        part = step % k
+        return update_rows[part * b:(part + 1) * b]
 
     def batch(self, step, replica=0, replicas=1):
         """(x, y) of global step `step` (int64 tensor or int), or of one replica's share of it.

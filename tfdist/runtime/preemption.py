@@ -61,16 +61,21 @@ class Preemption(keras.callbacks.Callback):
     in progress calls `save()` (which returns the step saved) and raises `Preempted`.
 
     `agree(flag) -> bool`: whether any process of the job was signalled (every process calls it
-    after every step: `strategy.any_process`). On an epoch's last step the stop waits for the
-    epoch's end, so its validation is logged as in an uninterrupted run. `grace_secs`: the bound
-    on the time from the signal to the exit. `say`: where the one-line reports go (stderr)."""
+    after every step, until one was: `strategy.any_process`). On an epoch's last step the stop
+    waits for the epoch's end, so its validation is logged as in an uninterrupted run. `every`:
+    the steps of an update (gradient accumulation); the stop waits for the update's last, since
+    backups fall on update boundaries. `grace_secs`: the bound on the time from the signal to
+    the exit. `say`: where the one-line reports go (stderr)."""
 
-    def __init__(self, signals=("TERM",), *, save, agree=None, grace_secs=30.0, say=None):
+    def __init__(self, signals=("TERM",), *, save, agree=None, grace_secs=30.0, say=None,
+                 every=1):
         super().__init__()
         self.signals = [s.strip().upper() for s in signals if s.strip()]
         self.save = save
         self.agree = agree or (lambda flag: flag)
         self.grace_secs = grace_secs
+        self.every = every
+        self._agreed = False  # every process knows of a signal: the stop comes at a boundary
         self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
         self.received = None  # the signal's name, once one came
         self._at_epoch_end = False
@@ -124,7 +129,13 @@ class Preemption(keras.callbacks.Callback):
         os._exit(EXIT_PREEMPTED)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._at_epoch_end or not self.agree(self.received is not None):
+        if self._at_epoch_end:
+            return
+        if not self._agreed:
+            self._agreed = self.agree(self.received is not None)
+        # (an epoch holds whole updates, and a resume starts at an update's first step, so the
+        # batch's index in the epoch says where the update is)
+        if not self._agreed or (batch + 1) % self.every:
             return
         if batch + 1 >= ((self.params or {}).get("steps") or float("inf")):
             self._at_epoch_end = True  # the epoch's last step: its validation and backup first

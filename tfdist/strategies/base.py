@@ -23,7 +23,7 @@ its callbacks, its split of plain datasets, and lets only the chief write files.
 What it declares, so that the layout (`tfdist.parallel.layout`, which judges what a strategy can
 combine), `tfdist launch` and `tfdist plan` ask it instead of comparing names: `options` (its
 config keys with default, rule and help: they join the config schema), `recommended` config values,
-`uses_local_devices`, `supports_pipeline`, `supports_jit_compile`, `supports_grad_accumulation`,
+`uses_local_devices`, `supports_pipeline`, `supports_jit_compile`,
 `zero_collectives`, `collective_checkpoints`, `launch` (a `Launch`: roles, restart policy,
 server tasks, wrapper command) and `plan_command` (the planner's command line).
 
@@ -83,9 +83,6 @@ class Strategy(KerasProgram):
     name = "base"
     #: Keras `jit_compile=True` works under this strategy (it does not under Mirrored on TF 2.21).
     supports_jit_compile = True
-    #: Keras 3's gradient accumulation works here. Under MirroredStrategy's family its update,
-    #: inside a cond, calls merge_call, which TF refuses there (keras-team/keras#20582).
-    supports_grad_accumulation = True
     #: Its replicas are this machine's devices, so a pipeline cannot have them for its stages.
     uses_local_devices = False
     #: A pipeline's stages can be placed on devices of its process.
@@ -208,6 +205,12 @@ class Strategy(KerasProgram):
         from tfdist.parallel import gradients
         return compat.set_gradient_reduction(self.prepared(optimizer), self.reduce_gradients,
                                              gradients.reduce_and_correct)
+
+    def local_variables(self):
+        """The scope in which a variable is this process's own, one that no other process holds
+        alike and none initialises from another's (the step's gradient sums): a tf.distribute
+        strategy across processes makes its variables otherwise (`multi_worker_mirrored`)."""
+        return contextlib.nullcontext()
 
     #: `() -> tfdist.parallel.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
     zero_collectives = None

@@ -92,6 +92,7 @@ def horovodrun_argv(n, argv, hosts=None):
 class Horovod(Strategy):
     name = "horovod"
     supports_jit_compile = False  # Horovod's ops have no XLA kernels on CPU
+    runs_keras_accumulation = True  # its allreduce is an op, not a merge_call
     options = {
         "compression": ("none", lambda v: v in _COMPRESSION,
                         "one of " + ", ".join(_COMPRESSION)
@@ -242,11 +243,11 @@ class Horovod(Strategy):
             arguments["validation_data"], _ = self.split(arguments["validation_data"], "validate")
             show = [keras.callbacks.ProgbarLogger()] if self.is_chief and verbose != 0 else []
             compat.build_for(model, arguments["x"])  # before the broadcast of its weights
-            first, last = self.sharded(model, method, arguments)  # (ZeRO-3)
+            first, last = self.stepped(model, method, arguments)  # (ZeRO-3)
             # self.callbacks() before the others: they see the metrics averaged
             arguments["callbacks"] = first + self.callbacks() + show + callbacks + last
             return upstream(model, **arguments)
-        self.sharded(model, method, arguments)
+        self.stepped(model, method, arguments)
         arguments["callbacks"] = callbacks
         if method == "evaluate":
             return_dict = arguments["return_dict"]

@@ -34,6 +34,8 @@ _OWNERS = weakref.WeakKeyDictionary()  # model -> the plugin it was compiled und
 _BY_TF_STRATEGY = weakref.WeakValueDictionary()  # id(tf.distribute strategy) -> plugin
 _PROCESS_WIDE = []  # a plugin that owns every model of its process (Horovod)
 _SHARDED = weakref.WeakSet()  # models compiled in the scope of a plugin with user_zero (ZeRO-3)
+_ACCUMULATING = weakref.WeakKeyDictionary()  # model -> its optimizer's accumulation steps, where
+#                                             tfdist's step accumulates them (not Keras)
 
 
 def owner_of(model, compiling=False):
@@ -96,39 +98,55 @@ class KerasProgram:
     #: multi_worker_mirrored).
     shards_user_models = False
 
+    #: Keras 3's own `gradient_accumulation_steps` runs here. Under the tf.distribute strategies
+    #: of several replicas its applying step, inside a cond, calls merge_call, which TF refuses
+    #: there (keras-team/keras#20582): a user's model whose optimizer accumulates takes tfdist's
+    #: step instead (`stepped`).
+    runs_keras_accumulation = False
+
     def after_compile(self, model):
         """The strategy's gradient handling on the compiled optimizer (once: an optimizer passed
-        through `wrap_optimizer` keeps its own). Under ZeRO-3, tfdist's step does it instead
-        (`sharded`)."""
+        through `wrap_optimizer` keeps its own). Under ZeRO-3, or with gradient accumulation
+        that Keras cannot run here, tfdist's step does it instead (`stepped`)."""
         from tfdist import compat
         if self.user_zero and self in getattr(_ACTIVE, "stack", []):  # compiled in the scope
             _SHARDED.add(model)  # (a model loaded later, on one device, is not sharded)
-        if model in _SHARDED or model.optimizer is None:
+        optimizer = model.optimizer
+        inner = getattr(optimizer, "inner_optimizer", optimizer)  # (a loss-scale optimizer's)
+        accumulate = getattr(inner, "gradient_accumulation_steps", None) or 1
+        if accumulate > 1 and not self.runs_keras_accumulation:
+            _ACCUMULATING[model] = accumulate
+        if model in _SHARDED or model in _ACCUMULATING or optimizer is None:
             return
-        if not compat.has_gradient_reduction(model.optimizer):
-            self.wrap_optimizer(model.optimizer)
+        if not compat.has_gradient_reduction(optimizer):
+            self.wrap_optimizer(optimizer)
 
-    def sharded(self, model, method, arguments):
-        """ZeRO-3 of a user's model: at its first `fit`, `evaluate` or `predict` it is built
-        (from the data's specs, if it is not) and its weights sharded; tfdist's step becomes its
-        `train_step` (`tfdist.step`, `tfdist.parallel.zero.weights`). Returns the callbacks that
-        surround a `fit`'s own: the weights are whole for the callbacks' epoch ends and after
-        training (each process gathers them: a checkpoint or `model.save` reads them as usual)."""
-        if model not in _SHARDED:
+    def stepped(self, model, method, arguments):
+        """tfdist's step for a user's model (`tfdist.step`): under ZeRO-3, and for an optimizer
+        with `gradient_accumulation_steps` = k where Keras's own cannot run (k batches per
+        update, summed by tfdist's step; the optimizer's own accumulation is switched off).
+        At the model's first `fit`, `evaluate` or `predict` it is built (from the data's specs,
+        if it is not), its weights sharded under ZeRO-3 (`tfdist.parallel.zero.weights`), and
+        tfdist's step made its `train_step`. Returns the callbacks that surround a `fit`'s own:
+        under ZeRO-3 the weights are whole for the callbacks' epoch ends and after training
+        (each process gathers them: a checkpoint or `model.save` reads them as usual)."""
+        if model not in _SHARDED and model not in _ACCUMULATING:
             return [], []
-        from tfdist import compat
         from tfdist.parallel import zero
-        if zero.of(model) is None:
+        from tfdist.parallel.layout import Layout
+        if not isinstance(model.train_step, _step_class()):
+            from tfdist import compat
             if not model.built:
                 compat.build_for(model, arguments.get("x"))
-            from tfdist.parallel.layout import Layout
-            # tfdist's step is the layer above (it calls the strategy): loaded by name, as the
-            # registry loads plugins, so that the strategies never import it.
-            train_step = importlib.import_module("tfdist.step").TrainStep
+            accumulate = _ACCUMULATING.get(model, 1)
+            inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+            inner.gradient_accumulation_steps = None  # tfdist's step accumulates
+            layout = Layout(dp=self.num_replicas, zero=self.user_zero if model in _SHARDED else 0,
+                            accumulate=accumulate)
             with self.scope():
-                model.train_step = train_step(model, self, Layout(dp=self.num_replicas,
-                                                                  zero=self.user_zero))
-        return _whole_for_callbacks(zero.of(model)) if method == "fit" else ([], [])
+                _step_class()(model, self, layout).install()
+        sharded = zero.of(model)
+        return _whole_for_callbacks(sharded) if method == "fit" and sharded else ([], [])
 
     def keras_call(self, method, model, upstream, arguments):
         """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own
@@ -136,7 +154,7 @@ class KerasProgram:
         kept to the chief (`for_this_process`)."""
         if method == "save":
             return self.save(model, upstream, arguments)
-        first, last = self.sharded(model, method, arguments)
+        first, last = self.stepped(model, method, arguments)
         own = self.callbacks() if method == "fit" else []
         arguments["callbacks"] = first + own + self.for_this_process(arguments.get("callbacks")) \
             + last
@@ -178,6 +196,12 @@ class KerasProgram:
                     scratch, os.path.basename(str(arguments["filepath"])))})
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _step_class():
+    """tfdist's `TrainStep`. It is the layer above (it calls the strategy): loaded by name, as the
+    registry loads plugins, so that the strategies never import it."""
+    return importlib.import_module("tfdist.step").TrainStep
 
 
 def _whole_for_callbacks(sharded):

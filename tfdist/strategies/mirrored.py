@@ -18,7 +18,6 @@ _CROSS_DEVICE_OPS = {
 class Mirrored(Strategy):
     name = "mirrored"
     supports_jit_compile = False  # TF 2.21: XLA cannot access resources across replicas' devices
-    supports_grad_accumulation = False  # keras-team/keras#20582
     uses_local_devices = True
     options = {
         "devices": (0, lambda v: isinstance(v, int) and 0 <= v <= 64,

@@ -24,7 +24,6 @@ _ZERO_GROUP = 0x2E50
 class MultiWorkerMirrored(Strategy):
     name = "multi_worker_mirrored"
     supports_jit_compile = False
-    supports_grad_accumulation = False  # keras-team/keras#20582
     options = {"cross_device_ops": ("auto", lambda v: v in _IMPLEMENTATIONS,
                                     "one of " + ", ".join(_IMPLEMENTATIONS)),
                **buckets.OPTIONS}
@@ -133,6 +132,12 @@ class MultiWorkerMirrored(Strategy):
                 f"collectives were aborted. Restart the group (tfdist launch and "
                 f"launchers/slurm/tfdist.sbatch do): it resumes from the last backup")
 
+    def local_variables(self):
+        """Variables of this worker's own: not mirrored, so not initialised by a broadcast from
+        worker 0 (ZeRO's slot shards and the step's gradient sums differ between workers)."""
+        from tfdist import compat
+        return compat.local_variables(self.tf_strategy)
+
     def zero_collectives(self):
         """ZeRO's collectives over the workers, one replica each: TF's collective ops (public
         `tf.raw_ops`) in a group of ZeRO's own, so its keys never meet the strategy's. TF 2.21's
@@ -140,7 +145,6 @@ class MultiWorkerMirrored(Strategy):
         it is an all-to-all of the N segments, then a sum: each worker sends (N-1)/N of the
         buffer, as a ring reduce-scatter does. Sums, as Keras's all-reduce here (the loss is
         already scaled by the global batch)."""
-        from tfdist import compat
         from tfdist.parallel.zero import Collectives
         if self.num_replicas != self.num_workers:
             raise UsageError(f"ZeRO under {self.name} needs one replica per worker (here "
@@ -176,7 +180,7 @@ class MultiWorkerMirrored(Strategy):
                 input=flat, instance_key=key(name, 2), **group(flat)),
             lambda x: tf.raw_ops.CollectiveReduceV2(input=x, instance_key=3, merge_op="Add",
                                                     final_op="Id", **group(x)),
-            assign, lambda: compat.local_variables(strategy))
+            assign, self.local_variables)
 
     def describe(self):
         return (f"{self.name}: worker {self.worker_index} of {self.num_workers}, "

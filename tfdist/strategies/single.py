@@ -16,6 +16,7 @@ from tfdist.strategies.base import Strategy
 
 class SingleDevice(Strategy):
     name = "single"
+    runs_keras_accumulation = True  # one replica: no merge_call
 
     @classmethod
     def plan_command(cls, device, processes, per_node, flags):

@@ -33,8 +33,8 @@ really ran, across restarts.
   only Horovod's broadcast from rank 0 can make the ranks start alike.
 --skip-broadcast: horovod: leave out that broadcast.
 --dump-weights: after training, write WORKDIR/weights-w<i>.npz: this worker's model weights, and
-  WORKDIR/optimizer-w<i>.json: the bytes of its optimizer's variables (and of its gradient
-  accumulators) and its ZeRO description.
+  WORKDIR/optimizer-w<i>.json: the bytes of its optimizer's variables and of its training step's
+  gradient sums (accumulator_bytes: those alone), and its ZeRO description.
 --hash-weights: after every step, append `<step> <sha256 of the weights>` to
   WORKDIR/weight_hashes-w<i>.txt.
 --skip-zero-gather: leave out ZeRO-1/2's all-gather of the updated weights (Hooks.zero_options:
@@ -197,10 +197,11 @@ def main():
         np.savez(os.path.join(args.workdir, f"weights-w{worker}.npz"),
                  *[v.numpy() for v in record.model.weights])
         optimizer = record.model.optimizer
+        sums = [a for a in getattr(record.model.train_step, "accumulators", []) if a is not None]
+        accumulator_bytes = sum(a.numpy().nbytes for a in sums)  # the step's gradient sums
         with open(os.path.join(args.workdir, f"optimizer-w{worker}.json"), "w") as f:
-            json.dump({"bytes": sum(v.numpy().nbytes for v in optimizer.variables),
-                       "accumulator_bytes": sum(v.numpy().nbytes for v in optimizer.variables
-                                                if "gradient_accumulator" in v.path),
+            json.dump({"bytes": sum(v.numpy().nbytes for v in optimizer.variables)
+                       + accumulator_bytes, "accumulator_bytes": accumulator_bytes,
                        "zero": zero.describe(record.model)}, f)
     if args.dump_inputs:
         windows, ctx = contexts[0]

@@ -156,8 +156,8 @@ class ShardedGradients(ShardedOptimizer):
     def update_gradients(self, grads_and_vars):
         return list(grads_and_vars)  # (reduced batch by batch)
 
-    def accumulator(self, variable, optimizer):
-        return self.own_slot(optimizer, variable, name="gradient_accumulator")
+    def accumulates(self, variable):
+        return id(variable) in self.owned  # (its share, reduce-scattered batch by batch)
 
 
 def _handle(v):

@@ -5,7 +5,7 @@ declares; each stage answers in its own way:
 
     sources()             what the loss is differentiated by
     build(optimizer)      the optimizer's slots, for what this replica updates
-    accumulator(v, opt)   an accumulator of `v`'s gradient (None: another replica keeps it)
+    accumulates(v)        whether this replica sums `v`'s gradients over a window (accumulation)
     batch_gradients(gv)   what this replica keeps of one batch's gradients
     update_gradients(gv)  the gradients of one update, reduced over the replicas
     norm_sum              sums a squared norm over the replicas, where each holds a share
@@ -55,10 +55,10 @@ class Stage:
         """Builds `optimizer`'s slots for `trainables`."""
         optimizer.build(self.trainables)
 
-    def accumulator(self, variable, optimizer):
-        """A variable that accumulates `variable`'s gradient over the batches of one update (in
-        the optimizer, so that backups hold it), or None where this replica keeps none."""
-        return optimizer.add_variable_from_reference(variable, name="gradient_accumulator")
+    def accumulates(self, variable):
+        """Whether this replica sums `variable`'s gradients over the batches of an update's
+        window (gradient accumulation): stages 0 and 1, every variable's local gradient."""
+        return True
 
     def batch_gradients(self, grads_and_vars):
         """What this replica keeps of one batch's gradients ([(gradient, variable)] of
@@ -72,6 +72,7 @@ class Stage:
 
     def after_update(self):
         """Runs after the optimizer's update (stages 1 and 2: the all-gather)."""
+        return None  # (a body: AutoGraph cannot convert a function of a docstring alone)
 
     # -- what the rest of tfdist asks (backups, broadcasts, the log) ---------------------------
     #: ids of this replica's optimizer slots that no other replica has (its backup shard)

@@ -8,7 +8,10 @@ is exact: each step marks itself done in a mask on the ps, and `iterations` is s
 at every report (Keras 3's `assign_add` loses increments under concurrency). Callbacks run every
 10 completed steps (`logs["tfdist/steps"]` says how many); before a backup, at each epoch end and
 after a preemption signal the loop waits for every step in flight, so a backup holds exactly the
-steps counted. The plugin (`tfdist.strategies.parameter_server.plugin`) calls `fit`.
+steps counted. With gradient accumulation over k steps (tfdist's step, `train.grad_accum_steps`),
+a closure is an update: its worker takes k consecutive steps' batches, sums their gradients and
+applies their mean once, as one asynchronous update; each of its k steps is counted as before.
+The plugin (`tfdist.strategies.parameter_server.plugin`) calls `fit`.
 
 Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps tasks):
 
@@ -34,6 +37,11 @@ def fit(plugin, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, 
     if hasattr(data, "dataset_fn") and not step_addressed(data):
         raise UsageError("parameter_server needs step-addressed data (with batch(step)) or a "
                          "tf.data.Dataset")
+    k = getattr(model.train_step, "window", 1)  # steps per update: tfdist's step accumulates
+    if steps_per_epoch % k or initial_step % k:
+        raise UsageError(f"under parameter_server an update of {k} accumulated steps is one "
+                         f"closure: steps_per_epoch ({steps_per_epoch}) and the initial step "
+                         f"({initial_step}) must be multiples of {k}")
     callbacks = list(callbacks or [])
     if verbose not in (0, False):
         from tfdist.callbacks import Progress
@@ -52,15 +60,15 @@ def fit(plugin, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, 
         plugin.done_mask = tf.Variable(tf.cast(tf.range(total) < initial_step, tf.int8),
                                      trainable=False, name="tfdist_ps_done_mask")
     plugin.runs.assign(initial_step)
-    model.optimizer.iterations.assign(initial_step)
+    model.optimizer.iterations.assign(initial_step // k)  # (updates: k steps each)
     from tfdist.callbacks import TrainingLog  # it records each worker's steps (a list)
     count = tf.function(lambda: _count(plugin))
     runs_and_loss = tf.function(
         lambda: (plugin.runs.read_value(), plugin.loss_sum.read_value()))
-    loop = _Loop(plugin, model, cbs, _train_closure(plugin, model, data), steps_per_epoch,
+    loop = _Loop(plugin, model, cbs, _train_closure(plugin, model, data, k), steps_per_epoch,
                  log_every_steps or max(1, min(steps_per_epoch, 10)), initial_step,
                  worker_steps=any(isinstance(c, TrainingLog) for c in callbacks),
-                 count=count, runs_and_loss=runs_and_loss)
+                 count=count, runs_and_loss=runs_and_loss, per_closure=k)
     for epoch in range(initial_step // steps_per_epoch, epochs):
         cbs.on_epoch_begin(epoch)
         model.reset_metrics()  # the compiled metrics: this epoch's, as Keras's fit keeps them
@@ -81,7 +89,9 @@ def fit(plugin, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, 
     return history
 
 
-def _train_closure(plugin, model, data):
+def _train_closure(plugin, model, data, k=1):
+    """(the function a closure runs, its arguments for the closure starting at step s): one step
+    each, or with `k` > 1 the k steps of an update."""
     from tfdist import compat
     strategy = plugin.tf_strategy
     runs = plugin.runs
@@ -123,9 +133,25 @@ def _train_closure(plugin, model, data):
             count(step, compat.train_step_loss(model, batch))
         strategy.run(replica_fn, args=(next(iterator), step))
 
+    def window(batches, first):  # an update over k steps' batches, each step counted
+        losses = compat.train_step_losses(model, lambda: model.train_step.update_over(batches))
+        for i, loss in enumerate(losses):
+            count(first + i, loss)
+
+    @tf.function
+    def train_window_by_step(first):
+        strategy.run(lambda first: window([data.batch(first + i) for i in range(k)], first),
+                     args=(first,))
+
+    @tf.function
+    def train_window_from_iterator(iterator, first):
+        strategy.run(window, args=([next(iterator) for _ in range(k)], first))
+
     if by_step:
-        return train_by_step, lambda step: (tf.constant(step, tf.int64),)
-    return train_from_iterator, lambda step: (iterator, tf.constant(step, tf.int64))
+        fn = train_window_by_step if k > 1 else train_by_step
+        return fn, lambda step: (tf.constant(step, tf.int64),)
+    fn = train_window_from_iterator if k > 1 else train_from_iterator
+    return fn, lambda step: (iterator, tf.constant(step, tf.int64))
 
 
 def _count(plugin):
@@ -153,10 +179,11 @@ class _Loop:
     """The chief's loop over one epoch's steps: keeps steps in flight (`advance`), and every
     `every` completed steps reports to the callbacks: the mean loss of the steps run since the
     last report, how many steps that was, the steps each worker ran, and the compiled metrics.
-    `count()`: the steps done, each once; `runs_and_loss()`: runs and their summed loss."""
+    `count()`: the steps done, each once; `runs_and_loss()`: runs and their summed loss.
+    `per_closure`: the steps a closure runs (an update's, under accumulation)."""
 
     def __init__(self, plugin, model, cbs, train_fn, steps_per_epoch, every, initial_step,
-                 worker_steps, count, runs_and_loss):
+                 worker_steps, count, runs_and_loss, per_closure=1):
         self.plugin = plugin
         self.model = model
         self.cbs = cbs
@@ -166,6 +193,7 @@ class _Loop:
         self.runs_and_loss = runs_and_loss
         self.steps_per_epoch = steps_per_epoch
         self.every = every
+        self.per_closure = per_closure
         self.done = initial_step  # steps completed
         self.scheduled = initial_step  # the next step to schedule
         self.backup_every = [c.every_steps for c in cbs.callbacks if getattr(c, "every_steps", 0)]
@@ -200,7 +228,8 @@ class _Loop:
             self.done = now
             self.last_loss_sum = loss_sum
             self.last_runs = runs
-            self.model.optimizer.iterations.assign(self.done)  # the exact count (module doc)
+            # the exact count of updates (module doc)
+            self.model.optimizer.iterations.assign(self.done // self.per_closure)
             logs = {**self.metrics(), "loss": self.loss, STEPS_KEY: n}
             # the steps run by each worker so far (not a scalar: only for tfdist's log; Keras's
             # TensorBoard would write it as one)
@@ -217,16 +246,17 @@ class _Loop:
         from tfdist import compat
         coordinator = self.plugin.coordinator
         scheduled = self.scheduled
-        window = 2 * self.plugin.num_workers
+        k = self.per_closure
+        window = 2 * self.plugin.num_workers * k  # steps in flight: 2 closures a worker
         while True:
             # completed so far: a local read of the coordinator's queue (polling a counter on
             # the ps would cost the ps and the chief about a quarter core each)
-            done = scheduled - compat.pending_closures(coordinator)
+            done = scheduled - k * compat.pending_closures(coordinator)
             limit = target if barrier else end
             while scheduled < limit and scheduled - done < window:
                 fn, args = self.train_fn
                 coordinator.schedule(fn, args=args(scheduled))
-                scheduled += 1
+                scheduled += k
             if barrier and scheduled >= target:
                 coordinator.join()
                 break

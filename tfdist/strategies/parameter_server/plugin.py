@@ -131,6 +131,7 @@ class ParameterServer(Strategy):
                                           or loop.step_addressed(a["x"])):
                 raise UsageError("under parameter_server, fit takes a tf.data.Dataset (or a "
                                  "dataset_fn) of (x, y) batches, not arrays")
+            self.stepped(model, method, a)  # an optimizer that accumulates: tfdist's step
             return self.fit(model, a["x"], epochs=a["epochs"], steps_per_epoch=a["steps_per_epoch"],
                             initial_step=a["initial_epoch"] * (a["steps_per_epoch"] or 0),
                             callbacks=a["callbacks"], validation_data=a["validation_data"],
