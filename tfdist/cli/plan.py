@@ -246,7 +246,8 @@ def main(argv):
         raise UsageError(f"no layout of {cluster.count} devices splits a batch of {batch} and "
                          f"{model.n_layer} layers as asked; change --batch, --devices or the "
                          f"fixed dims")
-    report(model, cluster, batch, plans, opts, config_arg, F.top, F.out)
+    report(model, cluster, batch, plans, opts, config_arg, F.top, F.out,
+           F.config if F.config and not F.model else None)
 
 
 def _check_fixed(model, cluster, batch, fixed):

@@ -153,9 +153,9 @@ class Layout:
                              f"stages (pipeline.microbatches {self.microbatches} < pipeline.stages "
                              f"{self.pp}); raise the microbatches or use gpipe")
         if self.recompute and not self.split:
-            raise UsageError("pipeline.recompute=True recomputes a pipeline stage's activations: "
-                             "it needs the model split (pipeline.stages, pipeline.microbatches "
-                             "or tensor.parallel > 1); set it to False")
+            raise UsageError("pipeline.recompute=True needs a split model: it recomputes a "
+                             "pipeline stage's activations (pipeline.stages, "
+                             "pipeline.microbatches or tensor.parallel > 1); set it to False")
 
     def _check_strategy(self, plugin, local_devices):
         """What the strategy can combine (its plugin's declarations)."""
@@ -173,10 +173,6 @@ class Layout:
                              f"under {name}: ZeRO reduce-scatters every gradient at once after "
                              f"the backward pass; set strategy.overlap=auto or off, or "
                              f"zero.stage=0")
-        if self.accumulate > 1 and not plugin.supports_grad_accumulation:
-            raise UsageError(f"train.grad_accum_steps > 1 does not work with strategy {name} "
-                             f"(keras-team/keras#20582: the reduction on the applying step would "
-                             f"call merge_call inside a cond); set it to 1, or use horovod")
         if self.jit_compile and not plugin.supports_jit_compile:
             raise UsageError(f"train.jit_compile=True does not work with strategy {name} on "
                              f"TF 2.21 (cross-device resource access); set it to False")
@@ -206,8 +202,10 @@ class Layout:
         """Forward and backward passes per optimizer update, per replica."""
         return self.microbatches * self.accumulate
 
-    def config_overrides(self):
-        """{"section.key": value}: the config keys that give this layout (with the strategy)."""
+    def config_overrides(self, c=None):
+        """{"section.key": value}: the config keys that give this layout (with the strategy). With
+        accumulation and a config `c`, also its epoch, steps and backup interval rounded up to
+        whole updates where they are not (`tfdist.config`: a backup falls on an update's end)."""
         out = {"train.batch_size": self.batch}
         for key, value, default in (
                 ("tensor.parallel", self.tp, 1),
@@ -220,23 +218,37 @@ class Layout:
                 ("zero.stage", self.zero, 0)):
             if value != default:
                 out[key] = value
+        k = self.accumulate
+        if c is not None and k > 1:
+            per_epoch = -(-c.train.steps_per_epoch // k) * k
+            if per_epoch != c.train.steps_per_epoch:
+                out["train.steps_per_epoch"] = per_epoch
+            if c.train.steps % per_epoch:
+                out["train.steps"] = -(-c.train.steps // per_epoch) * per_epoch
+            if c.backup.enabled and c.backup.every_steps % k:
+                out["backup.every_steps"] = -(-c.backup.every_steps // k) * k
         return out
 
     def accepts(self, c, plugin, local_devices=None):
         """Whether config `c` with this layout's keys (and its replicas) is one `tfdist train`
         runs, with `local_devices` devices per process: the config's own rules, then this
         class's (what `tfdist plan` calls runnable)."""
+        return self.refusal(c, plugin, local_devices) is None
+
+    def refusal(self, c, plugin, local_devices=None):
+        """Why `tfdist train` refuses config `c` with this layout (`accepts`): its one-line
+        error, or None where it runs it."""
         from tfdist import config as config_lib
         c = c.copy_and_resolve_references()
-        for key, value in self.config_overrides().items():
+        for key, value in self.config_overrides(c).items():
             section, name = key.split(".")
             c[section][name] = value
         try:
             config_lib.validate(c)
             Layout.from_config(c, plugin, self.dp, local_devices)
-        except UsageError:
-            return False
-        return True
+        except UsageError as e:
+            return str(e)
+        return None
 
     def describe(self):
         parts = [f"{self.dp or '?'} replica(s)"]

@@ -60,6 +60,7 @@ from tfdist.plan.report import (  # noqa: F401
     chart,
     format_table,
     load_config,
+    refusal,
     report,
     runnable,
     strategy_command,

@@ -13,8 +13,13 @@ Example (GPT-2 XL's shape on 8 A100s: the fastest layout tfdist runs, and its co
     >>> cluster = plan.Cluster(plan.DEVICES["a100-80gb"], 8)
     >>> plans = plan.search(m, cluster, 512, opts=plan.Options(efficiency=plan.calibrated()))
     >>> best = next(p for p in plans if p.fits and plan.runnable(p, cluster))
-    >>> plan.tfdist_command(best, cluster, "--config=configs/gpt2_xl.py", "mixed").split()[:4]
-    ['tfdist', 'launch', '--workers', '4']
+    >>> best is next(p for p in plans if p.fits)  # the fastest that fits
+    True
+    >>> cmd = plan.tfdist_command(best, cluster, "--config=configs/gpt2_xl.py", "mixed").split()
+    >>> cmd[:4]
+    ['tfdist', 'launch', '--workers', '8']
+    >>> [a for a in cmd if "batch_size" in a or "accum" in a]  # 8 replicas x 8, 8 per update
+    ['--config.train.batch_size=64', '--config.train.grad_accum_steps=8']
 """
 import dataclasses
 import json
@@ -33,10 +38,11 @@ def strategy_command(layout, cluster, flags=()):
     return plugin, command or ""
 
 
-def base_config(model, precision="mixed"):
-    """A tfdist config of `model`'s sizes (tfdist's GPT): what a planned layout is judged with."""
+def base_config(model, precision="mixed", config=None):
+    """A tfdist config of `model`'s sizes (tfdist's GPT): what a planned layout is judged with,
+    from the user's `config` (its epoch, backup interval, ...) or the defaults."""
     from tfdist import config as config_lib
-    c = config_lib.default_config()
+    c = (config or config_lib.default_config()).copy_and_resolve_references()
     c.model.update(n_layer=model.n_layer, n_head=model.n_head, n_embd=model.n_embd,
                    block_size=model.seq_len, vocab_size=model.vocab_size, bias=model.bias)
     c.train.precision = "mixed_bfloat16" if precision == "mixed" else "float32"
@@ -44,23 +50,40 @@ def base_config(model, precision="mixed"):
 
 
 def runnable(plan_, cluster, c=None):
-    """Whether tfdist runs the plan's layout: a strategy plugin takes it, the layout object
-    accepts it (`tfdist.parallel.layout.Layout.accepts`: the very checks of `tfdist train`, with a
-    process's devices on one node) with config `c` (default: `base_config` of the plan's model),
-    and it fits with the embedding and head whole, as tfdist keeps them."""
+    """Whether tfdist runs the plan's layout (`refusal` is None)."""
+    return refusal(plan_, cluster, c) is None
+
+
+def refusal(plan_, cluster, c=None):
+    """Why tfdist does not run the plan's layout, in a few words, or None where it does: a
+    strategy plugin takes it, the layout object accepts it (`tfdist.parallel.layout.Layout.accepts`:
+    the very checks of `tfdist train`, with a process's devices on one node) with config `c`
+    (default: `base_config` of the plan's model), and it fits with the embedding and head whole,
+    as tfdist keeps them."""
     plugin, _ = strategy_command(plan_.layout, cluster)
-    if plugin is None or not plan_.tfdist_fits:
-        return False
+    if plugin is None:
+        return "no strategy for these devices"
+    if not plan_.tfdist_fits:
+        return "head kept whole: OOM"
     c = c if c is not None else base_config(plan_.model)
-    return plan_.layout.accepts(c, plugin, local_devices=cluster.node())
+    why = plan_.layout.refusal(c, plugin, local_devices=cluster.node())
+    return None if why is None else _few_words(why)
 
 
-def tfdist_command(plan_, cluster, config_arg, precision, opts=None):
+def _few_words(error):
+    """A layout check's one-line error, short for a table's cell: its first clause (the checks
+    name what they refuse first: "pipeline.recompute=True needs a split model: ...")."""
+    return error.split(":")[0].split(";")[0].strip()
+
+
+def tfdist_command(plan_, cluster, config_arg, precision, opts=None, c=None):
     """The `tfdist train` command for a layout tfdist runs: its config keys
-    (`Layout.config_overrides`), with `opts`' overlap and bucket size where they differ from the
+    (`Layout.config_overrides`, with config `c`'s epoch and backup interval made whole updates;
+    default: `base_config`), with `opts`' overlap and bucket size where they differ from the
     strategies' defaults."""
     lay = plan_.layout
-    flags = [config_arg] + [f"--config.{k}={v}" for k, v in lay.config_overrides().items()]
+    c = c if c is not None else base_config(plan_.model)
+    flags = [config_arg] + [f"--config.{k}={v}" for k, v in lay.config_overrides(c).items()]
     if opts is not None and lay.dp > 1 and not lay.zero:
         if not opts.overlap:
             flags.append("--config.strategy.overlap=off")
@@ -71,24 +94,24 @@ def tfdist_command(plan_, cluster, config_arg, precision, opts=None):
     return strategy_command(lay, cluster, flags)[1]
 
 
-def format_table(plans, cluster):
+def format_table(plans, cluster, c=None):
     head = (f"{'#':>3}  {'layout':<40} {'GB/dev':>7} {'s/step':>8} {'tok/s':>11} {'MFU':>6}  "
             f"{'bottleneck':<10} tfdist")
     lines = [head, "-" * len(head)]
     for i, p in enumerate(plans, 1):
         lines.append(f"{i:>3}  {str(p.layout):<40} {p.memory['total'] / GB:>7.1f} "
                      f"{p.time['total']:>8.3f} {p.tokens_per_sec:>11,.0f} {p.mfu:>6.1%}  "
-                     f"{p.time['bottleneck']:<10} {'yes' if runnable(p, cluster) else 'modelled'}")
+                     f"{p.time['bottleneck']:<10} {refusal(p, cluster, c) or 'yes'}")
     return "\n".join(lines)
 
 
-def chart(plans, cluster, path, title):
+def chart(plans, cluster, c, path, title):
     """Two panels: step time by part, and memory per device by part, for the listed layouts."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [f"{p.layout}{' *' if runnable(p, cluster) else ''}" for p in plans][::-1]
+    names = [f"{p.layout}{' *' if runnable(p, cluster, c) else ''}" for p in plans][::-1]
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 0.45 * len(plans) + 3), sharey=True)
     left = [0.0] * len(plans)
     for part, color in (("compute", "tab:blue"), ("memory", "tab:orange"), ("network", "tab:green"),
@@ -122,9 +145,11 @@ def load_config(path):
     return mod.get_config()
 
 
-def report(model, cluster, batch, plans, opts, config_arg, top, out):
-    """Prints the plans that fit (the `top` fastest), those that do not, the best and the best
-    that tfdist runs with its command; writes `out`/plan.png and plan.json."""
+def report(model, cluster, batch, plans, opts, config_arg, top, out, config=None):
+    """Prints the plans that fit (the `top` fastest, each runnable or why not), those that do not,
+    the best and the best that tfdist runs with its command; writes `out`/plan.png and plan.json.
+    `config`: the user's (`config_arg`'s), which the layouts are judged with."""
+    c = base_config(model, opts.precision, config)
     feasible = [p for p in plans if p.fits]
     print(f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.seq_len} tokens per "
           f"sequence; batch {batch} sequences; {cluster.count} x {cluster.device.name} "
@@ -133,14 +158,14 @@ def report(model, cluster, batch, plans, opts, config_arg, top, out):
           f"{cluster.node()} per node); matmuls at {opts.efficiency:.1%} of peak; "
           f"{len(plans)} layouts, {len(feasible)} fit")
     if feasible:
-        print(format_table(feasible[:top], cluster))
+        print(format_table(feasible[:top], cluster, c))
     over = [p for p in plans if not p.fits]
     if over:  # those that would be fastest if they fitted, with what overflows
         over.sort(key=lambda p: -p.tokens_per_sec)
         print(f"\ndo not fit ({len(over)}), fastest first:")
         for p in over[:min(top, 5)]:
             print(f"  {str(p.layout):<40} {p.overflow}")
-    best = next((p for p in feasible if runnable(p, cluster)), None)
+    best = next((p for p in feasible if runnable(p, cluster, c)), None)
     print()
     if feasible:
         b = feasible[0]
@@ -155,10 +180,10 @@ def report(model, cluster, batch, plans, opts, config_arg, top, out):
             print(f"best that tfdist runs today: {best.layout}, "
                   f"{best.tokens_per_sec / feasible[0].tokens_per_sec:.0%} of the best's speed")
         print("  " + tfdist_command(best, cluster, config_arg or "--config=<your config>",
-                                     opts.precision, opts))
+                                     opts.precision, opts, c))
     os.makedirs(out, exist_ok=True)
     shown = feasible[:top] or over[:top]
-    chart(shown, cluster, os.path.join(out, "plan.png"),
+    chart(shown, cluster, c, os.path.join(out, "plan.png"),
           f"{model.name} on {cluster.count} x {cluster.device.name}, batch {batch}")
     with open(os.path.join(out, "plan.json"), "w") as f:
         json.dump({"model": dataclasses.asdict(model), "devices": cluster.count,
