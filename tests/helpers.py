@@ -9,7 +9,8 @@ tools/faults/faulty_train.py), `tagged` (JSON result lines of a launcher's prefi
 own:
 
 * processes: `run` (a command with a hard timeout, in a fork of the fork server when it can),
-  `tfdist` (the CLI), `run_group` (a process group killed on timeout), `driver` (the driver);
+  `tfdist` (the CLI), `run_group` (a process group killed on timeout), `driver` (the driver),
+  `driver_group` (the driver as Horovod ranks or `tfdist launch` workers);
 * errors: `tf_noise`, `one_error_line`, `assert_usage_error` (exit 2, one line, no traceback);
 * `tree_digest` (nothing on disk changed);
 * inputs: `load_config` (a file of configs/), `write_nanogpt`, `free_port`, `free_port_run`;
@@ -177,6 +178,22 @@ def driver(workdir, overrides, *extra, timeout=300, check=True, env=None):
     p = run(driver_argv(workdir, overrides, *extra), timeout=timeout, check=check, env=env)
     line = [x for x in p.stdout.splitlines() if x.startswith("DRIVER_RESULT ")]
     return p, (json.loads(line[-1][len("DRIVER_RESULT "):]) if line else None)
+
+
+def driver_group(workdir, overrides, *extra, ranks=2, timeout=300, check=True):
+    """Runs the driver as `ranks` processes of `overrides["strategy.name"]`: Horovod ranks
+    (horovodrun), or workers under `tfdist launch` (restarting the group once after a failure, as
+    `make chaos` does). Returns the CompletedProcess."""
+    from tfdist.strategies.horovod import horovodrun_argv
+    program = driver_argv(workdir, overrides, *extra)
+    if overrides["strategy.name"] == "horovod":
+        cmd = horovodrun_argv(ranks, program)
+    else:
+        cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={ranks}", "--max_restarts=1",
+               "--backoff=0.5", "--", *program]
+    p = run_group(cmd, timeout)
+    assert p.returncode == 0 or not check, p.stdout[-4000:] + p.stderr[-2000:]
+    return p
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -210,12 +210,94 @@ def test_the_recommended_command_is_valid_tfdist_flags():
         assert "--config.pipeline.stages=4" in cmd and "--config.pipeline.microbatches=8" in cmd
         assert cmd.startswith("tfdist launch --workers 2 ")
         assert ("--config.zero.stage=1" in cmd) == (lay.zero == 1)
-    # one microbatch at a time without a pipeline is Keras's gradient accumulation, which
-    # multi_worker_mirrored cannot run (keras-team/keras#20582), ZeRO-3 included
+    # microbatches without a pipeline are gradient accumulation: runnable under
+    # multi_worker_mirrored, ZeRO-3 included (keras-team/keras#20582 once refused them)
     for lay in (plan.planned(64, 8, microbatch=2), plan.planned(64, 8, microbatch=2, zero=1),
                 plan.planned(64, 8, zero=3)):
         p = plan.evaluate(model, cluster, lay, opts)
-        assert p.fits and p.tfdist_fits and not plan.runnable(p, cluster), lay
+        assert p.fits and p.tfdist_fits and plan.runnable(p, cluster), lay
+        cmd = plan.tfdist_command(p, cluster, "--config=configs/gpt2_xl.py", "mixed")
+        assert f"--config.train.grad_accum_steps={lay.accumulate}" in cmd, cmd
+    # a layout tfdist refuses says why in its row, in the first words of the refusal
+    recompute = plan.evaluate(model, cluster, plan.planned(64, 8, microbatch=2, recompute=True),
+                              opts)
+    assert plan.refusal(recompute, cluster) == "pipeline.recompute=True needs a split model"
+    assert "pipeline.recompute=True needs a split model" in plan.format_table([recompute],
+                                                                              cluster)
+
+
+PAIRS = [("gpt2_xl", "a100-40gb", 16, 256), ("gpt2", "h100", 8, 64),
+         ("gpt_mini", "a100-80gb", 4, 32)]  # the model/cluster pairs the planner is checked on
+
+
+def test_a_command_rounds_the_configs_epoch_and_backup_to_whole_updates():
+    """An update of k batches never straddles an epoch's end or a backup: the command of a layout
+    with accumulation sets the config's epoch, steps and backup interval to whole updates where
+    they are not (the default config's 100 steps per epoch, backup every 50: k = 8)."""
+    lay = plan.planned(512, 8, microbatch=8)
+    assert lay.accumulate == 8
+    overrides = lay.config_overrides(tfdist_config.default_config())
+    assert (overrides["train.steps_per_epoch"], overrides["train.steps"],
+            overrides["backup.every_steps"]) == (104, 208, 56)
+    c = tfdist_config.default_config()
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    tfdist_config.validate(c)  # whole updates: accepted
+    assert plan.planned(512, 8, microbatch=8).config_overrides() == {
+        "train.batch_size": 64, "train.grad_accum_steps": 8}  # (no config: the layout's keys)
+
+
+def scaled_to_gpt_nano(cmd, data_dir, workdir):
+    """The planner's command for a GPT on many accelerators, scaled to gpt_nano on 2 worker
+    processes here: its strategy, accumulation and ZeRO stage kept, each replica's batch kept,
+    float32 (bfloat16 on this CPU is the `bf16` tests'), 2 updates."""
+    args = cmd.split()
+    dp = (int(args[args.index("--workers") + 1]) if "--workers" in args else
+          math.prod(int(a.split("=")[1]) for a in args
+                    if a.startswith(("--nodes=", "--ntasks-per-node="))))
+    keys = dict(a[len("--config."):].split("=") for a in args if a.startswith("--config."))
+    k = int(keys.get("train.grad_accum_steps", 1))
+    flags = [f"--config.{key}={value}" for key, value in keys.items()
+             if key in ("train.grad_accum_steps", "zero.stage", "pipeline.stages",
+                        "pipeline.microbatches", "tensor.parallel")]
+    strategy = [a for a in args if a.startswith("--strategy=")]
+    return ["launch", *strategy, "--workers=2", "--max_restarts=0", "--",
+            "--config=configs/gpt_nano.py", f"--workdir={workdir}",
+            f"--config.data.data_dir={data_dir}", *flags,
+            f"--config.train.batch_size={2 * int(keys['train.batch_size']) // dp}",
+            f"--config.train.steps={2 * k}", f"--config.train.steps_per_epoch={2 * k}",
+            f"--config.backup.every_steps={k}", "--config.train.eval_steps=1"], k
+
+
+@pytest.mark.slow
+def test_the_first_ranked_layout_runs_and_its_command_scaled_to_gpt_nano_trains(tmp_path,
+                                                                                 data_dir):
+    """For each model/cluster pair: the fastest layout that fits is one tfdist runs (data
+    parallelism with accumulation and ZeRO-2, which keras-team/keras#20582 once kept from
+    multi_worker_mirrored), and its command, scaled to gpt_nano, trains its 2 updates."""
+    from tests.helpers import tfdist
+    scaled = {}
+    for name, device, devices, batch in PAIRS:
+        c = plan.load_config(os.path.join(ROOT, "configs", f"{name}.py"))
+        model = plan.model_from_config(c, name)
+        cluster = plan.Cluster(plan.DEVICES[device], devices)
+        first = next(p for p in plan.search(model, cluster, batch, opts=plan.calibrated_options())
+                     if p.fits)
+        judged = plan.base_config(model, "mixed", c)  # the config file's, as `tfdist plan` does
+        assert plan.runnable(first, cluster, judged), (name, first.layout,
+                                                       plan.refusal(first, cluster, judged))
+        cmd = plan.tfdist_command(first, cluster, f"--config=configs/{name}.py", "mixed",
+                                  c=judged)
+        flags, k = scaled_to_gpt_nano(cmd, data_dir, tmp_path / name)
+        scaled.setdefault(tuple(flags[5:]), (name, flags, k))  # (the same run once)
+    assert any(k > 1 for _, _, k in scaled.values())  # (one pair's first layout accumulates)
+    for _, flags, k in scaled.values():
+        p = tfdist(*flags, timeout=300, check=False)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        done = (f"{2 * k} steps run (step {2 * k} of {2 * k}; optimizer update 2, of {k} batches "
+                f"each)" if k > 1 else f"{2 * k} steps run (step {2 * k} of {2 * k})")
+        assert done in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
 
 
 def test_command_line_writes_table_chart_and_json(tmp_path):
@@ -378,8 +460,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
             and message in lines[0]), r.stderr
 
 
-@pytest.mark.parametrize("name,device,devices,batch", [
-    ("gpt2_xl", "a100-40gb", 16, 256), ("gpt2", "h100", 8, 64), ("gpt_mini", "a100-80gb", 4, 32)])
+@pytest.mark.parametrize("name,device,devices,batch", PAIRS)
 def test_every_layout_the_planner_calls_runnable_is_what_its_command_runs(name, device, devices,
                                                                            batch):
     """Over every layout the planner enumerates: the command it prints for a runnable one is a
@@ -390,12 +471,14 @@ def test_every_layout_the_planner_calls_runnable_is_what_its_command_runs(name, 
     c0 = plan.load_config(os.path.join(ROOT, "configs", f"{name}.py"))
     model, cluster = plan.model_from_config(c0, name), plan.Cluster(plan.DEVICES[device], devices)
     plans = plan.search(model, cluster, batch, opts=plan.calibrated_options())
+    judged = plan.base_config(model, "mixed", c0)  # the config file's, as `tfdist plan` judges
     ran = 0
     for p in plans:
-        if not plan.runnable(p, cluster):
+        if not plan.runnable(p, cluster, judged):
             continue
         ran += 1
-        cmd = plan.tfdist_command(p, cluster, f"--config=configs/{name}.py", "mixed").split()
+        cmd = plan.tfdist_command(p, cluster, f"--config=configs/{name}.py", "mixed",
+                                  c=judged).split()
         c = plan.load_config(os.path.join(ROOT, "configs", f"{name}.py"))
         for arg in cmd:
             if arg.startswith("--config."):

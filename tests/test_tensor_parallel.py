@@ -184,13 +184,13 @@ def test_the_planner_recommends_a_runnable_tensor_parallel_layout():
     c = plan.load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "gpt2_large.py"))
     model = plan.model_from_config(c, "gpt2_large")
     cluster = plan.Cluster(plan.DEVICES["a100-40gb"], 8)
-    # (a batch of 4 sequences: one per replica, no gradient accumulation, which
-    # multi_worker_mirrored cannot run: keras-team/keras#20582)
+    # (a batch of 4 sequences: one per replica; and 64: 16 batches accumulated per update)
     opts = plan.calibrated_options()
     p = plan.evaluate(model, cluster, plan.planned(4, 4, tp=2), opts)
     assert plan.runnable(p, cluster)
     accumulating = plan.evaluate(model, cluster, plan.planned(64, 4, tp=2), opts)
-    assert not plan.runnable(accumulating, cluster)
+    assert plan.runnable(accumulating, cluster) and "--config.train.grad_accum_steps=16" in (
+        plan.tfdist_command(accumulating, cluster, "--config=configs/gpt2_large.py", "mixed"))
     cmd = plan.tfdist_command(p, cluster, "--config=configs/gpt2_large.py", "mixed")
     assert "--config.tensor.parallel=2" in cmd and cmd.startswith("tfdist launch --workers 4 ")
     # tfdist keeps the embedding and head whole: a layout that fits only when they are split

@@ -7,27 +7,24 @@ replicas; bad configs are one line."""
 import json
 import os
 import shutil
-import sys
 
 import keras
 import numpy as np
 import pytest
 
 from tests.helpers import (
-    DRIVER,
     assert_usage_error,
     driver,
+    driver_group,
     first_fast,
     load_config,
     losses,
     max_diff,
     metrics,
-    run_group,
     tfdist,
     weights,
 )
 from tfdist.parallel import zero
-from tfdist.strategies.horovod import horovodrun_argv
 
 STEPS = 20
 
@@ -116,7 +113,12 @@ def test_one_replica_zero_step_equals_the_plain_optimizer(stage, accumulate):
     strategy = tfdist.strategies.get("single")
 
     def updater(step, model):
-        return tf.function(lambda g: step.update(list(zip(g, model.trainable_weights))))
+        """Each batch's gradients to the step: added to the window's sums, or (every
+        `accumulate`-th) ending an update, as `TrainStep.install` chooses for Keras's fit."""
+        functions = [tf.function(lambda g, f=f: f(list(zip(g, model.trainable_weights))))
+                     for f in (step.accumulate_gradients, step.update)]
+        batches = iter(range(1, len(grads) + 1))
+        return lambda g: functions[next(batches) % accumulate == 0](g)
 
     finals = []
     for sharded in (0, stage):
@@ -157,8 +159,6 @@ class _Weights(keras.layers.Layer):
     (["--strategy=mirrored", "--config.zero.stage=3"], "strategy mirrored cannot shard"),
     (["--strategy=mirrored", "--config.zero.stage=2"], "strategy mirrored cannot shard"),
     (["--strategy=parameter_server", "--config.zero.stage=1"], "parameter_server cannot shard"),
-    (["--strategy=multi_worker_mirrored", "--config.train.grad_accum_steps=2"],
-     "keras-team/keras#20582"),
 ]))
 def test_bad_zero_configs_are_one_line(tmp_path, flags, needle):
     assert_usage_error(tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
@@ -176,17 +176,8 @@ def options(data_dir, stage, strategy="horovod", steps=STEPS, **extra):
 def group(workdir, data_dir, stage, *extra, strategy="horovod", ranks=2, check=True, **more):
     """Runs the driver as `ranks` Horovod ranks, or multi_worker_mirrored workers (`tfdist
     launch`, restarting the group once after a failure, as `make chaos` does)."""
-    program = [sys.executable, DRIVER, str(workdir), json.dumps(options(data_dir, stage, strategy,
-                                                                         **more)),
-               "--hash-weights", *extra]
-    if strategy == "horovod":
-        cmd = horovodrun_argv(ranks, program)
-    else:
-        cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={ranks}", "--max_restarts=1",
-               "--backoff=0.5", "--", *program]
-    p = run_group(cmd, 300)
-    assert p.returncode == 0 or not check, p.stdout[-4000:] + p.stderr[-2000:]
-    return p
+    return driver_group(workdir, options(data_dir, stage, strategy, **more), "--hash-weights",
+                        *extra, ranks=ranks, check=check)
 
 
 def horovod(workdir, data_dir, stage, *extra, **more):
@@ -203,10 +194,10 @@ def hashes(workdir, rank):
         return [line.split()[1] for line in f]
 
 
-def assert_equal_to_plain(run, plain, stage, sharded_accumulators=False):
+def assert_equal_to_plain(run, plain, stage):
     """Per-step losses within 1e-5 of plain data parallelism's, both replicas' weights bitwise
-    identical after every step, and each replica's optimizer bytes 1/2 of plain's (ZeRO-2 with
-    accumulation: also the accumulators; else those are every replica's, as in plain)."""
+    identical after every step, and each replica's optimizer bytes 1/2 of plain's (with
+    accumulation, tests/test_accumulation.py: ZeRO-2's sums too)."""
     a, b = losses(plain), losses(run)
     assert len(a) == len(b) == STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
@@ -218,10 +209,8 @@ def assert_equal_to_plain(run, plain, stage, sharded_accumulators=False):
         mine = json.load(open(os.path.join(run, f"optimizer-w{rank}.json")))
         assert mine["zero"].startswith(f"ZeRO-{stage} over 2 replica(s)")
         imbalance = float(mine["zero"].rsplit(" ", 1)[1])
-        sharded = full["bytes"] - full["accumulator_bytes"] * (not sharded_accumulators)
         # + 64: the scalars; (the imbalance is printed rounded to 0.01)
-        assert (mine["bytes"] - (full["bytes"] - sharded)
-                <= sharded / 2 * (imbalance + 0.005) + 64), (mine, full)
+        assert mine["bytes"] <= full["bytes"] / 2 * (imbalance + 0.005) + 64, (mine, full)
 
 
 @pytest.fixture(scope="module")
@@ -264,24 +253,6 @@ def test_zero_under_horovod_equals_plain_data_parallel(tmp_path, data_dir, plain
     else:
         horovod(tmp_path, data_dir, stage, "--dump-weights")
     assert_equal_to_plain(tmp_path, plain, stage)
-
-
-@pytest.fixture(scope="module")
-def plain_accumulating(tmp_path_factory, data_dir):
-    d = tmp_path_factory.mktemp("zero-plain-accumulating")
-    horovod(d, data_dir, 0, "--dump-weights", **{"train.grad_accum_steps": 2})
-    return d
-
-
-@pytest.mark.slow
-@pytest.mark.horovod
-@pytest.mark.parametrize("stage", [2, pytest.param(1, marks=pytest.mark.long)])  # 1: for time
-def test_zero_with_gradient_accumulation_equals_plain_data_parallel(tmp_path, data_dir,
-                                                                    plain_accumulating, stage):
-    """2 microsteps per update: ZeRO-2 reduce-scatters each and keeps only its shard's
-    accumulators; ZeRO-1 keeps Keras's and all-gathers only after an update."""
-    horovod(tmp_path, data_dir, stage, "--dump-weights", **{"train.grad_accum_steps": 2})
-    assert_equal_to_plain(tmp_path, plain_accumulating, stage, sharded_accumulators=stage == 2)
 
 
 @pytest.mark.slow

@@ -55,8 +55,8 @@ def train(model_fn, stage, steps=6, accumulate=1, data=None):
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = model_fn()
-        model.train_step = TrainStep(model, strategy, Layout(zero=stage, accumulate=accumulate),
-                                     clipnorm=1.0, collectives=zero.local())
+        TrainStep(model, strategy, Layout(zero=stage, accumulate=accumulate), clipnorm=1.0,
+                  collectives=zero.local()).install()
     history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
     sharded = zero.of(model)
     values = sharded.full_values() if sharded else [w.numpy() for w in model.weights]
