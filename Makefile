@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-backup bench-elastic bench-data test-long chaos chaos-write \
+        bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
         chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition chaos-elastic plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
@@ -184,6 +184,11 @@ bench-model-parallel: $(STAMP)
 bench-zero: $(HOROVOD)
 	$(BIN)/python tools/bench/zero.py
 	$(BIN)/python tools/bench/zero.py --strategy=multi_worker_mirrored
+
+# Gradient accumulation's cost under multi_worker_mirrored: 4 batches per update against one batch
+# 4 times larger, per token, interleaved (bench_results/accumulation-mwms.json).
+bench-accumulation: $(STAMP)
+	$(BIN)/python tools/bench/accumulation.py
 
 # A model that trains only sharded: each of 2 Horovod ranks capped at 1600 MiB (a memory cgroup;
 # root), a 57 M-parameter GPT: which ZeRO stages train.

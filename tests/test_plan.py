@@ -267,7 +267,8 @@ def scaled_to_gpt_nano(cmd, data_dir, workdir):
             f"--config.data.data_dir={data_dir}", *flags,
             f"--config.train.batch_size={2 * int(keys['train.batch_size']) // dp}",
             f"--config.train.steps={2 * k}", f"--config.train.steps_per_epoch={2 * k}",
-            f"--config.backup.every_steps={k}", "--config.train.eval_steps=1"], k
+            f"--config.train.warmup_steps={k}", f"--config.backup.every_steps={k}",
+            "--config.train.eval_steps=1"], k
 
 
 @pytest.mark.slow
