@@ -1,8 +1,9 @@
 """Gradient accumulation under every strategy (`train.grad_accum_steps`, tfdist.step): K batches
 of B rows per update train as one batch of K x B rows does (per-update losses and final weights
 within 1e-5) on one device, under mirrored (2 devices), multi_worker_mirrored (2 workers),
-Horovod (2 ranks), and multi_worker_mirrored with ZeRO-2 and ZeRO-3 (each replica keeping its
-share of the sums); without the sums the test fails. A run killed inside an update's window
+Horovod (2 ranks), multi_worker_mirrored with ZeRO-2 and ZeRO-3 (each replica keeping its share
+of the sums), and a GPT split into 2 pipeline stages x 2 tensor-parallel shards; without the sums
+the test fails. A run killed inside an update's window
 resumes bitwise at the update's start. A user's Keras program accumulates with Keras's own
 `gradient_accumulation_steps`, which tfdist's step runs where Keras's cannot. What is refused is
 one line, exit 2, before any worker starts. (The parameter server's accumulated updates: its
@@ -21,6 +22,7 @@ from tests.helpers import (
     assert_usage_error,
     driver,
     driver_group,
+    final_weights,
     losses,
     max_diff,
     metrics,
@@ -62,7 +64,8 @@ def assert_equals_one_larger_batch(run_dir, ref_dir, replicas):
     a, b = losses(ref_dir), per_update(losses(run_dir))
     assert len(a) == len(b) == UPDATES
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
-    assert max_diff(weights(run_dir, 0), weights(ref_dir, 0)) <= 1e-5
+    # (the saved GPT's: a split model's stages and shards joined)
+    assert max_diff(final_weights(run_dir), final_weights(ref_dir)) <= 1e-5
     if replicas == 2 and os.path.exists(os.path.join(run_dir, "weight_hashes-w1.txt")):
         assert hashes(run_dir, 0) == hashes(run_dir, 1)  # bitwise identical after every step
 
@@ -99,6 +102,22 @@ def test_k_batches_per_update_equal_one_k_times_larger_batch_and_fail_without_th
     assert max_diff(wa, wc) > 1e-3
 
 
+def test_a_model_compiled_with_several_steps_per_call_is_refused():
+    """Keras's steps_per_execution runs several batches in one call: the step of each could not be
+    chosen on the host. Refused, naming both, when the step is installed."""
+    import tfdist.strategies
+    from tfdist.errors import UsageError
+    from tfdist.parallel.layout import Layout
+    from tfdist.step import TrainStep
+    strategy = tfdist.strategies.get("single")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+        step = TrainStep(model, strategy, Layout(accumulate=2))
+    with pytest.raises(UsageError, match="steps_per_execution=2 runs several batches"):
+        step.install()
+
+
 # -- the strategies, through the fault driver ---------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -118,16 +137,24 @@ def mwms(tmp_path_factory, data_dir):
     return d
 
 
+#: one process split 2 x 2: pipeline stages (1F1B, 2 microbatches) x tensor-parallel shards
+SPLIT = {"pipeline.stages": 2, "pipeline.microbatches": 2, "pipeline.schedule": "1f1b",
+         "tensor.parallel": 2, "tensor.sequence_parallel": True}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,zero", [
-    ("mirrored", 0), ("multi_worker_mirrored", 0),
-    pytest.param("horovod", 0, marks=pytest.mark.horovod),
-    ("multi_worker_mirrored", 2), ("multi_worker_mirrored", 3)])
+@pytest.mark.parametrize("strategy,zero,split", [
+    ("mirrored", 0, False), ("multi_worker_mirrored", 0, False),
+    pytest.param("horovod", 0, False, marks=pytest.mark.horovod),
+    ("multi_worker_mirrored", 2, False), ("multi_worker_mirrored", 3, False),
+    ("single", 0, True)])
 def test_accumulation_equals_one_larger_batch(tmp_path, data_dir, single_larger_batch, request,
-                                              strategy, zero):
+                                              strategy, zero, split):
     if strategy == "mirrored":  # one process, 2 logical devices
         driver(tmp_path, accumulating(data_dir, strategy, **{"strategy.devices": 2}),
                "--dump-weights")
+    elif split:  # one process, the GPT split over 4 logical devices
+        driver(tmp_path, accumulating(data_dir, strategy, **SPLIT), "--dump-weights")
     elif strategy == "multi_worker_mirrored" and not zero:
         tmp_path = request.getfixturevalue("mwms")
     else:

@@ -52,6 +52,7 @@ Example (one device: the step of a plain GPT, with clipping and 2 batches per up
     2
 """
 from tfdist import compat
+from tfdist.errors import UsageError
 from tfdist.parallel import gradients, zero
 from tfdist.runtime.lazy import keras, tf
 
@@ -99,6 +100,11 @@ class TrainStep:
         (keras-team/keras#20582). Returns the step."""
         self.model.train_step = self
         if self.window > 1:
+            if (getattr(self.model, "steps_per_execution", 1) or 1) > 1:
+                raise UsageError(f"steps_per_execution={self.model.steps_per_execution} runs "
+                                 f"several batches in one call, and gradient accumulation "
+                                 f"chooses each batch's step on the host; compile with "
+                                 f"steps_per_execution=1")
             compat.train_function_per_batch(self.model, self._next_batch,
                                             {"accumulate": self.accumulate, "update": self})
         return self
