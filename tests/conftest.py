@@ -16,11 +16,11 @@ def pytest_configure(config):
 #: the suite alone on a long one.
 SLOWEST_FIRST = ("test_zero", "test_netcluster", "test_keras_programs", "test_horovod",
                  "test_multi_worker", "test_store", "test_parameter_server", "test_backup",
-                 "test_elastic", "test_tensor_parallel", "test_accumulation", "test_slurm",
-                 "test_data",
+                 "test_elastic", "test_tensor_parallel", "test_accumulation", "test_plan",
+                 "test_slurm", "test_data",
                  "test_strategies", "test_pipeline", "test_horovod_keras",
                  "test_horovod_keras_elastic", "test_cli_help", "test_cli", "test_launch",
-                 "test_plugins", "test_plan")
+                 "test_plugins")
 
 
 def pytest_collection_modifyitems(session, config, items):
