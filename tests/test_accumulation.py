@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import (
+    OVERLAP_BUCKET_MB,
     ROOT,
     assert_usage_error,
     driver,
@@ -157,9 +158,13 @@ def test_accumulation_equals_one_larger_batch(tmp_path, data_dir, single_larger_
         driver(tmp_path, accumulating(data_dir, strategy, **SPLIT), "--dump-weights")
     elif strategy == "multi_worker_mirrored" and not zero:
         tmp_path = request.getfixturevalue("mwms")
-    else:
-        driver_group(tmp_path, accumulating(data_dir, strategy, **{"zero.stage": zero}),
-                     "--dump-weights", "--hash-weights")
+    else:  # (Horovod's gradients in 4 buckets of 0.1 MiB: reduced only on an update's batch)
+        extra = {"zero.stage": zero}
+        if strategy == "horovod":
+            extra["strategy.bucket_mb"] = OVERLAP_BUCKET_MB
+        p = driver_group(tmp_path, accumulating(data_dir, strategy, **extra), "--dump-weights",
+                         "--hash-weights")
+        assert strategy != "horovod" or "horovod: gradients: 4 bucket(s)" in p.stdout
     assert_equals_one_larger_batch(tmp_path, single_larger_batch, replicas=2)
     if zero:  # each replica keeps the sums of its share of the weights: about half of them
         plain = request.getfixturevalue("mwms")
