@@ -89,3 +89,15 @@ def nothing_left_on_the_network():
     yield
     left = leftovers(f"tfdist{os.getpid() % 100000}-", before)
     assert not left, f"the tests left this on the machine's network: {left}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left():
+    """After the suite (each pytest process's part of it): no process that one of its commands
+    started is alive (each carries its command's mark, tools/faults/harness.py `MARK`; its
+    command's end kills what it left, `end_marked`). What is found is killed, and the suite fails
+    (tests/test_harness.py shows a timed-out launcher's processes found and ended)."""
+    from tools.faults import harness
+    yield
+    left = harness.end_marked(prefix=f"{os.getpid()}-")
+    assert not left, f"the tests left these processes running (killed now): {left}"

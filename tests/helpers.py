@@ -140,11 +140,16 @@ def run(cmd, timeout=300, env=None, check=True, fresh=False):
     command), unless `fresh` or its environment changes what Python or TF reads at start
     (READ_AT_START).
     In a fork or not, it is a process of its own, in a process group of its own there."""
-    env = {**os.environ, **(env or {})}
-    if _forkable(cmd, env) and not fresh:
-        p = _fork_server().run(list(cmd[1:]), env=env, cwd=ROOT, timeout=timeout)
-    else:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    token = harness.new_mark()  # (every process the command starts carries it)
+    env = {**os.environ, **(env or {}), harness.MARK: token}
+    try:
+        if _forkable(cmd, env) and not fresh:
+            p = _fork_server().run(list(cmd[1:]), env=env, cwd=ROOT, timeout=timeout)
+        else:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                               env=env)
+    finally:
+        harness.end_marked(token)  # what it left behind, in any session, by PID
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\n"
                              f"stderr:\n{p.stderr[-3000:]}")

@@ -60,18 +60,77 @@ def relative(path):
 
 # -- running -------------------------------------------------------------------------------------
 
+#: The environment variable that marks every process a command started here, its value the
+#: command's own token. A process inherits it through any launcher (`tfdist launch`, horovodrun,
+#: which starts its ranks in sessions of their own, and whose orphans no longer descend from the
+#: command), so `end_marked` finds all of them, and kills them by PID.
+MARK = "TFDIST_TEST_RUN"
+_TOKENS = iter(range(1, 1 << 62))
+
+
+def new_mark():
+    """A token no other command of any process has: <pid>-<n>."""
+    return f"{os.getpid()}-{next(_TOKENS)}"
+
+
+def marked(token=None, prefix=None):
+    """PIDs of the live processes whose environment has `MARK` = `token` (or a value that starts
+    with `prefix`: the tokens of one process's commands are "<its pid>-..."; neither: any
+    value), other than this one."""
+    needle = f"{MARK}={token}".encode() if token else f"{MARK}={prefix or ''}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # gone, or a zombie's
+            continue
+        if any(v == needle or (token is None and v.startswith(needle)) for v in env):
+            found.append(int(entry))
+    return found
+
+
+def end_marked(token=None, prefix=None, rounds=10):
+    """SIGKILLs every process marked with `token` (or a token starting with `prefix`), by PID,
+    until none is left (a process forked while the first ones were killed is found in the next
+    round; `rounds` at most). Returns the PIDs it killed."""
+    if not (token or prefix):
+        raise ValueError("end_marked needs the token or prefix of this process's commands")
+    killed = []
+    for _ in range(rounds):
+        pids = marked(token, prefix)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    return killed
+
+
 def run_group(cmd, timeout, env=None, cwd=ROOT):
-    """Runs `cmd` in a process group of its own; on timeout that group (ours) is killed and
-    `TimeoutError` raised with the end of its output. Returns the CompletedProcess."""
+    """Runs `cmd` in a process group of its own, its processes marked (`MARK`). On timeout that
+    group is killed and `TimeoutError` raised with the end of its output. When it ends, however it
+    ends, every process it started that is still alive is killed (`end_marked`). Returns the
+    CompletedProcess."""
+    token = new_mark()
     p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, env={**os.environ, **(env or {})})
+                         start_new_session=True, env={**os.environ, **(env or {}), MARK: token})
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
+        end_marked(token)  # first: a process in a session of its own may hold the pipes open
+        out, err = p.communicate(timeout=30)
         raise TimeoutError(f"{cmd[:6]} timed out after {timeout} s\n{out[-3000:]}\n"
                            f"{err[-2000:]}") from None
+    finally:
+        end_marked(token)
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 

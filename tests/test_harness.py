@@ -1,0 +1,64 @@
+"""The tests' harness (tools/faults/harness.py, tests/helpers.py) leaves no process behind: every
+process a command starts carries the command's mark (`harness.MARK`), through any launcher and
+into sessions of its own, and when the command ends, by its exit or by its bound, what it left
+is killed by PID. The suite's end checks it (conftest.py, `no_process_left`)."""
+import os
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, run_group
+from tools.faults import harness
+
+#: `tfdist launch` of 2 Horovod ranks that never end: horovodrun runs in a session of its own
+#: (the launcher's children do), and so do its ranks (Horovod's own launcher)
+NEVER_ENDS = [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod", "--workers=2",
+              "--max_restarts=0", "--", sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def sleepers(token):
+    """The marked processes that run the ranks' program."""
+    found = []
+    for pid in harness.marked(token):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")[:-1]
+        except OSError:
+            continue
+        if argv[1:] == [b"-c", b"import time; time.sleep(600)"]:  # (a rank: python -c ...)
+            found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_a_timed_out_horovod_launch_leaves_no_process():
+    """Bounded at 20 s: the command fails with its timeout, and then none of its processes is
+    alive, its 2 ranks included."""
+    before = set(harness.marked(prefix=f"{os.getpid()}-"))
+    with pytest.raises(AssertionError, match="timed out after 20 s"):
+        run_group(NEVER_ENDS, 20)
+    assert set(harness.marked(prefix=f"{os.getpid()}-")) == before  # (none: what it left is gone)
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_without_the_mark_the_ranks_outlive_their_timed_out_launcher():
+    """The companion: the launcher's process group killed at the bound, as the harness did before
+    the mark, leaves both ranks running (found here by the mark, and then killed)."""
+    import signal
+    import subprocess
+    import time
+    token = harness.new_mark()
+    p = subprocess.Popen(NEVER_ENDS, cwd=ROOT, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, harness.MARK: token})
+    try:
+        harness.wait_until(lambda: len(sleepers(token)) == 2, 120, "2 ranks sleeping", proc=p)
+        os.killpg(p.pid, signal.SIGKILL)  # the old bound: the group of the command alone
+        p.wait(timeout=30)
+        time.sleep(3)  # (time for anything that would end them)
+        assert len(sleepers(token)) == 2
+    finally:
+        harness.end_marked(token)
+    assert not harness.marked(token)
