@@ -10,10 +10,17 @@ import pytest
 from tests.helpers import ROOT, run_group
 from tools.faults import harness
 
-#: `tfdist launch` of 2 Horovod ranks that never end: horovodrun runs in a session of its own
-#: (the launcher's children do), and so do its ranks (Horovod's own launcher)
-NEVER_ENDS = [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod", "--workers=2",
-              "--max_restarts=0", "--", sys.executable, "-c", "import time; time.sleep(600)"]
+#: A rank that says it started (a file named after its PID in the directory argv[1]) and never
+#: ends.
+RANK = ("import os, sys, time; open(os.path.join(sys.argv[1], str(os.getpid())), 'w'); "
+        "time.sleep(600)")
+
+
+def never_ends(directory):
+    """`tfdist launch` of 2 Horovod ranks that never end: horovodrun runs in a session of its own
+    (the launcher's children do), and so do its ranks (Horovod's own launcher)."""
+    return [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod", "--workers=2",
+            "--max_restarts=0", "--", sys.executable, "-c", RANK, str(directory)]
 
 
 def sleepers(token):
@@ -25,32 +32,36 @@ def sleepers(token):
                 argv = f.read().split(b"\0")[:-1]
         except OSError:
             continue
-        if argv[1:] == [b"-c", b"import time; time.sleep(600)"]:  # (a rank: python -c ...)
+        if argv[1:3] == [b"-c", RANK.encode()]:  # (a rank: python -c RANK)
             found.append(pid)
     return found
 
 
 @pytest.mark.slow
 @pytest.mark.horovod
-def test_a_timed_out_horovod_launch_leaves_no_process():
-    """Bounded at 20 s: the command fails with its timeout, and then none of its processes is
-    alive, its 2 ranks included."""
+def test_a_timed_out_horovod_launch_leaves_no_process(tmp_path):
+    """Bounded at 20 s: the command fails with its timeout after both ranks started, and then
+    none of its processes is alive, its 2 ranks included."""
     before = set(harness.marked(prefix=f"{os.getpid()}-"))
     with pytest.raises(AssertionError, match="timed out after 20 s"):
-        run_group(NEVER_ENDS, 20)
+        run_group(never_ends(tmp_path), 20)
+    ranks = [int(name) for name in os.listdir(tmp_path)]
+    assert len(ranks) == 2  # (they ran when the bound came)
+    assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}/cmdline")
+                and open(f"/proc/{pid}/cmdline", "rb").read()]  # (a zombie's is empty)
     assert set(harness.marked(prefix=f"{os.getpid()}-")) == before  # (none: what it left is gone)
 
 
 @pytest.mark.slow
 @pytest.mark.horovod
-def test_without_the_mark_the_ranks_outlive_their_timed_out_launcher():
+def test_without_the_mark_the_ranks_outlive_their_timed_out_launcher(tmp_path):
     """The companion: the launcher's process group killed at the bound, as the harness did before
     the mark, leaves both ranks running (found here by the mark, and then killed)."""
     import signal
     import subprocess
     import time
     token = harness.new_mark()
-    p = subprocess.Popen(NEVER_ENDS, cwd=ROOT, start_new_session=True,
+    p = subprocess.Popen(never_ends(tmp_path), cwd=ROOT, start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env={**os.environ, harness.MARK: token})
     try:
