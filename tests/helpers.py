@@ -185,17 +185,18 @@ def driver(workdir, overrides, *extra, timeout=300, check=True, env=None):
     return p, (json.loads(line[-1][len("DRIVER_RESULT "):]) if line else None)
 
 
-def driver_group(workdir, overrides, *extra, ranks=2, timeout=300, check=True):
+def driver_group(workdir, overrides, *extra, ranks=2, timeout=300, check=True, max_restarts=1):
     """Runs the driver as `ranks` processes of `overrides["strategy.name"]`: Horovod ranks
-    (horovodrun), or workers under `tfdist launch` (restarting the group once after a failure, as
-    `make chaos` does). Returns the CompletedProcess."""
+    (horovodrun), or workers under `tfdist launch` (restarting the group after a failure
+    `max_restarts` times, once by default, as `make chaos` does). Returns the
+    CompletedProcess."""
     from tfdist.strategies.horovod import horovodrun_argv
     program = driver_argv(workdir, overrides, *extra)
     if overrides["strategy.name"] == "horovod":
         cmd = horovodrun_argv(ranks, program)
     else:
-        cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={ranks}", "--max_restarts=1",
-               "--backoff=0.5", "--", *program]
+        cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={ranks}",
+               f"--max_restarts={max_restarts}", "--backoff=0.5", "--", *program]
     p = run_group(cmd, timeout)
     assert p.returncode == 0 or not check, p.stdout[-4000:] + p.stderr[-2000:]
     return p

@@ -14,6 +14,7 @@ from tests.helpers import (
     ROOT,
     assert_overlap,
     driver,
+    driver_group,
     losses,
     max_diff,
     reference_run,
@@ -34,10 +35,7 @@ pytestmark = pytest.mark.horovod  # every test here needs the Horovod build
 
 
 def horovodrun(workdir, overrides, *extra, np_=RANKS, timeout=300):
-    p = run_group(horovodrun_argv(np_, [sys.executable, DRIVER, str(workdir),
-                                         json.dumps(overrides), *extra]), timeout)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    return p
+    return driver_group(workdir, overrides, *extra, ranks=np_, timeout=timeout)
 
 
 def common(data_dir, **extra):

@@ -5,26 +5,23 @@ identical, a backup of t = 2 restores into t = 1 and into K = 2 x t = 2, 1F1B's 
 GPipe's, and bad configs are one line."""
 import os
 import re
-import sys
 
 import keras
 import numpy as np
 import pytest
 
 from tests.helpers import (
-    DRIVER,
     assert_usage_error,
     driver,
+    driver_group,
     final_weights,
     first_fast,
     max_diff,
     metrics,
-    run_group,
     tfdist,
     weights,
 )
 from tests.test_pipeline import common, probe
-from tfdist.strategies.horovod import horovodrun_argv
 
 
 @pytest.mark.parametrize("k,t", first_fast([(1, 2), pytest.param(1, 4, marks=pytest.mark.long),
@@ -89,14 +86,7 @@ def test_data_x_pipeline_x_tensor_parallel_processes_stay_identical(tmp_path, da
                             "pipeline.stages": 2, "pipeline.microbatches": 2,
                             "pipeline.schedule": "1f1b",
                             "tensor.parallel": 2, "backup.enabled": False})
-    program = [sys.executable, DRIVER, str(tmp_path), __import__("json").dumps(o), "--dump-weights"]
-    if strategy == "horovod":
-        cmd = horovodrun_argv(2, program)
-    else:
-        cmd = [sys.executable, "-m", "tfdist", "launch", "--workers=2", "--max_restarts=0", "--",
-               *program]
-    p = run_group(cmd, 300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    p = driver_group(tmp_path, o, "--dump-weights", max_restarts=0)
     assert ("pipeline of 2 stages, 2 microbatch(es), tensor parallel over 2 devices per stage, "
             "1F1B schedule") in p.stdout
     assert re.search(r"gradients: \d+ bucket\(s\) of <= 0.1 MiB", p.stdout), p.stdout[-3000:]
