@@ -112,8 +112,7 @@ class KerasProgram:
         if self.user_zero and self in getattr(_ACTIVE, "stack", []):  # compiled in the scope
             _SHARDED.add(model)  # (a model loaded later, on one device, is not sharded)
         optimizer = model.optimizer
-        inner = getattr(optimizer, "inner_optimizer", optimizer)  # (a loss-scale optimizer's)
-        accumulate = getattr(inner, "gradient_accumulation_steps", None) or 1
+        accumulate = getattr(_updating(optimizer), "gradient_accumulation_steps", None) or 1
         if accumulate > 1 and not self.runs_keras_accumulation:
             _ACCUMULATING[model] = accumulate
         if model in _SHARDED or model in _ACCUMULATING or optimizer is None:
@@ -139,8 +138,7 @@ class KerasProgram:
             if not model.built:
                 compat.build_for(model, arguments.get("x"))
             accumulate = _ACCUMULATING.get(model, 1)
-            inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-            inner.gradient_accumulation_steps = None  # tfdist's step accumulates
+            _updating(model.optimizer).gradient_accumulation_steps = None  # tfdist's step sums
             layout = Layout(dp=self.num_replicas, zero=self.user_zero if model in _SHARDED else 0,
                             accumulate=accumulate)
             with self.scope():
@@ -196,6 +194,12 @@ class KerasProgram:
                     scratch, os.path.basename(str(arguments["filepath"])))})
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _updating(optimizer):
+    """The optimizer that updates (a loss-scale optimizer's inner one), whose
+    `gradient_accumulation_steps` Keras reads."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
 
 
 def _step_class():
