@@ -86,16 +86,20 @@ def test_the_history_check_finds_a_missing_metric():
             "history_keys": ["loss", "val_accuracy", "val_loss"]})
 
 
-def check_only_the_chief_wrote(base):
+def check_only_the_chief_wrote(base, models=MODELS):
+    """Only the chief's directory holds files: also the model a user's callback saves inside
+    `fit` (`callback.keras`), which every rank wrote while Keras's methods called inside `fit`
+    were not routed (Horovod's ranks then wrote one shared file at once: a corrupt zip)."""
     dirs = {d.name: d for d in base.iterdir() if d.name != "tmp"}
     chief = next(n for n in dirs if n in ("single", "chief0", "worker0", "rank0"))
     for name, d in dirs.items():
         if name != chief:
             assert not any(d.rglob("*")), f"{name} wrote {sorted(map(str, d.rglob('*')))}"
-    for model in MODELS:
+    for model in models:
         out = dirs[chief] / "keras_cnn_out" / model
         assert sorted(p.name for p in out.iterdir()) == [  # (the backup deleted)
-            "epoch1.keras", "epoch2.keras", "log.csv", "model.keras", "tensorboard"]
+            "callback.keras", "epoch1.keras", "epoch2.keras", "log.csv", "model.keras",
+            "tensorboard"]
         assert len((out / "log.csv").read_text().splitlines()) == 3  # header + 2 epochs
         assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert not list((base / "tmp").glob("tfdist-*")), "temporary directories left behind"
@@ -207,6 +211,8 @@ def test_without_routing_horovod_ranks_read_whole_batches(tmp_path):
     with pytest.raises(AssertionError):
         check_rows_split(results, 2)
     assert all(r["rows_last_epoch"] == ROWS for r in results.values())
+    with pytest.raises(AssertionError, match="rank1 wrote"):  # every rank saves
+        check_only_the_chief_wrote(tmp_path, models=("functional",))
 
 
 # -- bad use: one line, exit 2, within a bound ---------------------------------------------------

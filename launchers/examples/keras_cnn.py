@@ -83,6 +83,16 @@ def main(argv):
         def get_config(self):
             return {**super().get_config(), "units": self.units}
 
+    class SaveAtEpochEnd(keras.callbacks.Callback):
+        """A user's own callback that saves the model (tfdist: the chief writes)."""
+
+        def __init__(self, path):
+            super().__init__()
+            self.path = path
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.save(self.path)
+
     class TrainRows(keras.callbacks.Callback):
         """The `rows` metric after each training batch (validation resets it)."""
 
@@ -157,6 +167,7 @@ def main(argv):
             keras.callbacks.BackupAndRestore(os.path.join(out, name, "backup")),
             keras.callbacks.CSVLogger(os.path.join(out, name, "log.csv")),
             keras.callbacks.TensorBoard(os.path.join(out, name, "tensorboard")),
+            SaveAtEpochEnd(os.path.join(out, name, "callback.keras")),
             TrainRows(),
         ]
         history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=STEPS,

@@ -50,7 +50,9 @@ def route_keras(owner_of):
     def routed(method):
         @functools.wraps(_UPSTREAM[method])
         def call(self, *args, **kwargs):
-            inside = getattr(_inside, "active", False)
+            # (Keras's own nested calls, fit's validation, run as they are; a `save` inside `fit`,
+            # a user's callback's, is routed: on every rank it wrote the one file at once)
+            inside = getattr(_inside, "active", False) and method != "save"
             owner = None if kwargs.get("_use_cached_eval_dataset") or inside else owner_of(self)
             if owner is None:
                 return _UPSTREAM[method](self, *args, **kwargs)

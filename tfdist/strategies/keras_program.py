@@ -135,16 +135,36 @@ class KerasProgram:
         from tfdist.parallel.layout import Layout
         if not isinstance(model.train_step, _step_class()):
             from tfdist import compat
+            from tfdist.parallel.zero import whole
             if not model.built:
                 compat.build_for(model, arguments.get("x"))
+            loaded = model.optimizer if model.optimizer.built else None  # (a file's, whole)
+            if loaded is not None and model in _SHARDED:
+                with self.scope():
+                    model.optimizer = type(loaded).from_config(loaded.get_config())
             accumulate = _ACCUMULATING.get(model, 1)
             _updating(model.optimizer).gradient_accumulation_steps = None  # tfdist's step sums
             layout = Layout(dp=self.num_replicas, zero=self.user_zero if model in _SHARDED else 0,
                             accumulate=accumulate)
             with self.scope():
                 _step_class()(model, self, layout).install()
-        sharded = zero.of(model)
-        return _whole_for_callbacks(sharded) if method == "fit" and sharded else ([], [])
+            if zero.of(model) is not None:
+                if loaded is not None:
+                    whole.reshard(model.optimizer, loaded)
+                # (TFDIST_ZERO_SAVE=shard: each process's shard shown, the behaviour before; a
+                # companion test's)
+                shard = os.environ.get("TFDIST_ZERO_SAVE") == "shard"
+                model.tfdist_shown = whole.Shown(zero.of(model), None if shard else model.optimizer)
+        shown = getattr(model, "tfdist_shown", None)
+        if method != "fit" or shown is None:
+            return [], []
+        for cb in arguments.get("callbacks") or []:
+            if (isinstance(cb, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore))
+                    and getattr(cb, "save_freq", "epoch") != "epoch"):
+                raise UsageError(f"{type(cb).__name__}(save_freq={cb.save_freq}) under zero=3: a "
+                                 f"sharded model is whole at epoch ends only; use "
+                                 f"save_freq='epoch'")
+        return _whole_for_callbacks(shown)
 
     def keras_call(self, method, model, upstream, arguments):
         """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own
@@ -208,15 +228,16 @@ def _step_class():
     return importlib.import_module("tfdist.step").TrainStep
 
 
-def _whole_for_callbacks(sharded):
-    """([first], [last]) around a user's `fit` callbacks under ZeRO-3 (`tfdist.parallel.zero`): the
-    weights whole from the first's hook to the last's at the start and at each epoch end (a
-    checkpoint, a backup, Horovod's broadcast read them), and whole after training."""
+def _whole_for_callbacks(shown):
+    """([first], [last]) around a user's `fit` callbacks under ZeRO (`tfdist.parallel.zero.whole`):
+    the weights and the optimizer shown whole from the first's hook to the last's at the start
+    and at each epoch end (a checkpoint, a backup, a restore, Horovod's broadcast read or set
+    them), and whole after training (a `model.save` on the chief alone writes them)."""
     first = keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs=None: sharded.materialize(),
-        on_epoch_end=lambda epoch, logs=None: sharded.materialize(),
-        on_train_end=lambda logs=None: sharded.materialize())
+        on_train_begin=lambda logs=None: shown.show(),
+        on_epoch_end=lambda epoch, logs=None: shown.show(),
+        on_train_end=lambda logs=None: shown.show())
     last = keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs=None: sharded.release(),
-        on_epoch_end=lambda epoch, logs=None: sharded.release())
+        on_train_begin=lambda logs=None: shown.hide(),
+        on_epoch_end=lambda epoch, logs=None: shown.hide())
     return [first], [last]

@@ -64,22 +64,34 @@ class Unit:
         return sum(self.sizes)
 
 
-def units_of(model):
-    """The model's units: its top-level layers with trainable variables, in call order as Keras
-    lists them, then (when some are left) the model's own variables. A model that wraps one
-    layer holding all its weights (tfdist's `Pipeline` of a GPT) has that layer's units."""
-    layers = [layer for layer in model.layers if layer.trainable_variables]
-    if (len(layers) == 1 and len(layers[0].trainable_variables) == len(model.trainable_variables)
-            and getattr(layers[0], "layers", None)):
-        model = layers[0]
+def units_of(model, nested=True):
+    """The model's units: the layers with trainable variables, in call order as Keras lists them,
+    each once (a layer called twice, or listed by two models, is one unit), then (when some are
+    left) the model's own variables. A nested model (a keras-hub task's backbone, tfdist's
+    `Pipeline` of a GPT) is not a unit: its layers are. A unit's layer may hold another unit's
+    layer (a weight shared by two layers): its gather then holds that layer's weights too, and
+    the inner layer runs with them (`_unit_call`). `nested=False`: the model's own layers only,
+    each a unit, nested models too (the rule before, a companion test's: keras-hub's GPT-2 fails
+    under it)."""
+    layers, seen = [], set()
+
+    def visit(container):
+        for layer in container.layers:
+            if id(layer) in seen or not layer.trainable_variables:
+                continue
+            seen.add(id(layer))
+            if isinstance(layer, keras.Model) and nested:
+                visit(layer)
+            else:
+                layers.append(layer)
+    visit(model)
     units = []
-    seen = set()  # ids of the variables in a unit
-    for layer in model.layers:
+    placed = set()  # ids of the variables in a unit
+    for layer in layers:
         variables = list(layer.trainable_variables)
-        if variables:
-            units.append(Unit(len(units), layer, variables))
-            seen |= {id(v) for v in variables}
-    rest = [v for v in model.trainable_variables if id(v) not in seen]
+        units.append(Unit(len(units), layer, variables))
+        placed |= {id(v) for v in variables}
+    rest = [v for v in model.trainable_variables if id(v) not in placed]
     if rest:
         units.append(Unit(len(units), None, rest))
     return units
@@ -93,15 +105,17 @@ class ShardedWeights(ShardedGradients):
     unit's backward on each replica's path). `skip`: collectives to leave out, "all_gather" (each
     replica computes with zeros for what it does not own) or "reduce_scatter" (each owner updates
     with its own replica's gradient only), a companion test's; `regather=False` keeps the
-    forward's gathered weights for the backward pass."""
+    forward's gathered weights for the backward pass; `nested=False`: the units and calls of
+    before (`units_of`), for a companion test."""
 
     stage = 3
 
-    def __init__(self, model, collectives, skip=(), regather=True):
+    def __init__(self, model, collectives, skip=(), regather=True, nested=True):
         super().__init__(model, collectives, skip)
         c = collectives
         self.regather = regather
-        self.units = units_of(model)
+        self.nested = nested
+        self.units = units_of(model, nested)
         self.owner = {}  # id(variable) -> replica
         self.home = {}  # id(variable) -> (unit, position)
         self.load = [0] * c.size
@@ -128,6 +142,7 @@ class ShardedWeights(ShardedGradients):
         # key, so a second model's gathers need keys of their own (measured: "Shape mismatch in
         # the collective instance" under multi_worker_mirrored when they reused the first's).
         self.serial = next(_SERIAL)
+        self._gather_all = None  # (full_values' function)
 
     # -- the stage's interface (tfdist.parallel.zero.stage) ------------------------------------
     @property
@@ -167,12 +182,14 @@ class ShardedWeights(ShardedGradients):
     def full_values(self):
         """The model's weights (`model.weights`' order), whole, as numpy arrays: a collective
         (every replica calls it); nothing is stored."""
-        @tf.function
-        def gather_all():
-            pad = self.anchor.read_value()
-            return [self._gathered(u, self._mine(u), "all", pad) for u in self.units]
+        if self._gather_all is None:  # (traced once: a retrace at each call would warn)
+            @tf.function
+            def gather_all():
+                pad = self.anchor.read_value()
+                return [self._gathered(u, self._mine(u), "all", pad) for u in self.units]
+            self._gather_all = gather_all
         full = {}
-        for unit, values in zip(self.units, gather_all()):
+        for unit, values in zip(self.units, self._gather_all()):
             full.update({id(v): value for v, value in zip(unit.variables, values)})
         return [full[id(w)].numpy() if id(w) in full else w.numpy() for w in self.model.weights]
 
@@ -312,11 +329,25 @@ class ShardedWeights(ShardedGradients):
             return out
         return model_call
 
+    def _inside_gather(self, unit):
+        """Whether `unit`'s layer runs inside another unit's call whose gathered weights hold its
+        own (a layer that holds it). Its call then reads them there: a gather of its own would
+        read variables inside that unit's `tf.custom_gradient`, which TF refuses ("grad_fn must
+        accept keyword argument 'variables'"), and the outer unit's backward already
+        differentiates through it."""
+        scopes = getattr(Gathering.entered, "scopes", None)
+        if not scopes or not self.nested:
+            return False
+        given = scopes[-1].state_mapping
+        return all(id(v) in given for v in unit.variables)
+
     def _unit_call(self, unit, call):
         layer = unit.layer
 
         @functools.wraps(call)
         def unit_call(inputs, *args, **kwargs):
+            if self._inside_gather(unit):  # run by a unit whose gather holds its weights
+                return call(inputs, *args, **kwargs)
             flat_in = tf.nest.flatten(inputs)
             n_in = len(flat_in)
             state = [(v, tf.convert_to_tensor(v.value)) for v in layer.non_trainable_variables]
