@@ -290,3 +290,70 @@ def test_a_users_model_trains_with_plain_model_fit(tmp_path):
     assert "needs steps_per_epoch" in p.stdout
     losses = json.loads(p.stdout.split("[c0] RESULT ", 1)[1].splitlines()[0])
     assert len(losses) == epochs and losses[-1] < 0.5 * losses[0]
+
+
+FAULTY_TRAIN = os.path.join(ROOT, "tools", "faults", "faulty_train.py")
+EXIT_BOUND = 60  # seconds: the chief's exit after its workers are cut off
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("teardown", [False, pytest.param(True, marks=pytest.mark.long)])
+def test_the_chief_exits_within_a_bound_when_the_workers_are_cut_off_at_the_end(
+        tmp_path, data_dir, teardown):
+    """Both workers are SIGSTOPped (unreachable, their connections up) once the chief has trained
+    and saved, and before it exits (faulty_train.py --hold-at-end): the chief ends within 60 s,
+    with status 0 (10 s measured). The companion keeps TF's teardown (`TFDIST_PS_EXIT=teardown`):
+    the chief is still there after 60 s, waiting for ping timeouts (72 s measured at the default
+    keepalive; 30 s here makes each wait longer)."""
+    from tools.faults import harness
+    go = tmp_path / "go"
+    overrides = {"strategy.name": "parameter_server", "train.steps": 20,
+                 "train.steps_per_epoch": 10, "train.eval_steps": 2, "data.data_dir": data_dir,
+                 "strategy.keepalive_secs": 30}
+    token = harness.new_mark()
+    env = {**os.environ, harness.MARK: token, **({"TFDIST_PS_EXIT": "teardown"} if teardown
+                                                 else {})}
+    log = open(tmp_path / "out.txt", "w")  # (a file: a pipe nobody reads would fill and block)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tfdist", "launch", "--strategy=parameter_server",
+         f"--workers={WORKERS}", "--ps=1", "--max_restarts=0", "--", sys.executable,
+         FAULTY_TRAIN, str(tmp_path), json.dumps(overrides), "--hold-at-end", str(go)],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+    stopped = []
+    try:
+        wait_until(lambda: (tmp_path / "ended").exists(), 300, "the chief's end", proc=p)
+        tasks = {task_of(pid): pid for pid in children(p.pid)}
+        chief = tasks[("chief", 0)]
+        for w in range(WORKERS):
+            os.kill(tasks[("worker", w)], signal.SIGSTOP)
+            stopped.append(tasks[("worker", w)])
+        go.touch()
+        if teardown:
+            time.sleep(EXIT_BOUND)
+            assert os.path.exists(f"/proc/{chief}"), "the chief exited without the fix"
+            return
+        wait_until(lambda: not _alive(chief), EXIT_BOUND, "the chief's exit", proc=None)
+        p.wait(timeout=120)
+        out = (tmp_path / "out.txt").read_text()
+        assert p.returncode == 0, out[-3000:]
+        assert "tfdist launch: done: the chief finished" in out, out[-3000:]
+    finally:
+        for pid in stopped:  # ours (children of our launcher): never left stopped
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+        harness.end_marked(token)
+        log.close()
+
+
+def _alive(pid):
+    """Running (a zombie, exited but not yet reaped by the launcher, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

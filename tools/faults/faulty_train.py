@@ -45,6 +45,8 @@ really ran, across restarts.
   `model.keras` is written (the end window), in the first attempt only.
 --signal-at-step K [--signal NAME]: send this process SIGNAME (default TERM) while its K-th step
   runs (at its start), as a scheduler preempting it would. Worker --kill-worker, first attempt.
+--hold-at-end FILE: the chief, once training has returned, writes WORKDIR/ended and waits (at
+  most 300 s) until FILE exists before it exits: a test cuts a worker off in between.
 """
 import argparse
 import hashlib
@@ -83,6 +85,7 @@ def main():
     ap.add_argument("--skip-freeze", action="store_true")
     ap.add_argument("--signal-at-step", type=int, default=0)
     ap.add_argument("--signal", default="TERM")
+    ap.add_argument("--hold-at-end", default="")
     args = ap.parse_args()
 
     import importlib
@@ -209,6 +212,11 @@ def main():
         rows = [x.numpy() for x, _ in windows.dataset_fn(0, args.dump_inputs)(ctx)]
         np.save(os.path.join(args.workdir, f"inputs-w{worker}.npy"), np.stack(rows))
     print("DRIVER_RESULT " + json.dumps(result), flush=True)
+    if args.hold_at_end and spec is not None and spec.is_chief:
+        open(os.path.join(args.workdir, "ended"), "w").close()
+        deadline = time.monotonic() + 300
+        while not os.path.exists(args.hold_at_end) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def strategy_is_horovod(overrides):

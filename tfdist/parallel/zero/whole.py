@@ -102,7 +102,9 @@ class WholeOptimizer:
             def exchange():
                 flat = [tf.reshape(tf.cast(v.value, tf.float32), [-1]) for v in own]
                 flat = tf.concat(flat + [tf.zeros([longest - lengths[c.rank]], tf.float32)], 0)
-                return c.all_gather(flat, "tfdist_zero_whole_optimizer") if c.size > 1 else flat
+                # (a name per model: TF resolves a collective's shape once per key)
+                name = f"tfdist_zero_whole_optimizer_{getattr(self.sharded, 'serial', 0)}"
+                return c.all_gather(flat, name) if c.size > 1 else flat
             self.exchange = exchange
         every = self.exchange().numpy()
         start = [q * longest for q in range(c.size)]

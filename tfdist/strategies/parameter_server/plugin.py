@@ -17,6 +17,7 @@ Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps
     model.evaluate(val_dataset)
     model.predict(test_dataset)
 """
+import atexit
 import os
 import sys
 
@@ -29,6 +30,44 @@ from tfdist.strategies.base import Launch, Strategy
 from tfdist.strategies.parameter_server import loop
 
 _ROLES = ("chief", "worker", "ps")
+
+
+_STATUS = []  # the chief's exit status, as recorded (`_end_without_remote_teardown`)
+
+
+def _end_without_remote_teardown():
+    """At its exit, the chief's process ends with its status once Python's exit handlers and
+    logging have run, before TF tears its eager context down. That teardown removes every
+    function from every worker by RPC, and a worker cut off answers each one only by gRPC's ping
+    timeout (72 s measured, 2 workers SIGSTOPped at the end; without end under a partition that
+    keeps the connection up): it is where the chief hung (in `ClusterCoordinator.__del__` and
+    the context's destructor). The workers and ps tasks need none of it: they end when the chief
+    is gone (`serve`). The status: what `sys.exit` was given, 1 after an uncaught exception,
+    else 0. `TFDIST_PS_EXIT=teardown` keeps TF's teardown (a companion test's)."""
+    if _STATUS or os.environ.get("TFDIST_PS_EXIT") == "teardown":
+        return
+    _STATUS.append(0)
+    exit_, excepthook = sys.exit, sys.excepthook
+
+    def recording_exit(code=0):
+        _STATUS[0] = code if isinstance(code, int) else (0 if code is None else 1)
+        exit_(code)
+
+    def recording_hook(*exc):
+        _STATUS[0] = 1
+        excepthook(*exc)
+    sys.exit, sys.excepthook = recording_exit, recording_hook
+
+    def end():  # registered first, so it runs last of the exit handlers (LIFO)
+        import logging
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(_STATUS[0])
+    atexit.register(end)
 
 
 class ParameterServer(Strategy):
@@ -68,6 +107,7 @@ class ParameterServer(Strategy):
         # ShardedVariable lacks ("'ShardedVariable' object has no attribute 'handle'").
         super().__init__(tf.distribute.ParameterServerStrategy(self.cluster.resolver()))
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.tf_strategy)
+        _end_without_remote_teardown()
         with self.tf_strategy.scope():
             self.runs = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_ps_runs")
             self.worker_steps = tf.Variable(tf.zeros([self.num_workers], tf.int64),
