@@ -87,6 +87,9 @@ def _train():
     s.beta2 = 0.95
     s.grad_clip = 1.0  # global norm; 0 disables
     s.grad_accum_steps = 1
+    # K > 0: an update whose loss or gradients are NaN/Inf on any replica is skipped everywhere,
+    # and K in a row stop the run (tfdist/runtime/nonfinite.py); 0: off
+    s.skip_nonfinite = 0
     s.precision = "float32"
     s.jit_compile = False
     s.eval_steps = 10  # validation batches per evaluation
@@ -221,6 +224,9 @@ _RULES = {
     "train.beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "train.grad_clip": (lambda v: v >= 0, "a number >= 0 (0 disables clipping)"),
     "train.grad_accum_steps": (_positive_int, "an integer > 0"),
+    "train.skip_nonfinite": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                             "0 (off) or the number K of skipped updates in a row that stop the "
+                             "run"),
     "train.precision": (lambda v: v in PRECISIONS, "one of " + ", ".join(PRECISIONS)),
     "train.eval_steps": (_positive_int, "an integer > 0"),
     "train.log_every_steps": (_positive_int, "an integer > 0"),
@@ -307,7 +313,26 @@ def validate(c):
                          f"({t.steps_per_epoch})")
     if t.grad_accum_steps > 1:
         _check_accumulation(c)
+    if t.skip_nonfinite:
+        _check_skipping(c)
     return c
+
+
+def _check_skipping(c):
+    """Skipping non-finite updates chooses on the host after each batch
+    (`tfdist.runtime.nonfinite`): not under the parameter server, whose workers update on their
+    own, nor with several batches per call."""
+    t = c.train
+    if c.strategy.name == "parameter_server":
+        raise UsageError(f"train.skip_nonfinite ({t.skip_nonfinite}) under parameter_server: its "
+                         f"workers apply their updates on their own; set it to 0")
+    if t.steps_per_execution > 1:
+        raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) runs several "
+                         f"batches in one call, and train.skip_nonfinite decides after each "
+                         f"update on the host; set one of them to 1")
+    if t.precision == "mixed_float16":
+        raise UsageError("train.skip_nonfinite with mixed_float16: its loss-scale optimizer skips "
+                         "non-finite steps on its own; set train.skip_nonfinite=0")
 
 
 def _check_accumulation(c):

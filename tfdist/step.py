@@ -54,6 +54,7 @@ Example (one device: the step of a plain GPT, with clipping and 2 batches per up
 from tfdist import compat
 from tfdist.errors import UsageError
 from tfdist.parallel import gradients, zero
+from tfdist.runtime import nonfinite
 from tfdist.runtime.lazy import keras, tf
 
 
@@ -65,11 +66,13 @@ class TrainStep:
     (default: the strategy's). `collectives`: ZeRO's (default: the strategy's). `zero_options`:
     the ZeRO stage's (`tfdist.parallel.zero.make`; a fault test's `skip`). Create it inside
     `strategy.scope()`: it builds the optimizer (and its accumulators). `install()` makes it the
-    model's."""
+    model's. `skip_nonfinite` = K > 0: an update whose loss or gradients are not finite on any
+    replica is skipped on every replica, and K in a row end the run (`NonFiniteSteps`); 0: off
+    (a mixed_float16 run's loss-scale optimizer skips such steps on its own)."""
 
     def __init__(self, model, strategy, layout, clipnorm=0.0, reduce=None, collectives=None,
-                 zero_options=None):
-        self.model, self.layout = model, layout
+                 zero_options=None, skip_nonfinite=0):
+        self.model, self.layout, self.strategy = model, layout, strategy
         self.clipnorm = clipnorm
         self.optimizer = optimizer = strategy.prepared(model.optimizer)
         # The gradients are reduced here: Keras's optimizer must not all-reduce them again.
@@ -86,7 +89,10 @@ class TrainStep:
         # This replica's sums of the window's gradients (None where another replica keeps one:
         # ZeRO-2, 3), in the order of the trainable weights.
         self.accumulators = []
-        if self.window > 1:
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            skip_nonfinite = 0  # (its own path: it skips a step whose gradients overflow)
+        self.skip = nonfinite.Skipping(skip_nonfinite) if skip_nonfinite else None
+        if self.window > 1 or self.skip:  # (skipping: each update's gradients kept, then checked)
             with strategy.local_variables():
                 self.accumulators = [_accumulator(v) if self.zero.accumulates(v) else None
                                      for v in model.trainable_weights]
@@ -99,15 +105,40 @@ class TrainStep:
         optimizer update sits in a cond, where MirroredStrategy's merge_call cannot run
         (keras-team/keras#20582). Returns the step."""
         self.model.train_step = self
-        if self.window > 1:
-            if (getattr(self.model, "steps_per_execution", 1) or 1) > 1:
-                raise UsageError(f"steps_per_execution={self.model.steps_per_execution} runs "
-                                 f"several batches in one call, and gradient accumulation "
-                                 f"chooses each batch's step on the host; compile with "
-                                 f"steps_per_execution=1")
+        if (self.window > 1 or self.skip) and \
+                (getattr(self.model, "steps_per_execution", 1) or 1) > 1:
+            raise UsageError(f"steps_per_execution={self.model.steps_per_execution} runs "
+                             f"several batches in one call, and gradient accumulation and the "
+                             f"skipping of non-finite updates choose each batch's step on the "
+                             f"host; compile with steps_per_execution=1")
+        if self.skip:
+            self._install_checked()
+        elif self.window > 1:
             compat.train_function_per_batch(self.model, self._next_batch,
                                             {"accumulate": self.accumulate, "update": self})
         return self
+
+    def _install_checked(self):
+        """Skipping non-finite updates: every batch is `accumulate_checked` (its gradients added
+        to the sums, and whether they are finite); after the window's last batch the host reads
+        whether any replica's were not (agreed by a reduction over the replicas, then over the
+        processes) and runs the update (`apply_sums`) or drops the sums (`drop_sums`), each a
+        function of no batch. The update stays out of a cond (keras-team/keras#20582)."""
+        run = self.strategy.tf_strategy.run
+        apply_sums = tf.function(lambda: run(self.apply_sums))
+        drop_sums = tf.function(lambda: run(self.drop_sums))
+
+        def after(logs):  # on the host, after each batch
+            self.skip.pending |= float(logs.pop(nonfinite.FLAG)) > 0
+            if self.position == 0:  # the window's last batch: update, or skip it everywhere
+                skipped = self.strategy.any_process(self.skip.pending)
+                (drop_sums if skipped else apply_sums)()
+                self.skip.record(skipped, int(self.model.optimizer.iterations.numpy()))
+            logs[nonfinite.COUNT] = self.skip.skipped
+            return logs
+        compat.train_function_per_batch(self.model, self._next_batch,
+                                        {"accumulate": self.accumulate_checked,
+                                         "update": self.accumulate_checked}, after=after)
 
     def _next_batch(self):
         """The step of the next batch: "update" for a window's last, else "accumulate". (A run
@@ -129,6 +160,36 @@ class TrainStep:
         self.accumulate_gradients(grads_and_vars)
         return metrics
 
+    def accumulate_checked(self, data):
+        """A batch when non-finite updates are skipped: its gradients added to this replica's
+        sums, and in the metrics (`nonfinite.FLAG`) the replicas of this step whose loss or
+        kept gradients were not finite (a sum over them)."""
+        grads_and_vars, metrics, loss = self._gradients(data, with_loss=True)
+        kept = self.zero.batch_gradients(grads_and_vars)
+        bad = nonfinite.flag(loss, [g for g, _ in kept])
+        for a, g, _ in self._sums(kept):
+            a.assign_add(tf.convert_to_tensor(g))
+        context = tf.distribute.get_replica_context()
+        if context is not None:  # (several replicas of a tf.distribute strategy)
+            bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+        return {**metrics, nonfinite.FLAG: bad}
+
+    def apply_sums(self):
+        """The update of the window whose gradients the sums hold (their mean); the sums start
+        again from 0."""
+        grads_and_vars = [(tf.convert_to_tensor(a) / self.window, v)
+                          for a, v in zip(self.accumulators, self.model.trainable_weights)
+                          if a is not None]
+        with tf.control_dependencies([g for g, _ in grads_and_vars]):
+            self.drop_sums()
+        self._apply(grads_and_vars)
+
+    def drop_sums(self):
+        """The sums back to 0: the window's update is skipped."""
+        for a in self.accumulators:
+            if a is not None:
+                a.assign(tf.zeros_like(a))
+
     def update_over(self, batches):
         """One update over the window's `batches`, all in this call, their gradients summed as
         tensors (no sums kept between calls): the parameter server's, whose workers each take a
@@ -144,9 +205,9 @@ class TrainStep:
         self._apply([(g / len(batches), v) for g, v in total])
         return metrics
 
-    def _gradients(self, data):
-        """([(gradient, variable)] of one batch, the metrics to return); Keras's `loss` metric
-        kept as its own train_step keeps it."""
+    def _gradients(self, data, with_loss=False):
+        """([(gradient, variable)] of one batch, the metrics to return (and, `with_loss`, the
+        batch's loss)); Keras's `loss` metric kept as its own train_step keeps it."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         model, optimizer = self.model, self.optimizer
         y_pred = None
@@ -161,11 +222,19 @@ class TrainStep:
                 loss = model.compute_loss(x, y, y_pred, sample_weight, training=True)
                 scaled = optimizer.scale_loss(loss)
             grads = tape.gradient(scaled, variables)
-        compat.track_loss(model, loss, tf.shape(tf.nest.flatten(x)[0])[0])
+        rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        if self.skip:  # (a skipped batch's loss stays out of the epoch's mean)
+            finite = tf.math.is_finite(loss)
+            loss_kept, rows = tf.where(finite, loss, tf.zeros_like(loss)), tf.where(finite, rows, 0)
+            compat.track_loss(model, loss_kept, rows)
+        else:
+            compat.track_loss(model, loss, rows)
         if y_pred is None:
             metrics = model.get_metrics_result()
         else:
             metrics = model.compute_metrics(x, y, y_pred, sample_weight)  # a user's compiled
+        if with_loss:
+            return list(zip(grads, variables)), metrics, loss
         return list(zip(grads, variables)), metrics
 
     # -- its gradients -------------------------------------------------------------------------

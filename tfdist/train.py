@@ -207,7 +207,8 @@ def _start(run):
         model.compile(optimizer=make_optimizer(t, t.steps), loss=loss_fn(),
                       jit_compile=t.jit_compile, steps_per_execution=t.steps_per_execution)
         TrainStep(model, strategy, layout, clipnorm=t.grad_clip,
-                  reduce=hooks.reduction(strategy), zero_options=hooks.zero_options).install()
+                  reduce=hooks.reduction(strategy), zero_options=hooks.zero_options,
+                  skip_nonfinite=t.skip_nonfinite).install()
 
 
 def _windows(run, split):

@@ -118,6 +118,7 @@ class TrainingLog(keras.callbacks.Callback):
         self.workdir = workdir
         self.tokens_per_step = tokens_per_step
         self.step = initial_step
+        self._skipped = 0  # updates skipped as not finite, so far
         self.total_steps = total_steps
         self.is_chief = is_chief
         self.log_every_steps = log_every_steps
@@ -151,6 +152,11 @@ class TrainingLog(keras.callbacks.Callback):
         record = {"step": self.step, "loss": float(logs.get("loss", np.nan)), "lr": lr,
                   "step_time": dt / n, "tokens_per_sec": n * self.tokens_per_step / dt,
                   "time": round(time.time(), 3), **(self.batch or {})}
+        if "skipped" in logs:  # updates skipped as not finite (tfdist.runtime.nonfinite)
+            record["skipped"] = int(logs["skipped"])
+            if record["skipped"] > self._skipped:  # this one: its loss is not in the tracker
+                record["loss"] = float("nan")
+            self._skipped = record["skipped"]
         for key, value in logs.items():  # a strategy's own per-step facts
             if key.startswith(EXTRA_LOG_PREFIX) and key != STEPS_KEY:
                 record[key[len(EXTRA_LOG_PREFIX):]] = np.asarray(value).tolist()

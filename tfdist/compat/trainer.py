@@ -145,12 +145,13 @@ def replace_sublayer(parent, attr, layer):
 
 # -- a train function that chooses its step per batch ("train_function_per_batch") -------------
 
-def train_function_per_batch(model, choose, steps):
+def train_function_per_batch(model, choose, steps, after=None):
     """Makes `model`'s Keras train function run, for each batch, the step `steps[choose()]`
     (`steps`: {name: a function of one batch, as `train_step` is}), each made into a train
     function as Keras makes its own (`_make_function`: the strategy's `run`, the per-replica
-    reduction of its logs). `choose` runs on the host, before each batch. Keras's
-    `make_train_function` is replaced on this model only."""
+    reduction of its logs). `choose` runs on the host, before each batch; `after(logs)`, if
+    given, after it (its result is the logs Keras sees). Keras's `make_train_function` is
+    replaced on this model only."""
     using("train_function_per_batch")
 
     def make_train_function(force=False):
@@ -159,7 +160,8 @@ def train_function_per_batch(model, choose, steps):
         made = {name: model._make_function(step) for name, step in steps.items()}
 
         def train_function(iterator):
-            return made[choose()](iterator)
+            logs = made[choose()](iterator)
+            return after(logs) if after else logs
         model.train_function = train_function
         return train_function
 

@@ -67,17 +67,25 @@ def get_class(name):
     return getattr(importlib.import_module(module), cls)
 
 
-def get(name, zero=0, **options):
+def get(name, zero=0, skip_nonfinite=0, **options):
     """Builds the plugin `name` with its options (checked against the plugin's rules).
     `zero=3`: a user's model compiled in its scope has its weights sharded over the replicas
-    (ZeRO-3, tfdist/parallel/zero/weights.py; horovod, multi_worker_mirrored)."""
+    (ZeRO-3, tfdist/parallel/zero/weights.py; horovod, multi_worker_mirrored).
+    `skip_nonfinite=K`: such a model's updates whose loss or gradients are not finite are
+    skipped, and K in a row stop `fit` (tfdist/runtime/nonfinite.py; not parameter_server)."""
     cls = get_class(name)
     cls.check_options(options)
     if zero and (zero != 3 or not cls.shards_user_models):
         raise UsageError(f"zero={zero!r} under strategy {name}: a user's model is sharded with "
                          f"zero=3 under horovod or multi_worker_mirrored; pass zero=0 here")
+    if skip_nonfinite and (not isinstance(skip_nonfinite, int) or skip_nonfinite < 0
+                           or name == "parameter_server"):
+        raise UsageError(f"skip_nonfinite={skip_nonfinite!r} under strategy {name}: give an "
+                         f"integer K >= 0 (the skipped updates in a row that stop fit), under "
+                         f"any strategy but parameter_server")
     plugin = cls(**options)
     plugin.user_zero = zero
+    plugin.user_skip_nonfinite = skip_nonfinite
     return plugin
 
 

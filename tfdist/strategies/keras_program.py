@@ -34,6 +34,7 @@ _OWNERS = weakref.WeakKeyDictionary()  # model -> the plugin it was compiled und
 _BY_TF_STRATEGY = weakref.WeakValueDictionary()  # id(tf.distribute strategy) -> plugin
 _PROCESS_WIDE = []  # a plugin that owns every model of its process (Horovod)
 _SHARDED = weakref.WeakSet()  # models compiled in the scope of a plugin with user_zero (ZeRO-3)
+_CHECKED = weakref.WeakSet()  # models whose non-finite updates tfdist's step skips
 _ACCUMULATING = weakref.WeakKeyDictionary()  # model -> its optimizer's accumulation steps, where
 #                                             tfdist's step accumulates them (not Keras)
 
@@ -94,6 +95,9 @@ class KerasProgram:
 
     #: ZeRO stage of a user's compiled models (`tfdist.strategies.get(name, zero=3)`); 0: none.
     user_zero = 0
+    #: K > 0: a user's model compiled in the scope skips updates whose loss or gradients are
+    #: not finite (`tfdist.strategies.get(name, skip_nonfinite=K)`, `tfdist.runtime.nonfinite`)
+    user_skip_nonfinite = 0
     #: Whether `zero=3` may shard a user's model here (one replica per process: horovod,
     #: multi_worker_mirrored).
     shards_user_models = False
@@ -111,11 +115,13 @@ class KerasProgram:
         from tfdist import compat
         if self.user_zero and self in getattr(_ACTIVE, "stack", []):  # compiled in the scope
             _SHARDED.add(model)  # (a model loaded later, on one device, is not sharded)
+        if self.user_skip_nonfinite:
+            _CHECKED.add(model)
         optimizer = model.optimizer
         accumulate = getattr(_updating(optimizer), "gradient_accumulation_steps", None) or 1
         if accumulate > 1 and not self.runs_keras_accumulation:
             _ACCUMULATING[model] = accumulate
-        if model in _SHARDED or model in _ACCUMULATING or optimizer is None:
+        if model in _SHARDED or model in _ACCUMULATING or model in _CHECKED or optimizer is None:
             return
         if not compat.has_gradient_reduction(optimizer):
             self.wrap_optimizer(optimizer)
@@ -123,13 +129,14 @@ class KerasProgram:
     def stepped(self, model, method, arguments):
         """tfdist's step for a user's model (`tfdist.step`): under ZeRO-3, and for an optimizer
         with `gradient_accumulation_steps` = k where Keras's own cannot run (k batches per
-        update, summed by tfdist's step; the optimizer's own accumulation is switched off).
+        update, summed by tfdist's step; the optimizer's own accumulation is switched off),
+        and with `skip_nonfinite` (its non-finite updates skipped: `tfdist.runtime.nonfinite`).
         At the model's first `fit`, `evaluate` or `predict` it is built (from the data's specs,
         if it is not), its weights sharded under ZeRO-3 (`tfdist.parallel.zero.weights`), and
         tfdist's step made its `train_step`. Returns the callbacks that surround a `fit`'s own:
         under ZeRO-3 the weights are whole for the callbacks' epoch ends and after training
         (each process gathers them: a checkpoint or `model.save` reads them as usual)."""
-        if model not in _SHARDED and model not in _ACCUMULATING:
+        if model not in _SHARDED and model not in _ACCUMULATING and model not in _CHECKED:
             return [], []
         from tfdist.parallel import zero
         from tfdist.parallel.layout import Layout
@@ -147,7 +154,8 @@ class KerasProgram:
             layout = Layout(dp=self.num_replicas, zero=self.user_zero if model in _SHARDED else 0,
                             accumulate=accumulate)
             with self.scope():
-                _step_class()(model, self, layout).install()
+                skip = self.user_skip_nonfinite if model in _CHECKED else 0
+                _step_class()(model, self, layout, skip_nonfinite=skip).install()
             if zero.of(model) is not None:
                 if loaded is not None:
                     whole.reshard(model.optimizer, loaded)
