@@ -90,6 +90,13 @@ def _train():
     # K > 0: an update whose loss or gradients are NaN/Inf on any replica is skipped everywhere,
     # and K in a row stop the run (tfdist/runtime/nonfinite.py); 0: off
     s.skip_nonfinite = 0
+    # F > 0: a loss above F x the mean of the last spike_window steps, spike_steps steps in a row,
+    # rolls the run back to the backup before it and moves the data order on by spike_skip
+    # batches (tfdist/callbacks/spike.py); 0: off
+    s.spike = 0.0
+    s.spike_steps = 2
+    s.spike_window = 20
+    s.spike_skip = 100
     s.precision = "float32"
     s.jit_compile = False
     s.eval_steps = 10  # validation batches per evaluation
@@ -224,6 +231,12 @@ _RULES = {
     "train.beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "train.grad_clip": (lambda v: v >= 0, "a number >= 0 (0 disables clipping)"),
     "train.grad_accum_steps": (_positive_int, "an integer > 0"),
+    "train.spike": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and (v == 0 or v > 1), "0 (off) or a factor > 1"),
+    "train.spike_steps": (_positive_int, "an integer > 0"),
+    "train.spike_window": (_positive_int, "an integer > 0"),
+    "train.spike_skip": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                         "an integer >= 0 (batches)"),
     "train.skip_nonfinite": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                              "0 (off) or the number K of skipped updates in a row that stop the "
                              "run"),
@@ -315,7 +328,24 @@ def validate(c):
         _check_accumulation(c)
     if t.skip_nonfinite:
         _check_skipping(c)
+    if t.spike:
+        _check_spike(c)
     return c
+
+
+def _check_spike(c):
+    """A rollback goes back to a backup and moves the data order on by whole updates."""
+    t = c.train
+    if c.strategy.name == "parameter_server":
+        raise UsageError(f"train.spike ({t.spike}) under parameter_server: its workers train on "
+                         f"asynchronously, with no step to roll the others back to; set it to 0")
+    if not c.backup.enabled or not c.backup.every_steps:
+        raise UsageError(f"train.spike ({t.spike}) rolls back to a backup: set backup.enabled "
+                         f"and backup.every_steps")
+    if t.spike_skip % t.grad_accum_steps:
+        raise UsageError(f"train.spike_skip ({t.spike_skip}) must be a multiple of "
+                         f"train.grad_accum_steps ({t.grad_accum_steps}): the data order moves on "
+                         f"by whole updates")
 
 
 def _check_skipping(c):

@@ -117,6 +117,8 @@ class Run:
     backup: cb.BackupAndRestore = None
     log: cb.TrainingLog = None
     start: int = 0  # the step it starts (or resumed) at
+    rollbacks: list = dataclasses.field(default_factory=list)  # loss spikes' (callbacks.spike)
+    undone: int = 0  # steps run, then undone by a rollback
     notes: list = dataclasses.field(default_factory=list)  # said once the inputs are checked
 
     @property
@@ -144,7 +146,14 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
         _say_what_runs(run)
         callbacks = _callbacks(run, held, extra_callbacks)
         t, strategy = c.train, run.strategy
-        if run.start < t.steps:
+        watch = None
+        if t.spike:  # loss-spike rollback (tfdist.callbacks.spike)
+            watch = cb.SpikeWatch(t.spike, t.spike_steps, t.spike_window, run.start)
+            callbacks = callbacks + [watch]
+        if run.start >= t.steps:  # the last epoch's validation is in metrics.json already
+            run.log.set_model(run.model)
+            run.log.on_train_end()
+        while run.start < t.steps:
             strategy.fit(run.model, _windows(run, "train"), epochs=t.steps // t.steps_per_epoch,
                          steps_per_epoch=t.steps_per_epoch, initial_step=run.start,
                          callbacks=callbacks, validation_data=_windows(run, "val"),
@@ -152,10 +161,28 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
                          verbose=verbose if strategy.is_chief else 0,  # one progress per cluster
                          progress_every=t.log_every_steps,
                          strategy_callbacks=run.hooks.strategy_callbacks(strategy.callbacks()))
-        else:  # the last epoch's validation is in metrics.json already (logged before the backup)
-            run.log.set_model(run.model)
-            run.log.on_train_end()
+            if watch is None or watch.spike is None:
+                break
+            _roll_back(run, watch)
         return _finish(run)
+
+
+def _roll_back(run, watch):
+    """After a loss spike: back to the newest backup before it, the data order moved on by
+    `train.spike_skip` batches from there, recorded (`tfdist.callbacks.spike`)."""
+    t = run.config.train
+    first, seen = watch.spike
+    step = run.backup.rollback(run.model, before=first)
+    record = {"step": step, "skip": t.spike_skip, "spike": [first, seen]}
+    run.rollbacks.append(record)
+    if run.strategy.is_chief:
+        cb.spike.record_rollback(run.backup_dir, run.rollbacks)
+    run.say(f"tfdist: {watch.describe()}; rolled back to the backup of step {step}, the data "
+            f"order moved on by {t.spike_skip} batches from there", flush=True)
+    run.log.rewind(step, record)
+    watch.restart(step)
+    run.undone += seen - run.start  # (the steps of this segment, run again from `step`)
+    run.start = step
 
 
 def prepare(c, workdir, overwrite=False, sizes=()):
@@ -217,7 +244,7 @@ def _windows(run, split):
     if split == "train":
         return Windows(run.data.split("train"), c.model.block_size, c.train.batch_size,
                        seed=c.seed, on_input=run.hooks.on_input,
-                       accumulate=c.train.grad_accum_steps)
+                       accumulate=c.train.grad_accum_steps, skips=cb.spike.skips(run.rollbacks))
     return Windows(run.data.split("val"), c.model.block_size, c.train.batch_size, seed=c.seed + 1)
 
 
@@ -245,6 +272,8 @@ def _resume(run, held, overwrite):
     # meanwhile. Every worker starts at step 0 then (the chief's deletion precedes its first step,
     # which no worker can finish without it).
     run.start = run.backup.restore(run.model) if c.backup.enabled and not overwrite else 0
+    if run.start:  # the data order the run read (its loss spikes' skips)
+        run.rollbacks = cb.spike.read_rollbacks(run.backup_dir)
     if run.start > t.steps:
         raise UsageError(f"the backup in {run.backup_dir} is at step {run.start}, beyond "
                          f"train.steps={t.steps}; raise train.steps or remove the backup")
@@ -313,7 +342,7 @@ def _finish(run):
     if c.backup.enabled:
         say(f"tfdist: {run.backup.describe()}")
     last_eval = (log.history["evals"] or [{}])[-1]
-    result = {"steps_run": log.step - run.start, "final_step": log.step,
+    result = {"steps_run": log.step - run.start + run.undone, "final_step": log.step,
               "val_loss": last_eval.get("loss"),
               "val_bits_per_byte": last_eval.get("bits_per_byte"),
               "tokens_per_sec": log.steady_tokens_per_sec(), "workdir": run.workdir,

@@ -1,5 +1,6 @@
 """tfdist's Keras callbacks: the step-exact backup (`backup.py`), what a run reports (`log.py`),
-and Keras's own file-writing callbacks on a process that is not the chief (`workers.py`).
+the loss-spike rollback's watch (`spike.py`), and Keras's own file-writing callbacks on a process
+that is not the chief (`workers.py`).
 
 Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resumes at step 6):
 
@@ -20,6 +21,7 @@ Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resum
     >>> start, cb.BackupAndRestore(run + "/backup", total_steps=10).restore(model)
     (0, 6)
 """
+from tfdist.callbacks import spike  # noqa: F401
 from tfdist.callbacks.backup import BackupAndRestore, model_signature  # noqa: F401
 from tfdist.callbacks.log import (  # noqa: F401
     EXTRA_LOG_PREFIX,
@@ -33,4 +35,5 @@ from tfdist.callbacks.log import (  # noqa: F401
     steps_in,
     write_json_atomic,
 )
+from tfdist.callbacks.spike import SpikeWatch  # noqa: F401
 from tfdist.callbacks.workers import Calls, ReadOnlyBackup, Scratch  # noqa: F401

@@ -330,6 +330,31 @@ class BackupAndRestore(keras.callbacks.Callback):
             (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
         remove(shards.shard_dir(self.backup_dir, step))
 
+    def rollback(self, model, before):
+        """Restores the newest backup of a step before `before` into `model` and removes every
+        later one (a loss spike's rollback: `tfdist.callbacks.spike`); every process calls it.
+        Returns that backup's step. A `UsageError` when there is none."""
+        self.wait()
+        kept = [p for p in self.backups() if _step_of(p) < before]
+        if not kept:
+            raise UsageError(f"a loss spike began at step {before} and no backup is older: set "
+                             f"backup.every_steps below it, or train.spike=0")
+        step = _step_of(kept[0])
+        if self.is_chief:  # the later checkpoints, their ZeRO shards, and the index without them
+            for path in self.backups():
+                if _step_of(path) > step:
+                    for f in tf.io.gfile.glob(path + ".*"):
+                        tf.io.gfile.remove(f)
+                    if tf.io.gfile.isdir(shards.shard_dir(self.backup_dir, _step_of(path))):
+                        tf.io.gfile.rmtree(shards.shard_dir(self.backup_dir, _step_of(path)))
+            tf.compat.v1.train.update_checkpoint_state(
+                self.backup_dir, kept[0], all_model_checkpoint_paths=list(reversed(kept)))
+        self.barrier()  # (the others read it once the chief has removed the later ones)
+        self._manager = None  # (read again from the index at the next save)
+        self._restore_from(kept[0])
+        self._last_saved = step
+        return step
+
     def remove(self):
         """Deletes the backup (the chief; `tfdist train` calls it once the model is saved)."""
         self.wait()

@@ -131,6 +131,8 @@ class TrainingLog(keras.callbacks.Callback):
             old = read_json(self.metrics_path)  # keep what was logged up to the restored step
             self.history["steps"] = [r for r in old.get("steps", []) if r["step"] <= initial_step]
             self.history["evals"] = [r for r in old.get("evals", []) if r["step"] <= initial_step]
+            if old.get("rollbacks"):
+                self.history["rollbacks"] = old["rollbacks"]
         self._writer = (tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
                         if is_chief and tensorboard else None)
         self._t0 = None
@@ -193,6 +195,15 @@ class TrainingLog(keras.callbacks.Callback):
         """Median tokens/s over the steps after the first `warmup` ones."""
         rates = [r["tokens_per_sec"] for r in self.history["steps"][warmup:]]
         return float(np.median(rates)) if rates else float("nan")
+
+    def rewind(self, step, rollback):
+        """Back to `step` (a loss spike's rollback, `rollback` its record): what was logged
+        after it is dropped, the rollback kept."""
+        self.step = step
+        self.history["steps"] = [r for r in self.history["steps"] if r["step"] <= step]
+        self.history["evals"] = [r for r in self.history["evals"] if r["step"] <= step]
+        self.history.setdefault("rollbacks", []).append(rollback)
+        self.flush()
 
     def flush(self):
         if self.is_chief:

@@ -40,10 +40,14 @@ class Windows:
     """Random windows of `block_size + 1` tokens from one split of a token store.
 
     `accumulate`: steps per optimizer update (their rows drawn together). `on_input(windows,
-    input_context)`, if given, is called as each input pipeline is built.
+    input_context)`, if given, is called as each input pipeline is built. `skips`: [(step, n)]:
+    after step `step` (counted from 1) the data order moves on by `n` batches (a loss spike's
+    rollback: `tfdist.callbacks.spike`): the step of index i (from 0) reads the batch of
+    position i + the n of every skip with step <= i.
     """
 
-    def __init__(self, split, block_size, global_batch, seed, on_input=None, accumulate=1):
+    def __init__(self, split, block_size, global_batch, seed, on_input=None, accumulate=1,
+                 skips=()):
         if split.num_tokens < block_size + 2:
             raise UsageError(f"the {split.name} split has {split.num_tokens:,} tokens, shorter "
                              f"than one window of {block_size + 1}; use more text or a smaller "
@@ -55,12 +59,24 @@ class Windows:
         self.seed = seed
         self.on_input = on_input
         self.accumulate = accumulate
+        self.skips = list(skips)
+
+    def position(self, step):
+        """The data position of global step `step` (int64): the step, moved on by the skips
+        before it."""
+        step = tf.cast(step, tf.int64)
+        position = step
+        for after, n in self.skips:
+            # (`step` counts from 0: the step after step `after` is index `after`)
+            position += tf.where(step >= after, tf.constant(n, tf.int64), tf.constant(0, tf.int64))
+        return position
 
     def offsets(self, step):
         """Start offsets (int64, global_batch) of the windows of global step `step`: its part of
-        its update's (`accumulate` x global_batch, drawn from the update's number)."""
+        its update's (`accumulate` x global_batch, drawn from the update's number), at the
+        step's data position."""
         k, b = self.accumulate, self.global_batch
-        step = tf.cast(step, tf.int64)
+        step = self.position(step)
         update_rows = tf.random.stateless_uniform(
             [b * k], seed=tf.stack([tf.cast(self.seed, tf.int64), step // k]),
             minval=0, maxval=self.num_tokens - self.block_size - 1, dtype=tf.int64)

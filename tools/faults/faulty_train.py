@@ -45,6 +45,8 @@ really ran, across restarts.
   `model.keras` is written (the end window), in the first attempt only.
 --signal-at-step K [--signal NAME]: send this process SIGNAME (default TERM) while its K-th step
   runs (at its start), as a scheduler preempting it would. Worker --kill-worker, first attempt.
+--corrupt FROM:TO: the training batches of data positions FROM..TO-1 (0-based; the step, moved
+  on by any loss spike's skips) hold their windows' tokens shuffled: a stretch of bad data.
 --hold-at-end FILE: the chief, once training has returned, writes WORKDIR/ended and waits (at
   most 300 s) until FILE exists before it exits: a test cuts a worker off in between.
 """
@@ -86,6 +88,7 @@ def main():
     ap.add_argument("--signal-at-step", type=int, default=0)
     ap.add_argument("--signal", default="TERM")
     ap.add_argument("--hold-at-end", default="")
+    ap.add_argument("--corrupt", default="")
     args = ap.parse_args()
 
     import importlib
@@ -134,6 +137,8 @@ def main():
 
         def on_input(self, windows, input_context):
             contexts.append((windows, input_context))
+            if args.corrupt and not hasattr(windows, "clean_batch"):
+                corrupt(windows, *map(int, args.corrupt.split(":")))
 
         def on_backup(self, backup):
             backup.freeze = not args.skip_freeze
@@ -217,6 +222,23 @@ def main():
         deadline = time.monotonic() + 300
         while not os.path.exists(args.hold_at_end) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def corrupt(windows, first, end):
+    """`windows`' batches of data positions first..end-1 with each window's tokens shuffled."""
+    import tensorflow as tf
+    windows.clean_batch = clean = windows.batch
+
+    def batch(step, replica=0, replicas=1):
+        x, y = clean(step, replica, replicas)
+        position = windows.position(step)
+        w = tf.concat([x, y[:, -1:]], 1)
+        keys = tf.random.stateless_uniform(tf.shape(w), seed=tf.stack(
+            [tf.constant(7, tf.int64), position]))
+        shuffled = tf.gather(w, tf.argsort(keys, axis=1), batch_dims=1)
+        w = tf.where((position >= first) & (position < end), shuffled, w)
+        return w[:, :-1], w[:, 1:]
+    windows.batch = batch
 
 
 def strategy_is_horovod(overrides):
