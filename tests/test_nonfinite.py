@@ -142,3 +142,23 @@ def test_a_users_skipping_under_the_parameter_server_is_refused():
     from tfdist.errors import UsageError
     with pytest.raises(UsageError, match="skip_nonfinite=3 under strategy parameter_server"):
         tfdist.strategies.get("parameter_server", skip_nonfinite=3)
+
+
+def test_metrics_json_counts_each_skip_and_gives_the_skipped_step_no_loss(tmp_path):
+    """tfdist train's log (tfdist/callbacks/log.py): the step logs' `skipped` count per step; the
+    step that raised it has loss NaN in metrics.json (its loss is not in Keras's tracker)."""
+    import keras
+
+    from tfdist.callbacks import TrainingLog
+    from tools.faults.harness import metrics
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    log = TrainingLog(str(tmp_path), tokens_per_step=8, tensorboard=False, plot=False)
+    log.set_model(model)
+    for loss, skipped in ((2.0, 0), (0.0, 1), (1.5, 1)):
+        log.on_train_batch_begin(0)
+        log.on_train_batch_end(0, {"loss": loss, "skipped": skipped})
+    log.flush()
+    steps = metrics(tmp_path)["steps"]
+    assert [r["skipped"] for r in steps] == [0, 1, 1]
+    assert steps[0]["loss"] == 2.0 and np.isnan(steps[1]["loss"]) and steps[2]["loss"] == 1.5

@@ -4,7 +4,8 @@ raise the loss from about 2.7 to 3.4-3.6. With `train.spike=1.2` the run rolls b
 backup of step 100, moves the data order on by 40 batches and ends within 2 % of a run that
 never saw the stretch (measured: 2.5668 against 2.5641 nats/token); without it the run ends
 measurably worse (2.6314). A run killed after the rollback resumes equal to the run that was
-not killed; two Horovod ranks roll back at the same step as one process."""
+not killed; two Horovod ranks (and, in `make test-long`, two MWMS workers) roll back at the same
+step as one process."""
 import pytest
 
 from tests.helpers import driver, driver_group
@@ -70,9 +71,11 @@ def test_a_run_killed_after_the_rollback_resumes_exactly(rolled_back, tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.horovod
-def test_two_horovod_ranks_roll_back_at_the_same_step(rolled_back, tmp_path, data_dir):
-    p = driver_group(tmp_path, {**overrides(data_dir, **SPIKE), "strategy.name": "horovod"},
+@pytest.mark.parametrize("strategy", [pytest.param("horovod", marks=pytest.mark.horovod),
+                                      pytest.param("multi_worker_mirrored",
+                                                   marks=pytest.mark.long)])  # (time)
+def test_two_processes_roll_back_at_the_same_step(rolled_back, tmp_path, data_dir, strategy):
+    p = driver_group(tmp_path, {**overrides(data_dir, **SPIKE), "strategy.name": strategy},
                      "--corrupt", BAD)
     check_rollback(p.stdout + p.stderr)
     got, want = losses(tmp_path), losses(rolled_back[0])
