@@ -120,8 +120,22 @@ def test_tfdist_train_with_skipping_on_and_no_bad_batch_equals_the_plain_run(sin
     assert all(r["skipped"] == 0 for r in metrics(tmp_path)["steps"])
 
 
+@pytest.mark.parametrize("option", ["skip_nonfinite", "spike"])
+def test_skipping_and_rollback_are_refused_under_the_parameter_server(option):
+    """Judged with the plugin (`Layout.from_config`): its workers update on their own."""
+    import tfdist.strategies
+    from tfdist import config
+    from tfdist.errors import UsageError
+    from tfdist.parallel.layout import Layout
+    c = config.default_config()
+    c.train[option] = 3
+    c.strategy.name = "parameter_server"
+    config.validate(c)
+    with pytest.raises(UsageError, match=rf"train.{option}=3(\.0)? under parameter_server"):
+        Layout.from_config(c, tfdist.strategies.get_class("parameter_server"))
+
+
 @pytest.mark.parametrize("key,value,needle", [
-    ("strategy.name", "parameter_server", "under parameter_server"),
     ("train.steps_per_execution", 2, "runs several batches in one call"),
     ("train.precision", "mixed_float16", "skips non-finite steps on its own")])
 def test_skipping_is_refused_where_it_cannot_decide_in_one_line(key, value, needle):

@@ -336,9 +336,6 @@ def validate(c):
 def _check_spike(c):
     """A rollback goes back to a backup and moves the data order on by whole updates."""
     t = c.train
-    if c.strategy.name == "parameter_server":
-        raise UsageError(f"train.spike ({t.spike}) under parameter_server: its workers train on "
-                         f"asynchronously, with no step to roll the others back to; set it to 0")
     if not c.backup.enabled or not c.backup.every_steps:
         raise UsageError(f"train.spike ({t.spike}) rolls back to a backup: set backup.enabled "
                          f"and backup.every_steps")
@@ -350,12 +347,9 @@ def _check_spike(c):
 
 def _check_skipping(c):
     """Skipping non-finite updates chooses on the host after each batch
-    (`tfdist.runtime.nonfinite`): not under the parameter server, whose workers update on their
-    own, nor with several batches per call."""
+    (`tfdist.runtime.nonfinite`): not with several batches per call (nor under a strategy whose
+    workers update on their own: `Layout.from_config`)."""
     t = c.train
-    if c.strategy.name == "parameter_server":
-        raise UsageError(f"train.skip_nonfinite ({t.skip_nonfinite}) under parameter_server: its "
-                         f"workers apply their updates on their own; set it to 0")
     if t.steps_per_execution > 1:
         raise UsageError(f"train.steps_per_execution ({t.steps_per_execution}) runs several "
                          f"batches in one call, and train.skip_nonfinite decides after each "

@@ -79,10 +79,10 @@ def get(name, zero=0, skip_nonfinite=0, **options):
         raise UsageError(f"zero={zero!r} under strategy {name}: a user's model is sharded with "
                          f"zero=3 under horovod or multi_worker_mirrored; pass zero=0 here")
     if skip_nonfinite and (not isinstance(skip_nonfinite, int) or skip_nonfinite < 0
-                           or name == "parameter_server"):
+                           or not cls.updates_together):
         raise UsageError(f"skip_nonfinite={skip_nonfinite!r} under strategy {name}: give an "
-                         f"integer K >= 0 (the skipped updates in a row that stop fit), under "
-                         f"any strategy but parameter_server")
+                         f"integer K >= 0 (the skipped updates in a row that stop fit), under a "
+                         f"strategy whose replicas update together (not parameter_server)")
     plugin = cls(**options)
     plugin.user_zero = zero
     plugin.user_skip_nonfinite = skip_nonfinite

@@ -212,6 +212,11 @@ class Strategy(KerasProgram):
         strategy across processes makes its variables otherwise (`multi_worker_mirrored`)."""
         return contextlib.nullcontext()
 
+    #: Every replica takes each update together, so the host may decide after a batch to skip
+    #: it (`train.skip_nonfinite`) or roll the run back (`train.spike`). False: the workers apply
+    #: their updates on their own (the parameter server).
+    updates_together = True
+
     #: `() -> tfdist.parallel.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
     zero_collectives = None
 

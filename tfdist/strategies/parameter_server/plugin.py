@@ -73,6 +73,7 @@ def _end_without_remote_teardown():
 class ParameterServer(Strategy):
     name = "parameter_server"
     supports_jit_compile = False
+    updates_together = False  # (no skip_nonfinite, no spike rollback)
     # A chief (the coordinator), workers and ps tasks. A dead worker is restarted alone and
     # rejoins (asynchronous training goes on without it); the servers run until stopped.
     launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"),
