@@ -202,6 +202,10 @@ def _positive_int(v):
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
+def _non_negative_int(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 # key -> (check, what a valid value is)
 _RULES = {
     "seed": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
@@ -235,11 +239,9 @@ _RULES = {
                     and (v == 0 or v > 1), "0 (off) or a factor > 1"),
     "train.spike_steps": (_positive_int, "an integer > 0"),
     "train.spike_window": (_positive_int, "an integer > 0"),
-    "train.spike_skip": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                         "an integer >= 0 (batches)"),
-    "train.skip_nonfinite": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                             "0 (off) or the number K of skipped updates in a row that stop the "
-                             "run"),
+    "train.spike_skip": (_non_negative_int, "an integer >= 0 (batches)"),
+    "train.skip_nonfinite": (_non_negative_int, "0 (off) or the number K of skipped updates in "
+                                                "a row that stop the run"),
     "train.precision": (lambda v: v in PRECISIONS, "one of " + ", ".join(PRECISIONS)),
     "train.eval_steps": (_positive_int, "an integer > 0"),
     "train.log_every_steps": (_positive_int, "an integer > 0"),

@@ -165,10 +165,8 @@ class TrainStep:
         sums, and in the metrics (`nonfinite.FLAG`) the replicas of this step whose loss or
         kept gradients were not finite (a sum over them)."""
         grads_and_vars, metrics, loss = self._gradients(data, with_loss=True)
-        kept = self.zero.batch_gradients(grads_and_vars)
+        kept = self.accumulate_gradients(grads_and_vars)
         bad = nonfinite.flag(loss, [g for g, _ in kept])
-        for a, g, _ in self._sums(kept):
-            a.assign_add(tf.convert_to_tensor(g))
         context = tf.distribute.get_replica_context()
         if context is not None:  # (several replicas of a tf.distribute strategy)
             bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
@@ -240,9 +238,11 @@ class TrainStep:
     # -- its gradients -------------------------------------------------------------------------
     def accumulate_gradients(self, grads_and_vars):
         """Adds what this replica keeps of a batch's gradients (the module doc's step 1) to its
-        sums of the window."""
-        for a, g, _ in self._sums(self.zero.batch_gradients(grads_and_vars)):
+        sums of the window; returns those kept pairs."""
+        kept = self.zero.batch_gradients(grads_and_vars)
+        for a, g, _ in self._sums(kept):
             a.assign_add(tf.convert_to_tensor(g))
+        return kept
 
     def update(self, grads_and_vars):
         """Keeps, averages over the window, reduces, corrects and applies the gradients of the

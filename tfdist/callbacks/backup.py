@@ -326,6 +326,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Removes what a failed save of `step` left, unless the index already names it."""
         if not self.is_chief or any(_step_of(p) == step for p in self.backups()):
             return
+        self._remove_step(step)
+
+    def _remove_step(self, step):
+        """Removes backup `step`'s files: its checkpoint's and its ZeRO shards."""
         for path in tf.io.gfile.glob(os.path.join(self.backup_dir, f"ckpt-{step}[._]*")):
             (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
         remove(shards.shard_dir(self.backup_dir, step))
@@ -341,12 +345,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                              f"backup.every_steps below it, or train.spike=0")
         step = _step_of(kept[0])
         if self.is_chief:  # the later checkpoints, their ZeRO shards, and the index without them
-            for path in self.backups():
-                if _step_of(path) > step:
-                    for f in tf.io.gfile.glob(path + ".*"):
-                        tf.io.gfile.remove(f)
-                    if tf.io.gfile.isdir(shards.shard_dir(self.backup_dir, _step_of(path))):
-                        tf.io.gfile.rmtree(shards.shard_dir(self.backup_dir, _step_of(path)))
+            for later in {_step_of(p) for p in self.backups()} - {_step_of(p) for p in kept}:
+                self._remove_step(later)
             tf.compat.v1.train.update_checkpoint_state(
                 self.backup_dir, kept[0], all_model_checkpoint_paths=list(reversed(kept)))
         self.barrier()  # (the others read it once the chief has removed the later ones)

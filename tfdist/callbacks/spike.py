@@ -20,10 +20,9 @@ Example (window 3, F = 2, 2 steps in a row):
     (5, 6)
 """
 import collections
-import json
 import os
 
-from tfdist.callbacks.log import steps_in, write_json_atomic
+from tfdist.callbacks.log import read_json, steps_in, write_json_atomic
 from tfdist.runtime.lazy import keras, tf
 
 
@@ -60,8 +59,7 @@ class SpikeWatch(keras.callbacks.Callback):
         return False
 
     def on_train_batch_end(self, batch, logs=None):
-        for _ in range(steps_in(logs) - 1):  # (steps reported together: the loss of the last)
-            self.step += 1
+        self.step += steps_in(logs) - 1  # (steps reported together: the loss of the last)
         if self.see(float((logs or {}).get("loss", float("nan")))):
             self.model.stop_training = True
 
@@ -79,10 +77,7 @@ def rollbacks_path(backup_dir):
 def read_rollbacks(backup_dir):
     """The rollbacks so far: [{"step": the backup's, "skip": batches, "spike": [first, last]}]."""
     path = rollbacks_path(backup_dir)
-    if not tf.io.gfile.exists(path):
-        return []
-    with tf.io.gfile.GFile(path) as f:
-        return json.load(f)
+    return read_json(path) if tf.io.gfile.exists(path) else []
 
 
 def record_rollback(backup_dir, rollbacks):

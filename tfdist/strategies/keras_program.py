@@ -158,7 +158,7 @@ class KerasProgram:
                 _step_class()(model, self, layout, skip_nonfinite=skip).install()
             if zero.of(model) is not None:
                 if loaded is not None:
-                    whole.reshard(model.optimizer, loaded)
+                    whole.copy_by_name(model.optimizer, loaded)
                 # (TFDIST_ZERO_SAVE=shard: each process's shard shown, the behaviour before; a
                 # companion test's)
                 shard = os.environ.get("TFDIST_ZERO_SAVE") == "shard"

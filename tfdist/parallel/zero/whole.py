@@ -18,7 +18,7 @@ After `fit` it stays shown until the next `fit` starts, so that the chief alone 
 `model.save` (no collective in it).
 
 An optimizer loaded whole (`keras.models.load_model` under the strategy) is sharded again at the
-first `fit`: `reshard` gives each replica's new optimizer its own slots' values.
+first `fit`: `copy_by_name` gives each replica's new optimizer its own slots' values.
 
 Example (one replica: the whole optimizer holds the sharded one's slots):
 
@@ -118,13 +118,7 @@ class WholeOptimizer:
     def give_back(self):
         """This replica's own slots, and the rest, from the whole optimizer (what a restore may
         have set): local."""
-        mine, rank = _by_name(self.shard), self.sharded.collectives.rank
-        for s, r in zip(self.slots, self.owner):
-            if r == rank:
-                mine[s.name].assign(s.value)
-        for name, v in _by_name(self.optimizer).items():
-            if name not in self.reference and name in mine:
-                mine[name].assign(v.value)
+        copy_by_name(self.shard, self.optimizer)
 
 
 def _owners(sharded):
@@ -136,10 +130,11 @@ def _owners(sharded):
     return {id(p.variables[i]): r for r, indices in enumerate(p.of) for i in indices}
 
 
-def reshard(optimizer, loaded):
-    """`optimizer`'s variables (a shard, built), each from `loaded`'s of its name (an optimizer
-    built whole: a file's): its own slots, its step and its learning rate; local."""
-    source = _by_name(loaded)
+def copy_by_name(optimizer, source):
+    """`optimizer`'s variables (a shard, built), each from `source`'s of its name (an optimizer
+    built whole: the shown one, or a file's): its own slots, its step and its learning rate;
+    local."""
+    source = _by_name(source)
     for v in optimizer.variables:
         if v.name in source:
             v.assign(source[v.name].value)
