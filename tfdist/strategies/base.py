@@ -213,8 +213,9 @@ class Strategy(KerasProgram):
         return contextlib.nullcontext()
 
     #: Every replica takes each update together, so the host may decide after a batch to skip
-    #: it (`train.skip_nonfinite`) or roll the run back (`train.spike`). False: the workers apply
-    #: their updates on their own (the parameter server).
+    #: it (`train.skip_nonfinite`). False: the workers apply their updates on their own (the
+    #: parameter server; a loss spike's rollback (`train.spike`) works there too: its loop
+    #: stops, drains the steps in flight, and the backup is restored).
     updates_together = True
 
     #: `() -> tfdist.parallel.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
