@@ -62,7 +62,9 @@ class Launch:
     `tfdist.cli.serve`), run on the `servers` when the launched command is a user's own program,
     so that it runs on the chief only.
     `elastic`: None if the group can change size while the job runs (`tfdist.launch.elastic`),
-    else what this strategy does instead, said when asked to resize.
+    else what this strategy does instead, said when asked to resize. `ray`: None if its workers
+    run as Ray Train workers (`tfdist launch --engine=ray`: `tfdist.launch.ray_train`), else why
+    not, said when asked.
     """
     roles: tuple = ("worker",)
     restart_alone: tuple = ()
@@ -70,6 +72,7 @@ class Launch:
     wrapper: object = None
     server_module: str = None
     elastic: str = "it runs a fixed group"
+    ray: str = "its processes are not Ray Train workers"
 
 
 class Strategy(KerasProgram):

@@ -79,7 +79,8 @@ class ParameterServer(Strategy):
     launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"),
                     server_module="tfdist.cli.serve",
                     elastic="it already trains on with the workers it has (a lost worker's "
-                            "steps run on the others; it is restarted alone)")
+                            "steps run on the others; it is restarted alone)",
+                    ray="Ray Train's TF_CONFIG has worker tasks only, no chief and no ps")
     options = {
         "keepalive_secs": (5.0, lambda v: v == 0 or 1 <= v <= 3600,
                            "0 (off) or a number of seconds in [1, 3600]: gRPC keepalive pings "

@@ -1,0 +1,90 @@
+"""`tfdist launch --engine=ray` (tfdist/launch/ray_train.py): tfdist's workers as Ray Train
+workers, on a Ray started for the run on 127.0.0.1 (ray[train]==2.60.0, the `ray` extra, which
+`make setup` installs). Its bad input is one line each, exit 2: Ray missing (the extra named), an
+address nothing listens at or that never answers (bounded), a strategy Ray cannot run (those it
+can named), --min_workers above --max_workers."""
+import json
+import socket
+import sys
+import time
+
+import pytest
+
+from tests.helpers import assert_usage_error, reference_run, run, tfdist
+from tools.faults.harness import losses
+
+NANO = "--config=configs/gpt_nano.py"
+
+
+def train_flags(workdir, overrides):
+    return [NANO, f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
+
+
+@pytest.mark.slow
+def test_tfdist_train_on_ray_equals_one_process(tmp_path, data_dir, single_reference):
+    """2 Ray Train workers under multi_worker_mirrored (Ray's worker-only TF_CONFIG): per-step
+    losses equal the single process's within 1e-5; each epoch's metrics reach Ray, the last with
+    the chief's pointer to the backup (Ray's checkpoint)."""
+    p = tfdist("launch", "--engine=ray", "--workers=2", "--max_restarts=0", "--",
+               *train_flags(tmp_path, reference_run(data_dir)), timeout=600)
+    out = p.stdout + p.stderr
+    got, want = losses(tmp_path), losses(single_reference)
+    assert len(got) == len(want) == 20, out[-3000:]
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+    assert "multi_worker_mirrored: worker 0 of 2, 2 replica(s) in sync" in out, out[-3000:]
+    assert "tfdist launch: done: Ray Train finished the run (last reported: {'step': 20, " in out
+    assert "backup pointer at step 20" in out
+    [pointer] = list((tmp_path / "ray" / "tfdist").glob("checkpoint_*/tfdist.json"))[-1:]
+    assert json.loads(pointer.read_text())["step"] == 20
+
+
+# -- bad input: one line, exit 2 -------------------------------------------------------------------
+def ray_launch(*args, check=False, **kw):
+    return tfdist("launch", "--engine=ray", *args, "--", NANO, check=check, **kw)
+
+
+def test_without_ray_the_line_names_the_extra():
+    code = ("import sys; sys.modules['ray'] = None; sys.argv = ['tfdist', 'launch', "
+            f"'--engine=ray', '--', '{NANO}']; from tfdist.__main__ import main; main()")
+    p = run([sys.executable, "-c", code], check=False)
+    assert_usage_error(p, "pip install 'tfdist[ray]'")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--strategy=horovod"], "--engine=ray cannot run horovod"),
+    (["--strategy=parameter_server"], "On Ray: multi_worker_mirrored;"),
+    (["--min_workers=3", "--max_workers=2"], "--min_workers (3) is above --max_workers (2)"),
+    (["--address=nope"], "give the Ray head's HOST:PORT"),
+    (["--hosts=a,b"], "Ray places the workers"),
+])
+def test_what_ray_cannot_run_is_one_line(args, needle):
+    assert_usage_error(ray_launch(*args), needle)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_an_address_nothing_listens_at_is_one_line():
+    port = free_port()
+    assert_usage_error(ray_launch(f"--address=127.0.0.1:{port}"),
+                       f"cannot reach a Ray cluster at 127.0.0.1:{port} (")
+
+
+@pytest.mark.slow
+def test_an_address_that_never_answers_ends_within_the_bound():
+    """A port that accepts and says nothing: Ray's own `ray.init` waited there for minutes (200 s
+    and on, measured); tfdist gives up after 15 s (ray_train.CONNECT_TIMEOUT), once the run is
+    prepared."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        p = ray_launch(f"--address=127.0.0.1:{port}", timeout=120)
+        took = time.monotonic() - start
+    assert_usage_error(p, "no answer within 15 s")
+    assert took < 60, took
