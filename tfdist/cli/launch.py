@@ -234,7 +234,8 @@ def _on_ray(rest, n, strategy, spec):
         return 2 if code == 2 else 1
     args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
     return ray_train.run(args, strategy, _workdir_in(rest), n, elastic=elastic,
-                         max_restarts=_MAX_RESTARTS.value, address=_ADDRESS.value)
+                         max_restarts=_MAX_RESTARTS.value, address=_ADDRESS.value,
+                         backend=spec.ray_backend)
 
 
 def _workdir_in(args):

@@ -1,5 +1,6 @@
 """`tfdist launch --engine=ray`: tfdist's workers as Ray Train workers (Ray Train V2's
-`TensorflowTrainer`), on a Ray cluster at `--address` or on a Ray started here for the run.
+`TensorflowTrainer`; Horovod's ranks: `DataParallelTrainer` with `tfdist.launch.ray_horovod`'s
+backend), on a Ray cluster at `--address` or on a Ray started here for the run.
 
     tfdist launch --engine=ray --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/r
     tfdist launch --engine=ray --address=10.0.0.1:6379 --workers 4 --min_workers 2 -- ...
@@ -8,7 +9,8 @@ What runs where:
 * The launcher checks the config and prepares the data once (`tfdist train --prepare_only`, as
   `tfdist launch` does), connects to Ray, and runs one `TensorflowTrainer` whose
   `train_loop_per_worker` is `worker_loop`: each Ray Train worker runs `tfdist train` in its own
-  process, with the `TF_CONFIG` Ray gives it (worker tasks only: worker 0 is the chief).
+  process, with the `TF_CONFIG` Ray gives it (worker tasks only: worker 0 is the chief), or, for
+  Horovod, the environment `horovodrun` would give its rank.
 * Progress and metrics go to Ray with `ray.train.report` at every epoch end (a barrier every
   worker reaches at the same step): the step, the epoch, the training and validation losses.
 * Backups: tfdist's own (asynchronous, sharded under ZeRO) in `<workdir>/backup`, which every
@@ -110,16 +112,28 @@ def connect(address):
     held.close()
 
 
-def run(train_args, strategy, workdir, workers, elastic=None, max_restarts=3, address=None):
+def _trainer(backend):
+    """The Ray Train V2 trainer class for a plugin's `Launch.ray_backend`, and its keywords."""
+    if backend == "horovod_gloo":
+        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+        from tfdist.launch.ray_horovod import HorovodGlooConfig
+        return DataParallelTrainer, {"backend_config": HorovodGlooConfig()}
+    from ray.train.tensorflow import TensorflowTrainer
+    return TensorflowTrainer, {}
+
+
+def run(train_args, strategy, workdir, workers, elastic=None, max_restarts=3, address=None,
+        backend="tensorflow"):
     """Runs `tfdist train <train_args> --strategy=<strategy>` as `workers` Ray Train workers
-    (`elastic`: (min, max) workers instead). Returns the exit status: 0 once the run finished,
-    1 when Ray gave up."""
+    (`elastic`: (min, max) workers instead), readied by Ray Train `backend` (`Launch.ray_backend`).
+    Returns the exit status: 0 once the run finished, 1 when Ray gave up."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.tensorflow import TensorflowTrainer
     connect(address)
-    trainer = TensorflowTrainer(
-        worker_loop,
+    trainer_class, backend_keywords = _trainer(backend)
+    trainer = trainer_class(
+        worker_loop, **backend_keywords,
         train_loop_config={"args": list(train_args), "strategy": strategy, "cwd": os.getcwd()},
         scaling_config=ScalingConfig(num_workers=tuple(elastic) if elastic else workers,
                                      resources_per_worker={"CPU": 1}),

@@ -64,7 +64,9 @@ class Launch:
     `elastic`: None if the group can change size while the job runs (`tfdist.launch.elastic`),
     else what this strategy does instead, said when asked to resize. `ray`: None if its workers
     run as Ray Train workers (`tfdist launch --engine=ray`: `tfdist.launch.ray_train`), else why
-    not, said when asked.
+    not, said when asked; `ray_backend`: how Ray Train readies its workers there: "tensorflow"
+    (Ray's TensorflowConfig: TF_CONFIG of worker tasks) or "horovod_gloo" (Horovod's rendezvous,
+    `tfdist.launch.ray_horovod`).
     """
     roles: tuple = ("worker",)
     restart_alone: tuple = ()
@@ -73,6 +75,7 @@ class Launch:
     server_module: str = None
     elastic: str = "it runs a fixed group"
     ray: str = "its processes are not Ray Train workers"
+    ray_backend: str = "tensorflow"
 
 
 class Strategy(KerasProgram):

@@ -102,9 +102,8 @@ class Horovod(Strategy):
         **buckets.OPTIONS,
     }
     # One horovodrun, which starts and stops the ranks itself; any failure restarts it.
-    launch = Launch(wrapper=horovodrun_argv, elastic=None,
-                    ray="its ranks need a Gloo rendezvous, which is not yet set up over Ray "
-                        "(Ray Train V2's HorovodTrainer is removed)")
+    # On Ray, each rank a Ray Train worker, met through Horovod's Gloo rendezvous.
+    launch = Launch(wrapper=horovodrun_argv, elastic=None, ray=None, ray_backend="horovod_gloo")
     process_wide = True  # a rank's every model trains under it
 
     def __init__(self, compression="none", lr_scaling="none", bucket_mb=buckets.BUCKET_MB,
