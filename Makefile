@@ -13,7 +13,7 @@ setup: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,horovod]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,horovod,ray]'
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $$($(BIN)/python -c \
 	  "import configparser; p = configparser.ConfigParser(); p.read('setup.cfg'); \
 	  print(p['options.extras_require']['keras_hub'])")

@@ -195,7 +195,8 @@ def driver_group(workdir, overrides, *extra, ranks=2, timeout=300, check=True, m
     if overrides["strategy.name"] == "horovod":
         cmd = horovodrun_argv(ranks, program)
     else:
-        cmd = [sys.executable, "-m", "tfdist", "launch", f"--workers={ranks}",
+        cmd = [sys.executable, "-m", "tfdist", "launch",
+               f"--strategy={overrides['strategy.name']}", f"--workers={ranks}",
                f"--max_restarts={max_restarts}", "--backoff=0.5", "--", *program]
     p = run_group(cmd, timeout)
     assert p.returncode == 0 or not check, p.stdout[-4000:] + p.stderr[-2000:]

@@ -127,8 +127,11 @@ def two_workers(tmp_path_factory, data_dir):
 
 @pytest.mark.slow
 @pytest.mark.skipif(missing() is not None, reason=str(missing()))
-@pytest.mark.parametrize("strategy", ["multi_worker_mirrored",
-                                      pytest.param("horovod", marks=pytest.mark.horovod)])
+@pytest.mark.parametrize("strategy", [
+    # (long: the suite's time; the elastic launcher is the same for both, and MWMS's own lost
+    # node is the Slurm trial's below)
+    pytest.param("multi_worker_mirrored", marks=pytest.mark.long),
+    pytest.param("horovod", marks=pytest.mark.horovod)])
 def test_a_lost_host_is_dropped_and_a_new_one_joins(tmp_path, data_dir, two_workers, strategy):
     """3 hosts; the job starts on hosts 0 and 1. At step 14 every process on host 1 is SIGKILLed
     and its link cut for good (it stays in the discovery output): within 60 s the job trains on

@@ -4,7 +4,9 @@ skipping 200-500 batches).
 
 A spike is a training loss above F times the mean of the last `spike_window` steps' losses, for
 `spike_steps` steps in a row. `SpikeWatch` sees it after each step (the logged loss: the same on
-every process) and stops `fit`. `tfdist.train` then goes back to the newest backup taken before
+every process) and stops `fit`. Under the parameter server it sees each report (every 10 steps:
+each of its steps with their mean loss); its loop then stops, waits for the steps in flight, and
+`fit` returns. `tfdist.train` then goes back to the newest backup taken before
 the spike's first step (`BackupAndRestore.rollback`: every later backup is removed), moves the
 data order on by `spike_skip` batches from there (`tfdist.data.Windows` `skips`), and trains
 on. The rollbacks are recorded in `<backup>/rollbacks.json`, read at every start: a run resumed
@@ -59,13 +61,16 @@ class SpikeWatch(keras.callbacks.Callback):
         return False
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step += steps_in(logs) - 1  # (steps reported together: the loss of the last)
-        if self.see(float((logs or {}).get("loss", float("nan")))):
+        # Steps reported together (the parameter server's 10, steps_per_execution's) are each
+        # seen with the loss reported (their mean, or the last one's).
+        loss = float((logs or {}).get("loss", float("nan")))
+        if any([self.see(loss) for _ in range(steps_in(logs))]):
             self.model.stop_training = True
 
     def describe(self):
         first, last = self.spike
-        losses = ", ".join(f"{loss:.3f}" for _, loss in self.high)
+        losses = ", ".join(f"{loss:.3f}" for i, (_, loss) in enumerate(self.high)
+                           if i == 0 or loss != self.high[i - 1][1])  # (a report's steps: once)
         return (f"loss spike at steps {first}-{last} ({losses} > {self.factor:g} x the mean "
                 f"{self.mean:.3f} of the {self.window} steps before)")
 

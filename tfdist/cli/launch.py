@@ -7,6 +7,7 @@
     tfdist launch --hosts=node1,node2 --workers 2 -- --config=configs/gpt_nano.py  # one per host
     tfdist launch --workers 2 --min_workers 1 --max_workers 3 --discovery="cat hosts.txt" \\
                   -- --config=configs/gpt_nano.py    # elastic: tfdist/launch/elastic.py
+    tfdist launch --engine=ray --workers 2 -- --config=configs/gpt_nano.py  # ray_train.py
 
 See `tfdist/launch/local.py` for what it does, and its exit status.
 """
@@ -54,6 +55,13 @@ _REJOIN = flags.DEFINE_float("rejoin_timeout", 30.0, "Elastic: seconds a failed 
                              "have to be there again before they are dropped.")
 _INTERVAL = flags.DEFINE_float("discovery_interval", 5.0, "Elastic: seconds between looks for "
                                "new hosts.")
+_ENGINE = flags.DEFINE_enum("engine", "local", ["local", "ray"], "local: tfdist's own launcher "
+                            "(here, or on --hosts); ray: the workers are Ray Train workers "
+                            "(tfdist/launch/ray_train.py), which Ray places, restarts and "
+                            "resizes (--min_workers, --max_workers).")
+_ADDRESS = flags.DEFINE_string("address", None, "--engine=ray: the Ray cluster's head, HOST:PORT "
+                               "(`ray start --head` prints it). Default: a Ray started here for "
+                               "the run.")
 
 
 def _elastic(n, strategy, spec, rest):
@@ -63,6 +71,9 @@ def _elastic(n, strategy, spec, rest):
         return None
     if (_MIN.value is not None and _MIN.value < 1) or (_MAX.value is not None and _MAX.value < 1):
         raise UsageError("--min_workers and --max_workers must be >= 1")
+    if _MIN.value is not None and _MAX.value is not None and _MIN.value > _MAX.value:
+        raise UsageError(f"--min_workers ({_MIN.value}) is above --max_workers ({_MAX.value}): "
+                         f"the job runs on between min and max workers")
     if spec.elastic is not None:
         raise UsageError(f"strategy {strategy} does not resize (--min_workers, --max_workers, "
                          f"--discovery): {spec.elastic}")
@@ -130,6 +141,10 @@ def main(argv):
         launchable = [s for s in strategies.names() if strategies.get_class(s).launch]
         raise UsageError(f"tfdist launch cannot start strategy '{strategy}'; it starts: "
                          f"{', '.join(launchable)}")
+    if _ENGINE.value == "ray":
+        sys.exit(_on_ray(rest, n, strategy, spec))
+    if _ADDRESS.value is not None:
+        raise UsageError("--address is the Ray cluster's, for --engine=ray")
     if "ps" in spec.roles and not 1 <= _PS.value <= 16:
         raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
     elastic = _elastic(n, strategy, spec, rest)
@@ -184,6 +199,58 @@ def main(argv):
                       tf_config=not spec.wrapper, server_argv=server_argv,
                       hosts=None if spec.wrapper else hosts, **common).run()
     sys.exit(code)
+
+
+def _on_ray(rest, n, strategy, spec):
+    """`--engine=ray` (tfdist/launch/ray_train.py): checked, prepared once, then run by Ray.
+    Returns the exit status."""
+    from tfdist.launch import ray_train
+    if spec.ray is not None:
+        able = [s for s in strategies.names()
+                if getattr(strategies.get_class(s).launch, "ray", "") is None]
+        raise UsageError(f"--engine=ray cannot run {strategy}: {spec.ray}. On Ray: "
+                         f"{', '.join(able)}; {strategy} runs with tfdist launch's own engine "
+                         f"(leave --engine out)")
+    if not rest[0].startswith("-"):
+        raise UsageError("--engine=ray runs `tfdist train`: give its flags after -- (e.g. "
+                         "--config=configs/gpt_nano.py); a Keras program of your own runs on Ray "
+                         "through its own TensorflowTrainer (launchers/ray/)")
+    if any(a.startswith("--strategy") for a in rest):
+        raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
+    if _HOSTS.value is not None or _DISCOVERY.value is not None:
+        raise UsageError("--hosts and --discovery are tfdist's own engine's: under --engine=ray "
+                         "Ray places the workers on its cluster's nodes (--address)")
+    if _MAX_RESTARTS.value < 0:
+        raise UsageError("--max_restarts must be >= 0")
+    ray_train.require_ray()
+    elastic = _elastic(n, strategy, spec, rest)
+    if _ADDRESS.value is not None:
+        ray_train.check_reachable(_ADDRESS.value)
+    cli.quiet_tensorflow_import()
+    sizes = ",".join(map(str, range(elastic[0], elastic[1] + 1))) if elastic else ""
+    code = _prepare([*rest, f"--strategy={strategy}"],
+                    {**os.environ, "TFDIST_ELASTIC_SIZES": sizes})
+    if code:
+        return 2 if code == 2 else 1
+    args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
+    return ray_train.run(args, strategy, _workdir_in(rest), n, elastic=elastic,
+                         max_restarts=_MAX_RESTARTS.value, address=_ADDRESS.value,
+                         backend=spec.ray_backend)
+
+
+def _workdir_in(args):
+    """The --workdir of `tfdist train` flags `args` (its default: runs/<config name>)."""
+    values = {}
+    for i, a in enumerate(args):
+        for name in ("--workdir", "--config"):
+            if a.startswith(name + "="):
+                values[name] = a.split("=", 1)[1]
+            elif a == name and i + 1 < len(args):
+                values[name] = args[i + 1]
+    if "--workdir" in values:
+        return values["--workdir"]
+    config = values.get("--config", cli.DEFAULT_CONFIG).split(":", 1)[0]
+    return os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
 
 
 def run(argv=None):

@@ -46,11 +46,16 @@ def resolve_config():
     return config_lib.validate(c)
 
 
+def workdir_of():
+    """--workdir, or runs/<the config file's name>."""
+    return _WORKDIR.value or os.path.join("runs", os.path.splitext(
+        os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0])
+
+
 def main(argv):
     del argv
     c = resolve_config()
-    workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(
-        os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0])
+    workdir = workdir_of()
     # The run imports TensorFlow: here, not at the top, so that `--help` answers without it.
     from tfdist import train
     if _PREPARE_ONLY.value:

@@ -75,12 +75,10 @@ class Layout:
             devices=tuple(d.strip() for d in p.devices.split(",") if d.strip()),
             overlap=c.strategy.get("overlap", "auto"), jit_compile=c.train.jit_compile)
         layout.check(c.model.n_layer, c.model.n_head, plugin, local_devices)
-        t = c.train
-        asked = [f"train.{k}={t[k]}" for k in ("skip_nonfinite", "spike") if t[k]]
-        if asked and not plugin.updates_together:
-            raise UsageError(f"{' and '.join(asked)} under {plugin.name}: its workers apply "
-                             f"their updates on their own, with no step at which all of them "
-                             f"skip one or roll back; set it to 0")
+        if c.train.skip_nonfinite and not plugin.updates_together:
+            raise UsageError(f"train.skip_nonfinite={c.train.skip_nonfinite} under {plugin.name}: "
+                             f"its workers apply their updates on their own, with no step at "
+                             f"which all of them skip one; set it to 0")
         return layout
 
     @classmethod

@@ -62,7 +62,11 @@ class Launch:
     `tfdist.cli.serve`), run on the `servers` when the launched command is a user's own program,
     so that it runs on the chief only.
     `elastic`: None if the group can change size while the job runs (`tfdist.launch.elastic`),
-    else what this strategy does instead, said when asked to resize.
+    else what this strategy does instead, said when asked to resize. `ray`: None if its workers
+    run as Ray Train workers (`tfdist launch --engine=ray`: `tfdist.launch.ray_train`), else why
+    not, said when asked; `ray_backend`: how Ray Train readies its workers there: "tensorflow"
+    (Ray's TensorflowConfig: TF_CONFIG of worker tasks) or "horovod_gloo" (Horovod's rendezvous,
+    `tfdist.launch.ray_horovod`).
     """
     roles: tuple = ("worker",)
     restart_alone: tuple = ()
@@ -70,6 +74,8 @@ class Launch:
     wrapper: object = None
     server_module: str = None
     elastic: str = "it runs a fixed group"
+    ray: str = "its processes are not Ray Train workers"
+    ray_backend: str = "tensorflow"
 
 
 class Strategy(KerasProgram):
@@ -213,8 +219,9 @@ class Strategy(KerasProgram):
         return contextlib.nullcontext()
 
     #: Every replica takes each update together, so the host may decide after a batch to skip
-    #: it (`train.skip_nonfinite`) or roll the run back (`train.spike`). False: the workers apply
-    #: their updates on their own (the parameter server).
+    #: it (`train.skip_nonfinite`). False: the workers apply their updates on their own (the
+    #: parameter server; a loss spike's rollback (`train.spike`) works there too: its loop
+    #: stops, drains the steps in flight, and the backup is restored).
     updates_together = True
 
     #: `() -> tfdist.parallel.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.

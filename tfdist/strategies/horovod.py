@@ -102,7 +102,8 @@ class Horovod(Strategy):
         **buckets.OPTIONS,
     }
     # One horovodrun, which starts and stops the ranks itself; any failure restarts it.
-    launch = Launch(wrapper=horovodrun_argv, elastic=None)
+    # On Ray, each rank a Ray Train worker, met through Horovod's Gloo rendezvous.
+    launch = Launch(wrapper=horovodrun_argv, elastic=None, ray=None, ray_backend="horovod_gloo")
     process_wide = True  # a rank's every model trains under it
 
     def __init__(self, compression="none", lr_scaling="none", bucket_mb=buckets.BUCKET_MB,

@@ -8,9 +8,11 @@ is exact: each step marks itself done in a mask on the ps, and `iterations` is s
 at every report (Keras 3's `assign_add` loses increments under concurrency). Callbacks run every
 10 completed steps (`logs["tfdist/steps"]` says how many); before a backup, at each epoch end and
 after a preemption signal the loop waits for every step in flight, so a backup holds exactly the
-steps counted. With gradient accumulation over k steps (tfdist's step, `train.grad_accum_steps`),
-a closure is an update: its worker takes k consecutive steps' batches, sums their gradients and
-applies their mean once, as one asynchronous update; each of its k steps is counted as before.
+steps counted. A callback that sets `model.stop_training` (a loss spike's watch) ends the epoch
+at that report, once the steps in flight are done, as Keras's `fit` ends it after that batch.
+With gradient accumulation over k steps (tfdist's step, `train.grad_accum_steps`), a closure is
+an update: its worker takes k consecutive steps' batches, sums their gradients and applies their
+mean once, as one asynchronous update; each of its k steps is counted as before.
 The plugin (`tfdist.strategies.parameter_server.plugin`) calls `fit`.
 
 Usage (not run as a doctest: a chief with TF_CONFIG listing chief, worker and ps tasks):
@@ -59,12 +61,11 @@ def fit(plugin, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, 
         # step s done <=> done_mask[s] == 1 (see _count)
         plugin.done_mask = tf.Variable(tf.cast(tf.range(total) < initial_step, tf.int8),
                                      trainable=False, name="tfdist_ps_done_mask")
-    plugin.runs.assign(initial_step)
+    plugin.runs_loss.assign([initial_step, 0.0])
     model.optimizer.iterations.assign(initial_step // k)  # (updates: k steps each)
     from tfdist.callbacks import TrainingLog  # it records each worker's steps (a list)
     count = tf.function(lambda: _count(plugin))
-    runs_and_loss = tf.function(
-        lambda: (plugin.runs.read_value(), plugin.loss_sum.read_value()))
+    runs_and_loss = tf.function(lambda: plugin.runs_loss.read_value())
     loop = _Loop(plugin, model, cbs, _train_closure(plugin, model, data, k), steps_per_epoch,
                  log_every_steps or max(1, min(steps_per_epoch, 10)), initial_step,
                  worker_steps=any(isinstance(c, TrainingLog) for c in callbacks),
@@ -94,10 +95,12 @@ def _train_closure(plugin, model, data, k=1):
     each, or with `k` > 1 the k steps of an update."""
     from tfdist import compat
     strategy = plugin.tf_strategy
-    runs = plugin.runs
+    runs_loss = plugin.runs_loss
     worker_steps = plugin.worker_steps
     done_mask = plugin.done_mask
     by_step = step_addressed(data)
+    if by_step and getattr(data, "on_input", None):  # (the closures' input: data.batch(step))
+        data.on_input(data, None)
     if not by_step:  # a dataset_fn, or a tf.data.Dataset: each worker reads its share
         if isinstance(data, tf.data.Dataset):
             from tfdist.data.pipeline import every_nth
@@ -105,12 +108,9 @@ def _train_closure(plugin, model, data, k=1):
                              tf.distribute.coordinator.experimental_get_current_worker_index)
         iterator = iter(plugin.coordinator.create_per_worker_dataset(data))
 
-    loss_sum = plugin.loss_sum
-
     def count(step, loss):
         done_mask.scatter_nd_update([[step]], tf.constant([1], tf.int8))  # idempotent
-        loss_sum.assign_add(tf.cast(loss, tf.float64))
-        runs.assign_add(1)
+        runs_loss.assign_add(tf.stack([tf.constant(1.0, tf.float64), tf.cast(loss, tf.float64)]))
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         worker_steps.scatter_nd_add([[worker]], tf.constant([1], tf.int64))
 
@@ -236,6 +236,9 @@ class _Loop:
             if self.worker_steps:
                 logs[EXTRA_LOG_PREFIX + "worker_steps"] = p.worker_steps.numpy().tolist()
             self.cbs.on_train_batch_end((self.done - 1) % self.steps_per_epoch, logs)
+            if self.model.stop_training:  # (a loss spike's watch, say): the epoch ends here,
+                p.coordinator.join()  # as in Keras's fit, once the steps in flight are done
+                break
         mean = (self.last_loss_sum - epoch_loss_sum) / max(self.last_runs - epoch_runs, 1)
         return {**self.metrics(), "loss": mean}
 

@@ -73,13 +73,14 @@ def _end_without_remote_teardown():
 class ParameterServer(Strategy):
     name = "parameter_server"
     supports_jit_compile = False
-    updates_together = False  # (no skip_nonfinite, no spike rollback)
+    updates_together = False  # (no skip_nonfinite)
     # A chief (the coordinator), workers and ps tasks. A dead worker is restarted alone and
     # rejoins (asynchronous training goes on without it); the servers run until stopped.
     launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"),
                     server_module="tfdist.cli.serve",
                     elastic="it already trains on with the workers it has (a lost worker's "
-                            "steps run on the others; it is restarted alone)")
+                            "steps run on the others; it is restarted alone)",
+                    ray="Ray Train's TF_CONFIG has worker tasks only, no chief and no ps")
     options = {
         "keepalive_secs": (5.0, lambda v: v == 0 or 1 <= v <= 3600,
                            "0 (off) or a number of seconds in [1, 3600]: gRPC keepalive pings "
@@ -110,11 +111,13 @@ class ParameterServer(Strategy):
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.tf_strategy)
         _end_without_remote_teardown()
         with self.tf_strategy.scope():
-            self.runs = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_ps_runs")
+            # [steps run, their summed loss]: one variable, so that a read sees both of one
+            # closure's updates or neither (two variables, read while closures ran, had the
+            # reported mean loss off by a tenth of a step's loss, about 0.3, every other report)
+            self.runs_loss = tf.Variable(tf.zeros([2], tf.float64), trainable=False,
+                                         name="tfdist_ps_runs_loss")
             self.worker_steps = tf.Variable(tf.zeros([self.num_workers], tf.int64),
                                             trainable=False, name="tfdist_ps_worker_steps")
-            self.loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False,
-                                        name="tfdist_ps_loss_sum")
 
     # -- who am I ------------------------------------------------------------------------------
     @property

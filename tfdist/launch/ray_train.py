@@ -1,0 +1,217 @@
+"""`tfdist launch --engine=ray`: tfdist's workers as Ray Train workers (Ray Train V2's
+`TensorflowTrainer`; Horovod's ranks: `DataParallelTrainer` with `tfdist.launch.ray_horovod`'s
+backend), on a Ray cluster at `--address` or on a Ray started here for the run.
+
+    tfdist launch --engine=ray --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/r
+    tfdist launch --engine=ray --address=10.0.0.1:6379 --workers 4 --min_workers 2 -- ...
+
+What runs where:
+* The launcher checks the config and prepares the data once (`tfdist train --prepare_only`, as
+  `tfdist launch` does), connects to Ray, and runs one `TensorflowTrainer` whose
+  `train_loop_per_worker` is `worker_loop`: each Ray Train worker runs `tfdist train` in its own
+  process, with the `TF_CONFIG` Ray gives it (worker tasks only: worker 0 is the chief), or, for
+  Horovod, the environment `horovodrun` would give its rank.
+* Progress and metrics go to Ray with `ray.train.report` at every epoch end (a barrier every
+  worker reaches at the same step): the step, the epoch, the training and validation losses.
+* Backups: tfdist's own (asynchronous, sharded under ZeRO) in `<workdir>/backup`, which every
+  node must see, as Ray's `storage_path` must be (`<workdir>/ray` here). The checkpoint the chief
+  reports with each epoch's metrics is a pointer to them (`tfdist.json`: the step and the backup
+  directory), so Ray's result names the step a restart resumes at; the state itself is not copied.
+* Faults and resizes are Ray's: a worker that dies fails the group, and Ray starts it again (at
+  most `--max_restarts` times: `FailureConfig(max_failures=...)`), with `num_workers=(min, max)`
+  on as many workers as the cluster has then. Each start resumes from the newest backup at its
+  exact step, resharded to the new size; the global batch stays the same at every size.
+
+Only strategies whose plugin says so run here (`Launch.ray`); the error names them.
+"""
+import json
+import os
+import socket
+import sys
+import tempfile
+
+from tfdist.errors import UsageError
+
+EXTRA = "pip install 'tfdist[ray]' (ray[train]==2.60.0)"
+REACH_TIMEOUT = 10.0  # seconds: a TCP connection to --address, before anything is prepared
+CONNECT_TIMEOUT = 15.0  # seconds: ray.init on it (which waits on a silent port for minutes)
+
+
+def require_ray():
+    """UsageError, naming the extra, when Ray Train is not installed."""
+    try:
+        import ray.train  # noqa: F401  (not TensorFlow: its trainer is imported by `run`)
+    except ImportError as e:
+        raise UsageError(f"--engine=ray needs Ray Train, which is not installed here ({e}): "
+                         f"{EXTRA}") from None
+
+
+def check_reachable(address, timeout=REACH_TIMEOUT):
+    """UsageError, within `timeout` seconds, when nothing listens at `address` (HOST:PORT, the
+    head node's GCS)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--address={address}: give the Ray head's HOST:PORT (`ray start "
+                         f"--head` prints it, port 6379 by default)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise UsageError(_unreachable(address, e)) from None
+
+
+def _unreachable(address, why):
+    port = address.rpartition(":")[2]
+    return (f"cannot reach a Ray cluster at {address} ({why}): start one there with `ray start "
+            f"--head --port={port}`, or leave --address out to start Ray here for this run")
+
+
+# Each worker's line once (Ray Train's print patch also sends prints to its logger, and the
+# driver showed each line twice), without colour codes.
+QUIET = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_COLOR_PREFIX": "0"}
+
+
+def connect(address):
+    """`ray.init` on the cluster at `address` (a UsageError, or after CONNECT_TIMEOUT seconds one
+    line and exit 2, when it is not a Ray cluster); without one, a Ray for this run on this
+    machine, its node on 127.0.0.1 (the workers' TF_CONFIG addresses are its node's)."""
+    import threading
+
+    import ray
+    runtime_env = {"env_vars": QUIET}
+    if not address:
+        os.environ.update(QUIET)  # (also for the processes of the Ray started here)
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False,
+                 runtime_env=runtime_env)
+        return
+
+    # Ray's C++ client logs each retry on file descriptor 2 while it connects: held back, and
+    # passed on only once connected (a failure is said in one line instead)
+    sys.stderr.flush()
+    saved, held = os.dup(2), tempfile.TemporaryFile()
+    os.dup2(held.fileno(), 2)
+
+    def give_up():  # (ray.init cannot be interrupted; nothing has started on the cluster)
+        os.dup2(saved, 2)
+        print(f"tfdist: error: {_unreachable(address, f'no answer within {CONNECT_TIMEOUT:g} s')}",
+              file=sys.stderr, flush=True)
+        os._exit(2)
+    watchdog = threading.Timer(CONNECT_TIMEOUT, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        ray.init(address=address, configure_logging=False, runtime_env=runtime_env)
+    except ConnectionError as e:
+        watchdog.cancel()
+        os.dup2(saved, 2)
+        raise UsageError(_unreachable(address, e)) from None
+    watchdog.cancel()
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    held.seek(0)
+    sys.stderr.write(held.read().decode(errors="replace"))
+    held.close()
+
+
+def _trainer(backend):
+    """The Ray Train V2 trainer class for a plugin's `Launch.ray_backend`, and its keywords."""
+    if backend == "horovod_gloo":
+        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+        from tfdist.launch.ray_horovod import HorovodGlooConfig
+        return DataParallelTrainer, {"backend_config": HorovodGlooConfig()}
+    from ray.train.tensorflow import TensorflowTrainer
+    return TensorflowTrainer, {}
+
+
+def run(train_args, strategy, workdir, workers, elastic=None, max_restarts=3, address=None,
+        backend="tensorflow"):
+    """Runs `tfdist train <train_args> --strategy=<strategy>` as `workers` Ray Train workers
+    (`elastic`: (min, max) workers instead), readied by Ray Train `backend` (`Launch.ray_backend`).
+    Returns the exit status: 0 once the run finished, 1 when Ray gave up."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    connect(address)
+    trainer_class, backend_keywords = _trainer(backend)
+    trainer = trainer_class(
+        worker_loop, **backend_keywords,
+        train_loop_config={"args": list(train_args), "strategy": strategy, "cwd": os.getcwd()},
+        scaling_config=ScalingConfig(num_workers=tuple(elastic) if elastic else workers,
+                                     resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="tfdist", storage_path=os.path.abspath(
+            os.path.join(workdir, "ray")), failure_config=FailureConfig(max_failures=max_restarts)))
+    try:
+        result = trainer.fit()
+    except Exception as e:  # Ray's TrainingFailedError: the workers' own errors are above
+        print(f"tfdist launch: Ray gave up after {max_restarts} restart(s): "
+              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", flush=True)
+        return 1
+    finally:
+        ray.shutdown()
+    step = _checkpoint_step(result.checkpoint)
+    print(f"tfdist launch: done: Ray Train finished the run (last reported: {result.metrics}; "
+          f"backup pointer at step {step})", flush=True)
+    return 0
+
+
+def _checkpoint_step(checkpoint):
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as d:
+        with open(os.path.join(d, POINTER)) as f:
+            return json.load(f)["step"]
+
+
+# -- on each Ray Train worker ---------------------------------------------------------------------
+POINTER = "tfdist.json"
+
+
+def worker_loop(config):
+    """A Ray Train worker: `tfdist train` in this process, reporting to Ray at each epoch end."""
+    # Ray's TensorflowConfig sets TF_USE_LEGACY_KERAS=1 (for tf_keras); tfdist is Keras 3
+    # (ray/train/tensorflow/config.py, `_setup_tensorflow_environment`).
+    os.environ.pop("TF_USE_LEGACY_KERAS", None)
+    os.chdir(config["cwd"])  # (Ray starts its workers in a directory of its session)
+    from absl import flags, logging
+    logging.set_verbosity(logging.WARNING)  # (as `tfdist train`: TF's collectives chat at INFO)
+    sys.argv = ["tfdist train", *config["args"], f"--strategy={config['strategy']}"]
+    # (its --config.* overrides are read from sys.argv as its flags are defined: a new process
+    # for each Ray Train worker, so this is the first import)
+    from tfdist import cli
+    from tfdist.cli import train as train_cli
+    from tfdist.errors import EXIT_PEER_LOST, PeerLost
+    flags.FLAGS(sys.argv)
+    cli.quiet_tensorflow_import()
+    from tfdist import train
+    c = train_cli.resolve_config()
+    workdir = train_cli.workdir_of()
+    try:
+        train.train(c, workdir, extra_callbacks=[_report_callback(c, workdir)])
+    except PeerLost as e:  # TF's threads may wait on the lost peer: end the actor at once
+        print(f"tfdist: error: {e}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
+
+
+def _report_callback(c, workdir):
+    import ray.train
+
+    from tfdist.runtime.lazy import keras
+    from tfdist.train import backup_dir
+
+    class ReportToRay(keras.callbacks.Callback):
+        """`ray.train.report` at every epoch end; the chief adds the pointer to the backup."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            logs = logs or {}
+            step = (epoch + 1) * c.train.steps_per_epoch
+            metrics = {"step": step, "epoch": epoch + 1,
+                       **{k: float(v) for k, v in logs.items() if k in ("loss", "val_loss")}}
+            if ray.train.get_context().get_world_rank() != 0:
+                ray.train.report(metrics)
+                return
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, POINTER), "w") as f:
+                    json.dump({"step": step, "backup_dir": os.path.abspath(
+                        backup_dir(c, workdir))}, f)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+    return ReportToRay()
