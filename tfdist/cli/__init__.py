@@ -54,6 +54,11 @@ def _clean(e):
     return " ".join(text.split()) or type(e).__name__
 
 
+def default_workdir(config_file):
+    """`tfdist train`'s workdir without --workdir: runs/<the config file's name>."""
+    return os.path.join("runs", os.path.splitext(os.path.basename(config_file))[0])
+
+
 def define_config_flag(name, default, help_text):
     """`config_flags.DEFINE_config_file`, whose --config.* overrides are parsed at definition time
     (from sys.argv): an unknown or ill-typed key fails here, reported as one line."""

@@ -96,6 +96,20 @@ def _train_argv(args, strategy):
     return [sys.executable, "-m", "tfdist", "train", *args, f"--strategy={strategy}"]
 
 
+def _prepared(rest, strategy, env, elastic):
+    """`tfdist train` flags `rest`, checked and prepared once (`_prepare`; its failure ends the
+    launcher with its status); returns the workers' flags (without --overwrite: the prepare step
+    applied it)."""
+    if any(a.startswith("--strategy") for a in rest):
+        raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
+    cli.quiet_tensorflow_import()  # once here: the prepare step's fork has it, and is quick
+    sizes = ",".join(map(str, range(elastic[0], elastic[1] + 1))) if elastic else ""
+    code = _prepare([*rest, f"--strategy={strategy}"], {**env, "TFDIST_ELASTIC_SIZES": sizes})
+    if code:
+        sys.exit(2 if code == 2 else 1)
+    return [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
+
+
 def _prepare(args, env):
     """`tfdist train <args> --prepare_only` (the config checked, the dataset prepared, the workdir
     readied) once, before any worker starts; its exit status. It runs in a fork of this process,
@@ -162,15 +176,7 @@ def main(argv):
         env["LD_PRELOAD"] = " ".join(filter(None, [loopback_shim(), env.get("LD_PRELOAD")]))
 
     if rest[0].startswith("-"):  # tfdist train flags
-        if any(a.startswith("--strategy") for a in rest):
-            raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
-        cli.quiet_tensorflow_import()  # once here: the prepare step's fork has it, and is quick
-        sizes = ",".join(map(str, range(elastic[0], elastic[1] + 1))) if elastic else ""
-        code = _prepare([*rest, f"--strategy={strategy}"], {**env, "TFDIST_ELASTIC_SIZES": sizes})
-        if code:
-            sys.exit(2 if code == 2 else 1)
-        worker_args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
-        argv = _train_argv(worker_args, strategy)
+        argv = _train_argv(_prepared(rest, strategy, env, elastic), strategy)
     else:  # any program
         if not (shutil.which(rest[0]) or os.path.isfile(rest[0])):
             raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after -- "
@@ -215,8 +221,6 @@ def _on_ray(rest, n, strategy, spec):
         raise UsageError("--engine=ray runs `tfdist train`: give its flags after -- (e.g. "
                          "--config=configs/gpt_nano.py); a Keras program of your own runs on Ray "
                          "through its own TensorflowTrainer (launchers/ray/)")
-    if any(a.startswith("--strategy") for a in rest):
-        raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
     if _HOSTS.value is not None or _DISCOVERY.value is not None:
         raise UsageError("--hosts and --discovery are tfdist's own engine's: under --engine=ray "
                          "Ray places the workers on its cluster's nodes (--address)")
@@ -226,13 +230,7 @@ def _on_ray(rest, n, strategy, spec):
     elastic = _elastic(n, strategy, spec, rest)
     if _ADDRESS.value is not None:
         ray_train.check_reachable(_ADDRESS.value)
-    cli.quiet_tensorflow_import()
-    sizes = ",".join(map(str, range(elastic[0], elastic[1] + 1))) if elastic else ""
-    code = _prepare([*rest, f"--strategy={strategy}"],
-                    {**os.environ, "TFDIST_ELASTIC_SIZES": sizes})
-    if code:
-        return 2 if code == 2 else 1
-    args = [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
+    args = _prepared(rest, strategy, dict(os.environ), elastic)
     return ray_train.run(args, strategy, _workdir_in(rest), n, elastic=elastic,
                          max_restarts=_MAX_RESTARTS.value, address=_ADDRESS.value,
                          backend=spec.ray_backend)
@@ -249,8 +247,7 @@ def _workdir_in(args):
                 values[name] = args[i + 1]
     if "--workdir" in values:
         return values["--workdir"]
-    config = values.get("--config", cli.DEFAULT_CONFIG).split(":", 1)[0]
-    return os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
+    return cli.default_workdir(values.get("--config", cli.DEFAULT_CONFIG).split(":", 1)[0])
 
 
 def run(argv=None):

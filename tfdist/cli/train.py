@@ -48,8 +48,8 @@ def resolve_config():
 
 def workdir_of():
     """--workdir, or runs/<the config file's name>."""
-    return _WORKDIR.value or os.path.join("runs", os.path.splitext(
-        os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0])
+    return _WORKDIR.value or cli.default_workdir(
+        config_flags.get_config_filename(flags.FLAGS["config"]))
 
 
 def main(argv):
