@@ -101,15 +101,16 @@ def connect(address):
     try:
         ray.init(address=address, configure_logging=False, runtime_env=runtime_env)
     except ConnectionError as e:
+        raise UsageError(_unreachable(address, e)) from None
+    else:
+        held.seek(0)
+        said = held.read().decode(errors="replace")
+    finally:
         watchdog.cancel()
         os.dup2(saved, 2)
-        raise UsageError(_unreachable(address, e)) from None
-    watchdog.cancel()
-    sys.stderr.flush()
-    os.dup2(saved, 2)
-    held.seek(0)
-    sys.stderr.write(held.read().decode(errors="replace"))
-    held.close()
+        os.close(saved)
+        held.close()
+    sys.stderr.write(said)
 
 
 def _trainer(backend):
