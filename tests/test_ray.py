@@ -4,13 +4,24 @@ workers, on a Ray started for the run on 127.0.0.1 (ray[train]==2.60.0, the `ray
 address nothing listens at or that never answers (bounded), a strategy Ray cannot run (those it
 can named), --min_workers above --max_workers."""
 import json
+import re
 import socket
 import sys
 import time
 
 import pytest
 
-from tests.helpers import assert_usage_error, reference_run, run, tfdist
+from tests.helpers import (
+    assert_usage_error,
+    driver_argv,
+    max_diff,
+    reference_run,
+    run,
+    tfdist,
+    weights,
+)
+from tools.cluster.netcluster import NetCluster, missing
+from tools.cluster.ray_cluster import RayCluster
 from tools.faults.harness import losses
 
 NANO = "--config=configs/gpt_nano.py"
@@ -21,26 +32,55 @@ def train_flags(workdir, overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["multi_worker_mirrored",
-                                      pytest.param("horovod", marks=pytest.mark.horovod)])
-def test_tfdist_train_on_ray_equals_one_process(tmp_path, data_dir, single_reference, strategy):
-    """2 Ray Train workers: under multi_worker_mirrored with Ray's worker-only TF_CONFIG, under
-    horovod met through Horovod's Gloo rendezvous (tfdist/launch/ray_horovod.py). Per-step
-    losses equal the single process's within 1e-5; each epoch's metrics reach Ray, the last with
-    the chief's pointer to the backup (Ray's checkpoint)."""
-    p = tfdist("launch", "--engine=ray", f"--strategy={strategy}", "--workers=2",
+def test_tfdist_train_on_a_ray_started_for_the_run(tmp_path, data_dir, single_reference):
+    """Without --address: a Ray started here for the run, on 127.0.0.1, 2 Ray Train workers under
+    multi_worker_mirrored with Ray's worker-only TF_CONFIG. Per-step losses equal the single
+    process's within 1e-5; each epoch's metrics reach Ray, the last with the chief's pointer to
+    the backup (Ray's checkpoint)."""
+    p = tfdist("launch", "--engine=ray", "--strategy=multi_worker_mirrored", "--workers=2",
                "--max_restarts=0", "--", *train_flags(tmp_path, reference_run(data_dir)),
                timeout=600)
     out = p.stdout + p.stderr
     got, want = losses(tmp_path), losses(single_reference)
     assert len(got) == len(want) == 20, out[-3000:]
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
-    assert any(f"tfdist: {strategy}: {who} 0 of 2" in out
-               for who in ("worker", "rank")), out[-3000:]  # (its one line naming the group)
+    assert "tfdist: multi_worker_mirrored: worker 0 of 2" in out, out[-3000:]
     assert "tfdist launch: done: Ray Train finished the run (last reported: {'step': 20, " in out
     assert "backup pointer at step 20" in out
     *_, pointer = sorted((tmp_path / "ray" / "tfdist").glob("checkpoint_*/tfdist.json"))
     assert json.loads(pointer.read_text())["step"] == 20
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(missing() is not None, reason=str(missing()))
+@pytest.mark.parametrize("strategy", ["multi_worker_mirrored",
+                                      pytest.param("horovod", marks=pytest.mark.horovod)])
+def test_tfdist_train_on_a_3_node_ray_cluster(tmp_path, data_dir, single_reference, strategy):
+    """A head and two worker nodes, each `ray start` in a network namespace of its own
+    (tools/cluster/ray_cluster.py); `tfdist launch --engine=ray --address=<head>` on the head's
+    host runs the fault driver (a program calling `tfdist.train.train`) as 2 Ray Train workers,
+    one on each worker node: under multi_worker_mirrored with Ray's TF_CONFIG, under horovod met
+    through Horovod's Gloo rendezvous over the nodes' own interfaces. Per-step losses equal the
+    single process's within 1e-5, the ranks' weights are bitwise identical, and each epoch's
+    metrics reach Ray from inside the program."""
+    overrides = {**reference_run(data_dir), "strategy.name": strategy}
+    with NetCluster(3, rate="1gbit") as net, RayCluster(net) as nodes:
+        p = net.run(0, [sys.executable, "-m", "tfdist", "launch", "--engine=ray",
+                        f"--address={nodes.address}", f"--strategy={strategy}", "--workers=2",
+                        "--max_restarts=0", f"--storage={tmp_path / 'ray'}", "--",
+                        *driver_argv(tmp_path, overrides, "--dump-weights")],
+                    env=nodes.env, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    got, want = losses(tmp_path), losses(single_reference)
+    assert len(got) == len(want) == 20, out[-3000:]
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+    assert max_diff(weights(tmp_path, 0), weights(tmp_path, 1)) == 0.0
+    assert "tfdist launch: done: Ray Train finished the run (last reported: {'step': 20, " in out
+    results = [json.loads(r) for r in re.findall(r"DRIVER_RESULT (\{.*\})", out)]
+    # one worker on each worker node (Ray's log lines come from the nodes' own addresses)
+    assert sorted(r["addresses"] for r in results) == [[net.address(1)], [net.address(2)]], out
+
 
 
 # -- bad input: one line, exit 2 -------------------------------------------------------------------

@@ -131,10 +131,17 @@ class Run:
             print(*args, **kwargs)
 
 
+# Callbacks this process's launcher adds to every run in it: factories `f(c, workdir)`
+# (tfdist/launch/ray_train.py: each Ray Train worker reports to Ray, whether it runs `tfdist
+# train` or a program that calls `train`).
+LAUNCHER_CALLBACKS = []
+
+
 def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks=None):
     """Runs training for config `c` into `workdir`. Returns a dict of results.
 
-    `extra_callbacks` run after tfdist's own (after the backup of a step has been written).
+    `extra_callbacks` run after tfdist's own (after the backup of a step has been written), then
+    those of `LAUNCHER_CALLBACKS`.
     `hooks`: a `Hooks` (tests). The chief holds the workdir's lock (`tfdist.runtime.lock`)
     throughout. A preemption signal ends it with `tfdist.runtime.preemption.Preempted` (a
     SystemExit, status 75) once the backup of the step in progress is written.
@@ -144,7 +151,8 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
         _start(run)
         _resume(run, held, overwrite)
         _say_what_runs(run)
-        callbacks = _callbacks(run, held, extra_callbacks)
+        callbacks = _callbacks(run, held, [*extra_callbacks, *(
+            make(c, workdir) for make in LAUNCHER_CALLBACKS)])
         t, strategy = c.train, run.strategy
         watch = None
         if t.spike:  # loss-spike rollback (tfdist.callbacks.spike)

@@ -54,11 +54,15 @@ _DISCOVERY = flags.DEFINE_string("discovery", None, "Elastic: a shell command pr
 _REJOIN = flags.DEFINE_float("rejoin_timeout", 30.0, "Elastic: seconds a failed group's hosts "
                              "have to be there again before they are dropped.")
 _INTERVAL = flags.DEFINE_float("discovery_interval", 5.0, "Elastic: seconds between looks for "
-                               "new hosts.")
+                               "new hosts (--engine=ray: for more resources on the cluster, Ray "
+                               "Train's elastic_resize_monitor_interval_s).")
 _ENGINE = flags.DEFINE_enum("engine", "local", ["local", "ray"], "local: tfdist's own launcher "
                             "(here, or on --hosts); ray: the workers are Ray Train workers "
                             "(tfdist/launch/ray_train.py), which Ray places, restarts and "
                             "resizes (--min_workers, --max_workers).")
+_STORAGE = flags.DEFINE_string("storage", None, "--engine=ray: Ray Train's storage_path, which "
+                               "every node must see. Default: <workdir>/ray, or runs/ray for a "
+                               "program.")
 _ADDRESS = flags.DEFINE_string("address", None, "--engine=ray: the Ray cluster's head, HOST:PORT "
                                "(`ray start --head` prints it). Default: a Ray started here for "
                                "the run.")
@@ -217,10 +221,7 @@ def _on_ray(rest, n, strategy, spec):
         raise UsageError(f"--engine=ray cannot run {strategy}: {spec.ray}. On Ray: "
                          f"{', '.join(able)}; {strategy} runs with tfdist launch's own engine "
                          f"(leave --engine out)")
-    if not rest[0].startswith("-"):
-        raise UsageError("--engine=ray runs `tfdist train`: give its flags after -- (e.g. "
-                         "--config=configs/gpt_nano.py); a Keras program of your own runs on Ray "
-                         "through its own TensorflowTrainer (launchers/ray/)")
+    program = ray_train.program_of(rest)
     if _HOSTS.value is not None or _DISCOVERY.value is not None:
         raise UsageError("--hosts and --discovery are tfdist's own engine's: under --engine=ray "
                          "Ray places the workers on its cluster's nodes (--address)")
@@ -230,10 +231,12 @@ def _on_ray(rest, n, strategy, spec):
     elastic = _elastic(n, strategy, spec, rest)
     if _ADDRESS.value is not None:
         ray_train.check_reachable(_ADDRESS.value)
-    args = _prepared(rest, strategy, dict(os.environ), elastic)
-    return ray_train.run(args, strategy, _workdir_in(rest), n, elastic=elastic,
+    args = [] if program else _prepared(rest, strategy, dict(os.environ), elastic)
+    storage = _STORAGE.value or os.path.join(_workdir_in(args) if args else "runs", "ray")
+    return ray_train.run(args, strategy, storage, n, elastic=elastic,
                          max_restarts=_MAX_RESTARTS.value, address=_ADDRESS.value,
-                         backend=spec.ray_backend)
+                         backend=spec.ray_backend, program=program,
+                         resize_interval=_INTERVAL.value)
 
 
 def _workdir_in(args):

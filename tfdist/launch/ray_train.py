@@ -14,9 +14,10 @@ What runs where:
 * Progress and metrics go to Ray with `ray.train.report` at every epoch end (a barrier every
   worker reaches at the same step): the step, the epoch, the training and validation losses.
 * Backups: tfdist's own (asynchronous, sharded under ZeRO) in `<workdir>/backup`, which every
-  node must see, as Ray's `storage_path` must be (`<workdir>/ray` here). The checkpoint the chief
-  reports with each epoch's metrics is a pointer to them (`tfdist.json`: the step and the backup
-  directory), so Ray's result names the step a restart resumes at; the state itself is not copied.
+  node must see, as Ray's `storage_path` must be (`--storage`, by default `<workdir>/ray`). The
+  checkpoint the chief reports with each epoch's metrics is a pointer to them (`tfdist.json`:
+  the step and the backup directory), so Ray's result names the step a restart resumes at; the
+  state itself is not copied.
 * Faults and resizes are Ray's: a worker that dies fails the group, and Ray starts it again (at
   most `--max_restarts` times: `FailureConfig(max_failures=...)`), with `num_workers=(min, max)`
   on as many workers as the cluster has then. Each start resumes from the newest backup at its
@@ -124,10 +125,12 @@ def _trainer(backend):
     return TensorflowTrainer, {}
 
 
-def run(train_args, strategy, workdir, workers, elastic=None, max_restarts=3, address=None,
-        backend="tensorflow"):
-    """Runs `tfdist train <train_args> --strategy=<strategy>` as `workers` Ray Train workers
-    (`elastic`: (min, max) workers instead), readied by Ray Train `backend` (`Launch.ray_backend`).
+def run(train_args, strategy, storage, workers, elastic=None, max_restarts=3, address=None,
+        backend="tensorflow", program=None, resize_interval=60.0):
+    """Runs `tfdist train <train_args> --strategy=<strategy>` (or the Python `program`, its argv)
+    as `workers` Ray Train workers, with Ray's results in `storage` (`elastic`: (min, max)
+    workers instead, a resize considered every `resize_interval` seconds), readied by Ray Train
+    `backend` (`Launch.ray_backend`).
     Returns the exit status: 0 once the run finished, 1 when Ray gave up."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -135,11 +138,13 @@ def run(train_args, strategy, workdir, workers, elastic=None, max_restarts=3, ad
     trainer_class, backend_keywords = _trainer(backend)
     trainer = trainer_class(
         worker_loop, **backend_keywords,
-        train_loop_config={"args": list(train_args), "strategy": strategy, "cwd": os.getcwd()},
+        train_loop_config={"args": list(train_args), "strategy": strategy, "cwd": os.getcwd(),
+                           "program": program},
         scaling_config=ScalingConfig(num_workers=tuple(elastic) if elastic else workers,
-                                     resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name="tfdist", storage_path=os.path.abspath(
-            os.path.join(workdir, "ray")), failure_config=FailureConfig(max_failures=max_restarts)))
+                                     resources_per_worker={"CPU": 1},
+                                     elastic_resize_monitor_interval_s=resize_interval),
+        run_config=RunConfig(name="tfdist", storage_path=os.path.abspath(storage),
+                             failure_config=FailureConfig(max_failures=max_restarts)))
     try:
         result = trainer.fit()
     except Exception as e:  # Ray's TrainingFailedError: the workers' own errors are above
@@ -167,29 +172,62 @@ POINTER = "tfdist.json"
 
 
 def worker_loop(config):
-    """A Ray Train worker: `tfdist train` in this process, reporting to Ray at each epoch end."""
+    """A Ray Train worker: `tfdist train` in this process (or the Python program given instead),
+    reporting to Ray at each epoch end of every `tfdist.train.train` run in it."""
     # Ray's TensorflowConfig sets TF_USE_LEGACY_KERAS=1 (for tf_keras); tfdist is Keras 3
     # (ray/train/tensorflow/config.py, `_setup_tensorflow_environment`).
     os.environ.pop("TF_USE_LEGACY_KERAS", None)
     os.chdir(config["cwd"])  # (Ray starts its workers in a directory of its session)
-    from absl import flags, logging
+    from absl import logging
     logging.set_verbosity(logging.WARNING)  # (as `tfdist train`: TF's collectives chat at INFO)
-    sys.argv = ["tfdist train", *config["args"], f"--strategy={config['strategy']}"]
-    # (its --config.* overrides are read from sys.argv as its flags are defined: a new process
-    # for each Ray Train worker, so this is the first import)
+    program = config.get("program")
+    sys.argv = list(program) if program else [
+        "tfdist train", *config["args"], f"--strategy={config['strategy']}"]
     from tfdist import cli
-    from tfdist.cli import train as train_cli
-    from tfdist.errors import EXIT_PEER_LOST, PeerLost
-    flags.FLAGS(sys.argv)
     cli.quiet_tensorflow_import()
     from tfdist import train
-    c = train_cli.resolve_config()
-    workdir = train_cli.workdir_of()
+    from tfdist.errors import EXIT_PEER_LOST, PeerLost
+    train.LAUNCHER_CALLBACKS.append(_report_callback)
     try:
-        train.train(c, workdir, extra_callbacks=[_report_callback(c, workdir)])
+        if program:
+            _run_program(program)
+        else:  # (its --config.* overrides are read from sys.argv as its flags are defined: a new
+            # process for each Ray Train worker, so this is the first import)
+            from absl import flags
+
+            from tfdist.cli import train as train_cli
+            flags.FLAGS(sys.argv)
+            train.train(train_cli.resolve_config(), train_cli.workdir_of())
     except PeerLost as e:  # TF's threads may wait on the lost peer: end the actor at once
         print(f"tfdist: error: {e}", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
+
+
+def _run_program(argv):
+    """`python PROGRAM ARGS` (sys.argv) in this process, as its `__main__`; its `sys.exit(0)` is
+    an end."""
+    import runpy
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise RuntimeError(f"{argv[0]} exited with status {e.code}") from None
+
+
+def program_of(rest):
+    """The Python program (its argv) of `tfdist launch --engine=ray -- python PROGRAM ARGS` (or
+    `-- PROGRAM.py ARGS`), or None when `rest` are `tfdist train` flags; UsageError for anything
+    else (a Ray Train worker runs Python in its own process)."""
+    if rest[0].startswith("-"):
+        return None
+    argv = rest[1:] if os.path.basename(rest[0]).startswith("python") else rest
+    if not argv or not argv[0].endswith(".py") or not os.path.isfile(argv[0]):
+        raise UsageError(f"--engine=ray runs `tfdist train` (its flags after --) or a Python "
+                         f"program (`-- python PROGRAM.py ARGS`), not '{' '.join(rest[:2])}'; a "
+                         f"Keras program of your own can also run through its own "
+                         f"TensorflowTrainer (launchers/ray/)")
+    return argv
 
 
 def _report_callback(c, workdir):

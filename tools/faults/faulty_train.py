@@ -7,7 +7,8 @@ callbacks); it patches nothing.
         --kill-at-step 7 --kill-worker 1
 
 Config overrides are a JSON dict of dotted keys applied to configs/<--config>.py (gpt_nano).
-Prints one `DRIVER_RESULT {...}` JSON line at the end. Every executed step appends a line
+Prints one `DRIVER_RESULT {...}` JSON line at the end (with the worker index and the host's
+addresses). Every executed step appends a line
 `<worker index> <pid> <loss>` to WORKDIR/executed_steps.txt, so a caller can count the steps that
 really ran, across restarts.
 
@@ -62,6 +63,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def own_addresses():
+    """This host's IPv4 addresses other than loopback (a test host's: its namespace's)."""
+    import socket
+
+    import psutil
+    return sorted(a.address for addresses in psutil.net_if_addrs().values() for a in addresses
+                  if a.family == socket.AF_INET and not a.address.startswith("127."))
 
 
 def main():
@@ -216,7 +226,8 @@ def main():
         windows.on_input = None
         rows = [x.numpy() for x, _ in windows.dataset_fn(0, args.dump_inputs)(ctx)]
         np.save(os.path.join(args.workdir, f"inputs-w{worker}.npy"), np.stack(rows))
-    print("DRIVER_RESULT " + json.dumps(result), flush=True)
+    print("DRIVER_RESULT " + json.dumps({**result, "worker": worker,
+                                         "addresses": own_addresses()}), flush=True)
     if args.hold_at_end and spec is not None and spec.is_chief:
         open(os.path.join(args.workdir, "ended"), "w").close()
         deadline = time.monotonic() + 300
