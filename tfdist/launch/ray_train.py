@@ -70,6 +70,17 @@ def _unreachable(address, why):
 # driver showed each line twice), without colour codes.
 QUIET = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_COLOR_PREFIX": "0"}
 
+# Ray 2.60 workaround: after a node is lost, an elastic group's restart can ask for the lost
+# node's workers too. ElasticScalingPolicy (ray/train/v2/_internal/execution/scaling_policy/
+# elastic.py) reads the AutoscalingCoordinator's reservations without `recompute`, and the
+# coordinator refreshes its view of the nodes every 20 s (DefaultAutoscalingCoordinator.
+# TICK_INTERVAL_S); ray-project/ray#66001 added the recompute for callers that pin workers. The
+# group then waits for a placement group that cannot be placed until RAY_TRAIN_WORKER_GROUP_START_
+# TIMEOUT_S (60 s by default) and retries (a controller error: it does not count against
+# --max_restarts). Measured on 3 nodes here: on 1 worker 71 s after the kill, against ~25 s
+# once that wait is 15 s. Remove when Ray's elastic policy recomputes after a failure.
+START_TIMEOUT = ("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
+
 
 def connect(address):
     """`ray.init` on the cluster at `address` (a UsageError, or after CONNECT_TIMEOUT seconds one
@@ -78,9 +89,11 @@ def connect(address):
     import threading
 
     import ray
-    runtime_env = {"env_vars": QUIET}
+    variable, seconds = START_TIMEOUT
+    env_vars = {**QUIET, variable: os.environ.get(variable, seconds)}  # (a user's value wins)
+    runtime_env = {"env_vars": env_vars}
+    os.environ.update(env_vars)  # (the driver prints the workers' lines; and a Ray started here)
     if not address:
-        os.environ.update(QUIET)  # (also for the processes of the Ray started here)
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False,
                  runtime_env=runtime_env)
         return

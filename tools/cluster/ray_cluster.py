@@ -40,6 +40,13 @@ RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 PORT = 6379
 START_BOUND = 90.0  # seconds for a node's `ray start` to say it runs
 STARTED = "Ray runtime started."
+# The GCS's health check of each node: every second, with 0.5 s to answer; 3 missed in a row and
+# the node is dead (about 4 s). With Ray's defaults a node cut off here was still alive after 25 s
+# (measured). That is longer than TF's coordination service takes to abort the survivors'
+# collectives (10 s): Ray Train then restarted the group on both nodes, and waited out its 60 s
+# start timeout for the dead one.
+NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "500",
+              "RAY_health_check_failure_threshold": "3"}
 
 
 class RayCluster:
@@ -53,7 +60,7 @@ class RayCluster:
         self.starts = {}  # node: how many times its log has said it started
         self.dir = tempfile.mkdtemp(prefix=f"{net.name}-ray-")
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
-                    "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+                    "RAY_AUTH_TOKEN": secrets.token_hex(16), **NODE_DEATH}
 
     @property
     def address(self):
