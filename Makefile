@@ -7,7 +7,8 @@ HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
-        chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition chaos-elastic plan-validate plan-measured clean cluster-tools
+        chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition chaos-elastic chaos-ray \
+        bench-node-loss plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
 
@@ -142,6 +143,11 @@ bench-backup: $(HOROVOD)
 bench-elastic: $(STAMP)
 	$(BIN)/python tools/bench/elastic.py
 
+# Time to resume after a node loss and to grow back: Ray against tfdist's elastic path (root).
+bench-node-loss: $(HOROVOD) cluster-tools
+	$(BIN)/python tools/bench/node_loss.py --strategy=multi_worker_mirrored
+	$(BIN)/python tools/bench/node_loss.py --strategy=horovod --rounds=1
+
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
 # On shaped links between tools/cluster/netcluster.py's hosts (root), at 1 and 10 Gbit/s: allreduce bus
 # bandwidth and the 2-process scaling of gpt_mini (MWMS, Horovod +- fp16, parameter server), each
@@ -233,3 +239,8 @@ chaos-partition: $(HOROVOD) cluster-tools
 chaos-elastic: $(HOROVOD) cluster-tools
 	$(BIN)/python tools/faults/chaos_elastic.py --strategy=multi_worker_mirrored --trials=5
 	$(BIN)/python tools/faults/chaos_elastic.py --strategy=horovod --trials=5
+
+# A 3-node Ray cluster in network namespaces: a node lost, the group restarted, grown back (root).
+chaos-ray: $(HOROVOD) cluster-tools
+	$(BIN)/python tools/faults/chaos_ray.py --strategy=multi_worker_mirrored --trials=5
+	$(BIN)/python tools/faults/chaos_ray.py --strategy=horovod --trials=5

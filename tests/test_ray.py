@@ -140,22 +140,45 @@ def test_an_address_that_never_answers_ends_within_the_bound():
 PROGRAM = "launchers/ray/keras_on_ray.py"
 
 
-def program_losses(tmp_path, *args):
-    out = tmp_path / f"losses{len(list(tmp_path.glob('losses*')))}.json"
+def program_result(tmp_path, *args):
+    out = tmp_path / f"losses{len(list(tmp_path.glob('losses*.json')))}.json"
     p = run([sys.executable, PROGRAM, f"--out={out}", *args], timeout=600)
     [line] = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):])["losses"]
+    return json.loads(line[len("RESULT "):])
+
+
+def program_losses(tmp_path, *args):
+    return program_result(tmp_path, *args)["losses"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.long), 3])  # (0: time; the
-# first test trains under multi_worker_mirrored with Ray's TF_CONFIG too)
-def test_a_users_ray_program_equals_one_process(tmp_path, zero):
-    """`TensorflowTrainer` with 2 workers whose loop takes `tfdist.strategies.get(
-    "multi_worker_mirrored", zero=...)`: the per-epoch losses equal the same loop's under
-    `single`, without Ray, within 1e-5 (measured: 1.2e-7 with zero=3, 1.3e-7 without)."""
+@pytest.mark.parametrize("strategy,zero", [
+    pytest.param("multi_worker_mirrored", 0, marks=pytest.mark.long),  # (time: the tests above
+    ("multi_worker_mirrored", 3),  # train under multi_worker_mirrored with Ray's TF_CONFIG too)
+    pytest.param("horovod", 0, marks=pytest.mark.horovod)])
+def test_a_users_ray_program_equals_one_process(tmp_path, strategy, zero):
+    """2 Ray Train workers whose loop takes `tfdist.strategies.get(strategy, zero=...)`:
+    `TensorflowTrainer` for multi_worker_mirrored, Ray's `DataParallelTrainer` with tfdist's
+    `HorovodGlooConfig` for horovod. The per-epoch losses equal the same loop's under `single`,
+    without Ray, within 1e-5 (measured: 1.2e-7 with zero=3, 1.3e-7 without)."""
     want = program_losses(tmp_path, "--no_ray", "--strategy=single")
-    got = program_losses(tmp_path, "--workers=2", "--strategy=multi_worker_mirrored",
-                         f"--zero={zero}")
+    got = program_losses(tmp_path, "--workers=2", f"--strategy={strategy}", f"--zero={zero}")
     assert len(got) == len(want) == 3
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backup", [True, pytest.param(False, marks=pytest.mark.long)])
+def test_keras_backup_and_restore_survives_a_ray_restart(tmp_path, backup):
+    """Worker 1 of the user's program exits after epoch 2 (after Keras's BackupAndRestore wrote
+    it) in the first attempt. Ray (max_failures=1) starts the group again and the backup resumes
+    it at epoch 3: rank 0 ran epochs 1, 2, 3, and every epoch's loss equals the uninterrupted
+    loop's within 1e-5. The companion (`backup=False`, `make test-long`): without the backup the
+    restarted group runs epochs 1, 2, 1, 2, 3."""
+    want = program_losses(tmp_path, "--no_ray", "--strategy=single")
+    r = program_result(tmp_path, "--workers=2", "--strategy=multi_worker_mirrored",
+                       "--fail_once_after_epoch=2", *([] if backup else ["--no_backup"]))
+    assert r["restarted"], r
+    assert r["epochs_run"] == ([1, 2, 3] if backup else [1, 2, 1, 2, 3]), r
+    assert len(r["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(r["losses"], want)) <= 1e-5, (r, want)

@@ -1,19 +1,32 @@
 """A user's own Keras program on Ray, written the way Ray Train's docs write one
 (`TensorflowTrainer(train_loop_per_worker=...)`), whose loop takes its strategy from tfdist: the
-one distribution-specific line is `tfdist.strategies.get(...)`. Ray gives each worker a
-`TF_CONFIG` of worker tasks only, which is what `multi_worker_mirrored` reads (worker 0 is the
-chief); `zero=3` stores each weight on one worker.
+one distribution-specific line in the loop is `tfdist.strategies.get(...)`.
+
+* `multi_worker_mirrored`: Ray gives each worker a `TF_CONFIG` of worker tasks only, which is
+  what it reads (worker 0 is the chief); `zero=3` stores each weight on one worker.
+* `horovod`: Ray Train V2 has no Horovod trainer, so the workers meet through tfdist's backend
+  (`tfdist.launch.ray_horovod.HorovodGlooConfig`, with Ray's `DataParallelTrainer`): Horovod's
+  Gloo rendezvous, as `horovodrun` starts it.
+* Keras's `BackupAndRestore` writes to a directory every node sees. When a worker dies, Ray
+  (`FailureConfig(max_failures=...)`) starts the group again and the backup resumes it at the
+  epoch after the last one backed up.
 
     python launchers/ray/keras_on_ray.py --workers=2 --strategy=multi_worker_mirrored
     python launchers/ray/keras_on_ray.py --workers=2 --strategy=multi_worker_mirrored --zero=3
+    python launchers/ray/keras_on_ray.py --workers=2 --strategy=horovod
     python launchers/ray/keras_on_ray.py --address=HEAD:6379 --workers=4 ...   # a Ray cluster
     python launchers/ray/keras_on_ray.py --no_ray --strategy=single  # the same loop, no Ray
 
-Rank 0 writes the per-epoch losses to `--out` (a JSON list; a path every node sees: Train V2's
-`fit().metrics` is None when the workers report metrics without a checkpoint).
+Rank 0 writes each epoch's loss to `--out` (a JSON list, rewritten at every epoch end, so a run
+restarted from its backup keeps the epochs it does not run again; a path every node sees: Train
+V2's `fit().metrics` is None when the workers report metrics without a checkpoint), and the
+epochs it ran, across restarts, to `<out>.epochs`.
+`--fail_once_after_epoch=N`: worker 1 exits at the end of epoch N (after its backup) in the
+first attempt only, as a lost worker would. `--no_backup` leaves BackupAndRestore out.
 """
 import argparse
 import json
+import os
 
 BATCH, STEPS, EPOCHS = 64, 8, 3  # the global batch, steps per epoch
 
@@ -37,16 +50,32 @@ def train_loop_per_worker(config):
                                   keras.layers.Dense(10)])
         model.compile(optimizer=keras.optimizers.Adam(1e-2),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    callbacks = []
+    rank = 0
+    callbacks = [] if config["no_backup"] else [
+        keras.callbacks.BackupAndRestore(config["backup_dir"])]
     if config["ray"]:
         import ray.train
+        rank = ray.train.get_context().get_world_rank()
         callbacks.append(keras.callbacks.LambdaCallback(  # progress to Ray, every epoch
             on_epoch_end=lambda epoch, logs: ray.train.report({"epoch": epoch + 1, **logs})))
-    losses = model.fit(data, epochs=EPOCHS, callbacks=callbacks, verbose=0).history["loss"]
-    rank = ray.train.get_context().get_world_rank() if config["ray"] else 0
+    callbacks.append(keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: record(config, rank, epoch, logs)))
+    model.fit(data, epochs=EPOCHS, callbacks=callbacks, verbose=0)
+
+
+def record(config, rank, epoch, logs):
+    """Rank 0: this epoch's loss into --out. Then --fail_once_after_epoch's exit (worker 1)."""
     if rank == 0:
+        losses = json.load(open(config["out"])) if os.path.exists(config["out"]) else []
         with open(config["out"], "w") as f:
-            json.dump([float(v) for v in losses], f)
+            json.dump(losses[:epoch] + [float(logs["loss"])], f)
+        with open(config["out"] + ".epochs", "a") as f:  # the epochs run, across restarts
+            f.write(f"{epoch + 1}\n")
+    failed = config["out"] + ".failed"
+    if rank == 1 and epoch + 1 == config["fail_once_after_epoch"] and not os.path.exists(failed):
+        open(failed, "w").close()
+        print(f"keras_on_ray: worker 1 exits after epoch {epoch + 1}", flush=True)
+        os._exit(1)
 
 
 def main():
@@ -57,23 +86,36 @@ def main():
     ap.add_argument("--address", default=None, help="a Ray cluster's HOST:PORT (default: a Ray "
                     "started here)")
     ap.add_argument("--out", default="keras_on_ray_losses.json")
+    ap.add_argument("--fail_once_after_epoch", type=int, default=0)
     ap.add_argument("--no_ray", action="store_true", help="run the loop here, without Ray")
+    ap.add_argument("--no_backup", action="store_true", help="leave BackupAndRestore out")
     args = ap.parse_args()
-    import os
-    config = {"strategy": args.strategy, "zero": args.zero, "ray": not args.no_ray,
-              "out": os.path.abspath(args.out)}
+    out = os.path.abspath(args.out)
+    config = {"strategy": args.strategy, "zero": args.zero, "ray": not args.no_ray, "out": out,
+              "backup_dir": out + ".backup", "fail_once_after_epoch": args.fail_once_after_epoch,
+              "no_backup": args.no_backup}
     if args.no_ray:
         train_loop_per_worker(config)
     else:
         import ray
-        from ray.train import RunConfig, ScalingConfig
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.tensorflow import TensorflowTrainer
         ray.init(address=args.address)
-        TensorflowTrainer(train_loop_per_worker, train_loop_config=config,
-                          scaling_config=ScalingConfig(num_workers=args.workers),
-                          run_config=RunConfig(storage_path=os.path.dirname(config["out"]))).fit()
-    print("RESULT " + json.dumps({"losses": json.load(open(config["out"])),
-                                  "workers": 1 if args.no_ray else args.workers}), flush=True)
+        trainer, backend = TensorflowTrainer, {}
+        if args.strategy == "horovod":  # Horovod's ranks: tfdist's Ray Train backend
+            from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+            from tfdist.launch.ray_horovod import HorovodGlooConfig
+            trainer, backend = DataParallelTrainer, {"backend_config": HorovodGlooConfig()}
+        trainer(train_loop_per_worker, **backend, train_loop_config=config,
+                scaling_config=ScalingConfig(num_workers=args.workers),
+                run_config=RunConfig(storage_path=os.path.dirname(out),
+                                     failure_config=FailureConfig(max_failures=1))).fit()
+    print("RESULT " + json.dumps({"losses": json.load(open(out)),
+                                  "workers": 1 if args.no_ray else args.workers,
+                                  "restarted": os.path.exists(out + ".failed"),
+                                  "epochs_run": [int(e) for e in open(out + ".epochs")]}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -79,23 +79,10 @@ def elastic_trial(net, work, data_dir, strategy, at_step, grow=True, steps=STEPS
                       "--discovery_interval=1", "--max_restarts=2", "--backoff=1", "--",
                       *train_flags(work, data_dir, steps)],
                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = []
-    reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + timeout
+    run = Follow(p, work, timeout)
     r = {"cut_at": None, "continued_s": None, "offered_at": None, "joined_at": None,
          "joined_s": None}
-
-    def last():
-        return (rows(work) or [{"step": 0, "replicas": 0}])[-1]
-
-    def wait(condition):
-        while not condition():
-            if p.poll() is not None or time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        return True
-
+    last, wait = run.last, run.wait
     if wait(lambda: last()["step"] >= at_step):
         r["cut_at"] = last()["step"]
         net.kill(1)
@@ -113,15 +100,42 @@ def elastic_trial(net, work, data_dir, strategy, at_step, grow=True, steps=STEPS
                                   if x["step"] > r["offered_at"] and x["replicas"] == 2)
                     r["joined_at"] = joined["step"]
                     r["joined_s"] = round(joined["time"] - joined["step_time"] - offered, 1)
-    wait(lambda: False)  # until the launcher ends (or the deadline)
-    if p.poll() is None:
-        p.kill()
-    p.wait()
-    reader.join(timeout=10)
-    r.update(exit=p.returncode, output="".join(out), rows=rows(work))
+    r.update(run.end())
     resumed = re.findall(r"resuming from \S+ at step (\d+) of", r["output"])
     r["resumed_at"] = [int(s) for s in resumed]
     return r
+
+
+class Follow:
+    """A launcher `p` (its output read as it comes) and its run's metrics.json in `work`, for at
+    most `timeout` seconds: every wait is bounded, and at the end the launcher is killed."""
+
+    def __init__(self, p, work, timeout):
+        self.p, self.work, self.out = p, work, []
+        self.reader = threading.Thread(target=lambda: self.out.extend(p.stdout), daemon=True)
+        self.reader.start()
+        self.deadline = time.monotonic() + timeout
+
+    def last(self):
+        """The newest step logged (step 0 before the first)."""
+        return (rows(self.work) or [{"step": 0, "replicas": 0}])[-1]
+
+    def wait(self, condition):
+        """Whether `condition()` came true before the launcher ended or the deadline."""
+        while not condition():
+            if self.p.poll() is not None or time.monotonic() > self.deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def end(self):
+        """Waits until the launcher ends (or the deadline: it is killed); what it left."""
+        self.wait(lambda: False)
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+        self.reader.join(timeout=10)
+        return {"exit": self.p.returncode, "output": "".join(self.out), "rows": rows(self.work)}
 
 
 def verdict(r, reference, steps=STEPS, grow=True):
@@ -142,49 +156,71 @@ def verdict(r, reference, steps=STEPS, grow=True):
     return checks, diff
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(doc, prefix):
+    """The chaos tools' flags (--strategy, --trials, --seed, --out); --out's default is
+    bench_results/<prefix>-<strategy>.json."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--strategy", default="multi_worker_mirrored",
                     choices=["multi_worker_mirrored", "horovod"])
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    out = args.out or os.path.join(ROOT, "bench_results", f"chaos-elastic-{args.strategy}.json")
+    args.out = args.out or os.path.join(ROOT, "bench_results", f"{prefix}-{args.strategy}.json")
+    return args
+
+
+def trials(args, trial, steps=STEPS, extra=None, **facts):
+    """`args.trials` runs of `trial(work, data_dir, strategy, at_step)` (a dict as
+    `elastic_trial`'s), each checked against one uninterrupted run; `extra(r)`: more columns
+    ({name: value}). Prints the table, writes args.out; 0 if every trial passed, else 1."""
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="tfdist-elastic-")
     data_dir = prepare_data(os.path.join(tmp, "data"))
     ref = os.path.join(tmp, "reference")
-    uninterrupted(ref, data_dir, args.strategy, flags=train_flags(ref, data_dir))
+    uninterrupted(ref, data_dir, args.strategy, flags=train_flags(ref, data_dir, steps))
     reference = [x["loss"] for x in rows(ref)]
     table = []
-    for trial in range(args.trials):
-        work = os.path.join(tmp, f"trial{trial}")
+    for k in range(args.trials):
+        work = os.path.join(tmp, f"trial{k}")
         at = rng.randint(8, 30)
         t = time.monotonic()
-        with NetCluster(3, rate="1gbit") as net:
-            r = elastic_trial(net, work, data_dir, args.strategy, at)
-        checks, diff = verdict(r, reference)
-        table.append({"trial": trial, "kill_at_step": r["cut_at"], "resumed_at": r["resumed_at"],
+        r = trial(work, data_dir, args.strategy, at)
+        with open(work + ".log", "w") as f:
+            f.write(r["output"])
+        checks, diff = verdict(r, reference, steps=steps)
+        table.append({"trial": k, "kill_at_step": r["cut_at"], "resumed_at": r["resumed_at"],
                       "continued_on_1_after_s": r["continued_s"],
                       "offered_at_step": r["offered_at"],
                       "joined_at_step": r["joined_at"], "joined_after_s": r["joined_s"],
-                      "exit": r["exit"],
+                      **(extra(r) if extra else {}), "exit": r["exit"],
                       "max_loss_diff": diff, **{k.replace(" ", "_"): v for k, v in checks.items()},
                       "wall_s": round(time.monotonic() - t, 1), "passed": all(checks.values())})
         print(json.dumps(table[-1]), flush=True)
         if not table[-1]["passed"]:
-            print(r["output"][-4000:], flush=True)
-    head = ("trial", "kill at", "resumed at", "on 1 after", "offered at", "joined at", "exit",
-            "steps once", "batch", "loss diff", "wall", "passed")
+            print(f"{r['output'][-3000:]}\n(all of it: {work}.log)", flush=True)
+    names = list(extra(r)) if extra else []
+    head = ("trial", "kill at", "resumed at", "on 1 after", "offered at", "on 2 at", "on 2 after",
+            *[n.replace("_", " ") for n in names], "exit", "steps once", "batch", "loss diff",
+            "wall", "passed")
     return report(table, head, lambda x: (
         x["trial"], x["kill_at_step"], ",".join(map(str, x["resumed_at"])),
-        f"{x['continued_on_1_after_s']} s", x["offered_at_step"], x["joined_at_step"], x["exit"],
+        f"{x['continued_on_1_after_s']} s", x["offered_at_step"], x["joined_at_step"],
+        f"{x['joined_after_s']} s", *[",".join(map(str, x[n])) for n in names], x["exit"],
         yes(x["steps_once"]), yes(x["global_batch_constant"]),
         "-" if x["max_loss_diff"] is None else f"{x['max_loss_diff']:.1e}", f"{x['wall_s']:.0f} s",
-        yes(x["passed"])), args.strategy, out, steps=STEPS, backup_every=EVERY, batch=BATCH,
-        bound_s=CONTINUE_BOUND, join_bound_s=JOIN_BOUND, tolerance=TOLERANCE,
-        seed=args.seed)
+        yes(x["passed"])), args.strategy, args.out, steps=steps, backup_every=EVERY, batch=BATCH,
+        bound_s=CONTINUE_BOUND, join_bound_s=JOIN_BOUND, tolerance=TOLERANCE, seed=args.seed,
+        **facts)
+
+
+def main():
+    args = arguments(__doc__, "chaos-elastic")
+
+    def trial(work, data_dir, strategy, at):
+        with NetCluster(3, rate="1gbit") as net:
+            return elastic_trial(net, work, data_dir, strategy, at)
+    return trials(args, trial)
 
 
 if __name__ == "__main__":
