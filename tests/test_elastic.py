@@ -213,12 +213,13 @@ def _slurm_node_lost(tmp_path, data_dir, sbatch=()):
         ended = wait_for(lambda: job() not in ("PENDING", "RUNNING"), 600, p)
         state = net.run(0, ["sinfo", "-h", "-N", "-n", "h1", "-o", "%T"], env=env).stdout.strip()
         final = job()
-        try:
-            p.wait(timeout=30)
+        try:  # (once, sbatch --wait saw the ended job later than 30 s: the job's state counts)
+            p.wait(timeout=70)
         except subprocess.TimeoutExpired:  # sbatch --wait, on a node that never answers again
             p.kill()
             p.wait()
-    return {"exit": p.returncode if p.returncode >= 0 else final, "ended": ended,
+    status = p.returncode if p.returncode >= 0 else (0 if final == "COMPLETED" else final)
+    return {"exit": status, "ended": ended,
             "state": state, "continued": continued, "work": work,
             "text": out.read_text() if out.exists() else ""}
 

@@ -42,7 +42,7 @@ def train_loop_per_worker(config):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * STEPS, 32)).astype("float32")
     y = np.argmax(x @ rng.normal(size=(32, 10)), axis=1)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="tanh"),
