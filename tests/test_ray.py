@@ -107,6 +107,12 @@ def test_what_ray_cannot_run_is_one_line(args, needle):
     assert_usage_error(ray_launch(*args), needle)
 
 
+def test_a_command_ray_cannot_run_is_one_line():
+    """After --, `tfdist train` flags or a Python program (run in each Ray Train worker)."""
+    assert_usage_error(tfdist("launch", "--engine=ray", "--", "sh", "-c", "true", check=False),
+                       "--engine=ray runs `tfdist train` (its flags after --) or a Python program")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -41,10 +41,10 @@ PORT = 6379
 START_BOUND = 90.0  # seconds for a node's `ray start` to say it runs
 STARTED = "Ray runtime started."
 # The GCS's health check of each node: every second, with 0.5 s to answer; 3 missed in a row and
-# the node is dead (about 4 s). With Ray's defaults a node cut off here was still alive after 25 s
-# (measured). That is longer than TF's coordination service takes to abort the survivors'
-# collectives (10 s): Ray Train then restarted the group on both nodes, and waited out its 60 s
-# start timeout for the dead one.
+# the node is dead (7.2 s after a SIGKILL and a cut link, measured). With Ray's defaults a node
+# cut off here was still alive after 25 s (measured). That is longer than TF's coordination
+# service takes to abort the survivors' collectives (10 s): Ray Train then restarted the group on
+# both nodes, and waited out its 60 s start timeout for the dead one.
 NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "500",
               "RAY_health_check_failure_threshold": "3"}
 

@@ -85,11 +85,11 @@ def elastic_trial(net, work, data_dir, strategy, at_step, grow=True, steps=STEPS
     last, wait = run.last, run.wait
     if wait(lambda: last()["step"] >= at_step):
         r["cut_at"] = last()["step"]
+        killed = time.time()
         net.kill(1)
         net.partition(1)
-        killed = time.monotonic()
         if wait(lambda: any(x["replicas"] == 1 for x in rows(work))):
-            r["continued_s"] = round(time.monotonic() - killed, 1)
+            r["continued_s"] = run.started_alone(killed)
             if grow and wait(lambda: last()["step"] >= GROW_AT):
                 r["offered_at"] = last()["step"]
                 with open(hosts_file, "a") as f:
@@ -101,8 +101,6 @@ def elastic_trial(net, work, data_dir, strategy, at_step, grow=True, steps=STEPS
                     r["joined_at"] = joined["step"]
                     r["joined_s"] = round(joined["time"] - joined["step_time"] - offered, 1)
     r.update(run.end())
-    resumed = re.findall(r"resuming from \S+ at step (\d+) of", r["output"])
-    r["resumed_at"] = [int(s) for s in resumed]
     return r
 
 
@@ -128,14 +126,24 @@ class Follow:
             time.sleep(0.1)
         return True
 
+    def started_alone(self, since):
+        """Seconds from `since` (time.time()) to the start of the first step logged at 1
+        worker."""
+        first = next(x for x in rows(self.work) if x["replicas"] == 1)
+        return round(first["time"] - first["step_time"] - since, 1)
+
     def end(self):
-        """Waits until the launcher ends (or the deadline: it is killed); what it left."""
+        """Waits until the launcher ends (or the deadline: it is killed); what it left, with the
+        steps it said it resumed at (each process's line)."""
         self.wait(lambda: False)
         if self.p.poll() is None:
             self.p.kill()
         self.p.wait()
         self.reader.join(timeout=10)
-        return {"exit": self.p.returncode, "output": "".join(self.out), "rows": rows(self.work)}
+        output = "".join(self.out)
+        return {"exit": self.p.returncode, "output": output, "rows": rows(self.work),
+                "resumed_at": [int(s) for s in re.findall(
+                    r"resuming from \S+ at step (\d+) of", output)]}
 
 
 def verdict(r, reference, steps=STEPS, grow=True):

@@ -26,7 +26,6 @@ Prints a table and writes bench_results/chaos-ray-<strategy>.json. Exit status 1
 fails.
 """
 import os
-import re
 import subprocess
 import sys
 import time
@@ -65,8 +64,7 @@ def ray_trial(net, nodes, work, data_dir, strategy, at_step, grow=True, steps=ST
         nodes.stop(2, hard=True)  # its `ray start`, raylet and workers: SIGKILL, by PID
         net.partition(2)
         if wait(lambda: any(x["replicas"] == 1 for x in rows(work))):
-            first = next(x for x in rows(work) if x["replicas"] == 1)
-            r["continued_s"] = round(first["time"] - first["step_time"] - killed, 1)
+            r["continued_s"] = run.started_alone(killed)
             if grow and wait(lambda: last()["step"] >= GROW_AT):
                 r["offered_at"] = last()["step"]
                 net.heal(2)
@@ -86,8 +84,7 @@ def ray_trial(net, nodes, work, data_dir, strategy, at_step, grow=True, steps=ST
                     r["joined_at"] = joined["step"]
                     r["joined_s"] = round(joined["time"] - joined["step_time"] - offered, 1)
     r.update(run.end())
-    r["resumed_at"] = sorted(set(int(s) for s in re.findall(
-        r"resuming from \S+ at step (\d+) of", r["output"])))
+    r["resumed_at"] = sorted(set(r["resumed_at"]))  # (one line from each worker)
     return r
 
 
