@@ -24,7 +24,9 @@ What runs where:
 * Faults and resizes are Ray's: a worker that dies fails the group, and Ray starts it again (at
   most `--max_restarts` times: `FailureConfig(max_failures=...)`), with `num_workers=(min, max)`
   on as many workers as the cluster has then. Each start resumes from the newest backup at its
-  exact step, resharded to the new size; the global batch stays the same at every size.
+  exact step, resharded to the new size; the global batch stays the same at every size. Before
+  Ray resizes a healthy group, its workers back up the step they are at (`ray_resize`), so a
+  grow loses no step.
 
 Only strategies whose plugin says so run here (`Launch.ray`); the error names them.
 """
@@ -151,6 +153,8 @@ def run(train_args, strategy, storage, workers, elastic=None, max_restarts=3, ad
     Returns the exit status: 0 once the run finished, 1 when Ray gave up."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    from tfdist.launch.ray_resize import StopBeforeResize
     if roles:
         workers = sum(n for _, n in roles)
     connect(address, max(elastic or (workers,)))
@@ -163,7 +167,8 @@ def run(train_args, strategy, storage, workers, elastic=None, max_restarts=3, ad
                                      resources_per_worker={"CPU": 1},
                                      elastic_resize_monitor_interval_s=resize_interval),
         run_config=RunConfig(name="tfdist", storage_path=os.path.abspath(storage),
-                             failure_config=FailureConfig(max_failures=max_restarts)))
+                             failure_config=FailureConfig(max_failures=max_restarts),
+                             callbacks=[StopBeforeResize()] if elastic else None))
     try:
         result = trainer.fit()
     except Exception as e:  # Ray's TrainingFailedError: the workers' own errors are above
@@ -216,6 +221,8 @@ def worker_loop(config):
         strategy = get_class(config["strategy"])
         ray_roles.serve(strategy, spec, {} if program else _strategy_options(strategy))
         return
+    from tfdist.launch import ray_resize
+    from tfdist.runtime.preemption import Preempted
     train.LAUNCHER_CALLBACKS.append(
         lambda c, workdir: _report_callback(c, workdir, followed=bool(servers)))
     try:
@@ -226,6 +233,10 @@ def worker_loop(config):
     except PeerLost as e:  # TF's threads may wait on the lost peer: end the actor at once
         print(f"tfdist: error: {e}", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
+    except Preempted:  # stopped and backed up for Ray's resize (ray_resize): Ray ends the group
+        return
+    finally:
+        ray_resize.ENDED.set()
     if servers:
         from tfdist.launch import ray_roles
         ray_roles.tell_servers(ray_roles.END)
@@ -253,8 +264,11 @@ def _run_program(argv):
     an end."""
     import runpy
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    from tfdist.runtime.preemption import Preempted
     try:
         runpy.run_path(argv[0], run_name="__main__")
+    except Preempted:
+        raise
     except SystemExit as e:
         if e.code not in (None, 0):
             raise RuntimeError(f"{argv[0]} exited with status {e.code}") from None

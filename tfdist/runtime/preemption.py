@@ -47,6 +47,17 @@ import keras
 from tfdist.errors import EXIT_PREEMPTED
 from tfdist.runtime import early
 
+_ACTIVE = []  # the Preemption of each run in progress in this process
+
+
+def request_stop(why):
+    """Asks each run in progress in this process (from any thread) to stop as a preemption signal
+    would: after the step in progress, with a backup, raising `Preempted`. `why` is said for the
+    signal's name (a launcher's reason: "Ray's resize"). Returns whether a run was in progress."""
+    for stop in list(_ACTIVE):
+        stop.request(why)
+    return bool(_ACTIVE)
+
 
 class Preempted(SystemExit):
     """Raised (exit status 75) once the backup of the interrupted step is written."""
@@ -83,8 +94,9 @@ class Preemption(keras.callbacks.Callback):
         self._timer = None  # bounds the time from the signal to the exit
 
     def __enter__(self):
+        _ACTIVE.append(self)
         if threading.current_thread() is not threading.main_thread():
-            return self  # Python delivers signals to the main thread only
+            return self  # Python delivers signals to the main thread only (`request_stop` works)
         for name in self.signals:
             number = getattr(signal, "SIG" + name)
             self._previous[number] = signal.signal(number, self._on_signal)
@@ -94,6 +106,8 @@ class Preemption(keras.callbacks.Callback):
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if isinstance(exc, Preempted) and self._previous:
             # The backup is written and the process is on its way out (TF's teardown can take
             # seconds). A TERM now, as srun's --kill-on-bad-exit sends to the tasks still exiting
@@ -113,9 +127,13 @@ class Preemption(keras.callbacks.Callback):
             self._timer.cancel()
 
     def _on_signal(self, number, frame):
+        self.request(signal.Signals(number).name)
+
+    def request(self, why):
+        """As a signal `why` would: the stop after the step in progress (any thread)."""
         if self.received is not None:
             return  # already stopping
-        self.received = signal.Signals(number).name
+        self.received = why
         self.say(f"tfdist: {self.received}: finishing the step in progress and writing a backup "
                  f"(within {self.grace_secs:g} s)")
         self._timer = threading.Timer(self.grace_secs, self._out_of_time)
