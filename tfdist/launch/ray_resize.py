@@ -35,7 +35,7 @@ def stop_here(timeout):
     until it ended (None: no run was in progress, or it did not end within `timeout` s)."""
     from tfdist.runtime import preemption
     start = time.monotonic()
-    if not preemption.request_stop(WHY):
+    if not preemption.request_stop(WHY, "the group of the new size resumes from it"):
         return None
     return round(time.monotonic() - start, 1) if ENDED.wait(timeout) else None
 

@@ -50,12 +50,13 @@ from tfdist.runtime import early
 _ACTIVE = []  # the Preemption of each run in progress in this process
 
 
-def request_stop(why):
+def request_stop(why, then):
     """Asks each run in progress in this process (from any thread) to stop as a preemption signal
     would: after the step in progress, with a backup, raising `Preempted`. `why` is said for the
-    signal's name (a launcher's reason: "Ray's resize"). Returns whether a run was in progress."""
+    signal's name (a launcher's reason: "Ray's resize"), `then` for what comes next. Returns
+    whether a run was in progress."""
     for stop in list(_ACTIVE):
-        stop.request(why)
+        stop.request(why, then)
     return bool(_ACTIVE)
 
 
@@ -92,6 +93,7 @@ class Preemption(keras.callbacks.Callback):
         self._at_epoch_end = False
         self._previous = {}  # signal number -> the handler before ours
         self._timer = None  # bounds the time from the signal to the exit
+        self._then = None  # what comes after the stop, when a launcher asked for it
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -129,11 +131,13 @@ class Preemption(keras.callbacks.Callback):
     def _on_signal(self, number, frame):
         self.request(signal.Signals(number).name)
 
-    def request(self, why):
-        """As a signal `why` would: the stop after the step in progress (any thread)."""
+    def request(self, why, then=None):
+        """As a signal `why` would: the stop after the step in progress (any thread); `then`:
+        what comes next, said at the stop."""
         if self.received is not None:
             return  # already stopping
         self.received = why
+        self._then = then
         self.say(f"tfdist: {self.received}: finishing the step in progress and writing a backup "
                  f"(within {self.grace_secs:g} s)")
         self._timer = threading.Timer(self.grace_secs, self._out_of_time)
@@ -167,8 +171,9 @@ class Preemption(keras.callbacks.Callback):
     def _stop(self):
         step = self.save()  # (the timer still bounds the rest: a hung teardown ends at it)
         why = self.received or "another process's signal"
-        self.say(f"tfdist: preempted ({why}) at step {step}: backup written; exiting with status "
-                 f"{EXIT_PREEMPTED} (run the same command to resume)")
+        then = self._then or (f"exiting with status {EXIT_PREEMPTED} (run the same command to "
+                              f"resume)")
+        self.say(f"tfdist: preempted ({why}) at step {step}: backup written; {then}")
         raise Preempted(step)
 
     def get_config(self):
