@@ -140,6 +140,52 @@ def test_tfdist_train_on_a_3_node_ray_cluster(tmp_path, data_dir, single_referen
 
 
 
+def test_a_resize_stops_the_run_of_another_thread_after_its_step_with_a_backup():
+    """What Ray's controller runs on each worker before a resize (tfdist/launch/ray_resize.py):
+    the run in progress (in Ray Train's training thread, where no signal reaches) stops after
+    the step in progress, writes its backup and ends; `stop_here` returns once it has. With no
+    run in progress it returns at once."""
+    import threading
+
+    import keras
+    import numpy as np
+
+    from tfdist.launch import ray_resize
+    from tfdist.runtime.preemption import Preempted, Preemption
+    assert ray_resize.stop_here(1) is None  # no run in progress
+    ray_resize.ENDED.clear()
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    steps, said, saved, ended = [], [], [], []
+    stepping = threading.Event()
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(batch + 1)
+            stepping.set()
+            time.sleep(0.01)
+
+    def training():  # (a thread, as Ray Train's)
+        stop = Preemption(["TERM"], save=lambda: saved.append(len(steps)) or len(steps),
+                          say=said.append)
+        with stop:
+            try:
+                model.fit(np.ones((2000, 2)), np.ones((2000, 1)), batch_size=1, verbose=0,
+                          callbacks=[Steps(), stop])
+            except Preempted as e:
+                ended.append(e.step)
+        ray_resize.ENDED.set()
+
+    thread = threading.Thread(target=training, daemon=True)
+    thread.start()
+    assert stepping.wait(60)
+    took = ray_resize.stop_here(60)
+    thread.join(60)
+    assert took is not None and ended == saved == [len(steps)] and len(steps) < 2000, steps
+    assert said[-1] == (f"tfdist: preempted (Ray's resize) at step {len(steps)}: backup written; "
+                        f"the group of the new size resumes from it"), said
+
+
 # -- bad input: one line, exit 2 -------------------------------------------------------------------
 def ray_launch(*args, check=False, **kw):
     return tfdist("launch", "--engine=ray", *args, "--", NANO, check=check, **kw)

@@ -90,8 +90,7 @@ START_TIMEOUT = ("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
 def connect(address, workers=1):
     """`ray.init` on the cluster at `address` (a UsageError, or after CONNECT_TIMEOUT seconds one
     line and exit 2, when it is not a Ray cluster); without one, a Ray for this run on this
-    machine, its node on 127.0.0.1 (the workers' TF_CONFIG addresses are its node's), with a CPU
-    for each of the `workers` (at least this machine's)."""
+    machine, with a CPU for each of the `workers` (at least this machine's CPUs)."""
     import threading
 
     import ray
@@ -133,7 +132,7 @@ def connect(address, workers=1):
     sys.stderr.write(said)
 
 
-def _trainer(backend, roles, loopback):
+def _backend_config(backend, roles, loopback):
     """Ray Train V2's DataParallelTrainer's backend for a plugin's `Launch.ray_backend` (`roles`:
     its TF_CONFIG tasks, None for worker tasks only; `loopback`: every worker on this machine)."""
     if backend == "horovod_gloo":
@@ -160,7 +159,7 @@ def run(train_args, strategy, storage, workers, elastic=None, max_restarts=3, ad
     connect(address, max(elastic or (workers,)))
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
     trainer = DataParallelTrainer(
-        worker_loop, backend_config=_trainer(backend, roles, loopback=not address),
+        worker_loop, backend_config=_backend_config(backend, roles, loopback=not address),
         train_loop_config={"args": list(train_args), "strategy": strategy, "cwd": os.getcwd(),
                            "program": program, "servers": list(servers)},
         scaling_config=ScalingConfig(num_workers=tuple(elastic) if elastic else workers,
@@ -199,8 +198,8 @@ def worker_loop(config):
     """A Ray Train worker: `tfdist train` in this process (or the Python program given instead),
     reporting to Ray at each epoch end of every `tfdist.train.train` run in it; or, on a server
     task of a strategy that has them (`config["servers"]`), its server until the chief is done."""
-    # Ray's TensorflowConfig sets TF_USE_LEGACY_KERAS=1 (for tf_keras); tfdist is Keras 3
-    # (ray/train/tensorflow/config.py, `_setup_tensorflow_environment`).
+    # Not tf_keras (Ray's own TensorflowConfig sets TF_USE_LEGACY_KERAS=1 for it, in
+    # ray/train/tensorflow/config.py, `_setup_tensorflow_environment`): tfdist is Keras 3.
     os.environ.pop("TF_USE_LEGACY_KERAS", None)
     os.chdir(config["cwd"])  # (Ray starts its workers in a directory of its session)
     from absl import logging
