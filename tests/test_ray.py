@@ -144,7 +144,7 @@ def test_a_resize_stops_the_run_of_another_thread_after_its_step_with_a_backup()
     """What Ray's controller runs on each worker before a resize (tfdist/launch/ray_resize.py):
     the run in progress (in Ray Train's training thread, where no signal reaches) stops after
     the step in progress, writes its backup and ends; `stop_here` returns once it has. With no
-    run in progress it returns at once."""
+    run training (none yet, or past its last step) it returns at once."""
     import threading
 
     import keras
@@ -184,6 +184,16 @@ def test_a_resize_stops_the_run_of_another_thread_after_its_step_with_a_backup()
     assert took is not None and ended == saved == [len(steps)] and len(steps) < 2000, steps
     assert said[-1] == (f"tfdist: preempted (Ray's resize) at step {len(steps)}: backup written; "
                         f"the group of the new size resumes from it"), said
+
+    class Late(keras.callbacks.Callback):  # a resize after the last step: the run is left alone
+        def on_train_end(self, logs=None):
+            late.append(ray_resize.stop_here(1))
+
+    late, stop = [], Preemption(["TERM"], save=lambda: 0, say=said.append)
+    with stop:
+        model.fit(np.ones((4, 2)), np.ones((4, 1)), batch_size=1, verbose=0,
+                  callbacks=[stop, Late()])
+    assert late == [None] and stop.received is None
 
 
 # -- bad input: one line, exit 2 -------------------------------------------------------------------

@@ -28,6 +28,9 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 
 ENDED = threading.Event()  # on a worker: its run has ended (set by ray_train.worker_loop)
 WHY = "Ray's resize"
+# seconds a worker waits for its run to end, beyond the stop's own bound (backup.grace_secs, 30 s
+# by default: then the worker exits, and the group resumes from the newest backup before)
+TIMEOUT = 60.0
 
 
 def stop_here(timeout):
@@ -43,7 +46,7 @@ def stop_here(timeout):
 class StopBeforeResize(ControllerCallback, WorkerGroupCallback):
     """In Ray Train's controller: a healthy group backs up its step before Ray resizes it."""
 
-    def __init__(self, timeout=60.0):
+    def __init__(self, timeout=TIMEOUT):
         self.timeout = timeout
         self.group = None
 
@@ -65,8 +68,10 @@ class StopBeforeResize(ControllerCallback, WorkerGroupCallback):
         size = len(self.group.get_workers())
         print(f"tfdist: Ray resizes the group from {size} to {resize_decision.num_workers} "
               f"worker(s): its workers back up their step first", flush=True)
-        try:
-            took = self.group.execute(stop_here, self.timeout)
+        import ray
+        try:  # (bounded: a worker lost meanwhile must not hold the controller)
+            took = ray.get(self.group.execute_async(stop_here, self.timeout),
+                           timeout=self.timeout + 10)
         except Exception as e:  # a worker lost meanwhile: the newest backup, as after a fault
             print(f"tfdist: the group could not back up before the resize ({e!r:.200})", flush=True)
             return

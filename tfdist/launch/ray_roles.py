@@ -69,7 +69,8 @@ def tf_configs(roles, addresses):
 def _address_and_port(loopback):
     from ray.train._internal.utils import get_address_and_port
     address, port = get_address_and_port()
-    return f"{'127.0.0.1' if loopback else address}:{port}"
+    address = "127.0.0.1" if loopback else address
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"  # (IPv6 in brackets)
 
 
 def _set_tf_config(text):

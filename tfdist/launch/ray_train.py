@@ -89,8 +89,9 @@ START_TIMEOUT = ("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
 
 def connect(address, workers=1):
     """`ray.init` on the cluster at `address` (a UsageError, or after CONNECT_TIMEOUT seconds one
-    line and exit 2, when it is not a Ray cluster); without one, a Ray for this run on this
-    machine, with a CPU for each of the `workers` (at least this machine's CPUs)."""
+    line and exit 2, when it is not a Ray cluster); without one, the cluster RAY_ADDRESS names
+    (as `ray job submit` sets it), else a Ray for this run on this machine, with a CPU for each of
+    the `workers` (at least this machine's CPUs). Returns whether Ray was started here."""
     import threading
 
     import ray
@@ -98,10 +99,14 @@ def connect(address, workers=1):
     env_vars = {**QUIET, variable: os.environ.get(variable, seconds)}  # (a user's value wins)
     runtime_env = {"env_vars": env_vars}
     os.environ.update(env_vars)  # (the driver prints the workers' lines; and a Ray started here)
-    if not address:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False,
-                 runtime_env=runtime_env, num_cpus=max(os.cpu_count() or 1, workers))
-        return
+    if not address and os.environ.get("RAY_ADDRESS"):
+        ray.init(configure_logging=False, runtime_env=runtime_env)  # (Ray reads the variable)
+        return False
+    if not address:  # ("local": not a cluster an earlier `ray start` left in /tmp/ray)
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 configure_logging=False, runtime_env=runtime_env,
+                 num_cpus=max(os.cpu_count() or 1, workers))
+        return True
 
     # Ray's C++ client logs each retry on file descriptor 2 while it connects: held back, and
     # passed on only once connected (a failure is said in one line instead)
@@ -130,6 +135,7 @@ def connect(address, workers=1):
         os.close(saved)
         held.close()
     sys.stderr.write(said)
+    return False
 
 
 def _backend_config(backend, roles, loopback):
@@ -152,22 +158,25 @@ def run(train_args, strategy, storage, workers, elastic=None, max_restarts=3, ad
     Returns the exit status: 0 once the run finished, 1 when Ray gave up."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-
-    from tfdist.launch.ray_resize import StopBeforeResize
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
     if roles:
         workers = sum(n for _, n in roles)
-    connect(address, max(elastic or (workers,)))
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+    here = connect(address, max(elastic or (workers,)))
+    callbacks = None
+    if elastic:
+        from tfdist.launch.ray_resize import StopBeforeResize
+        callbacks = [StopBeforeResize()]
     trainer = DataParallelTrainer(
-        worker_loop, backend_config=_backend_config(backend, roles, loopback=not address),
+        worker_loop, backend_config=_backend_config(backend, roles, loopback=here),
         train_loop_config={"args": list(train_args), "strategy": strategy, "cwd": os.getcwd(),
-                           "program": program, "servers": list(servers)},
+                           "program": program, "servers": list(servers),
+                           "elastic": bool(elastic)},
         scaling_config=ScalingConfig(num_workers=tuple(elastic) if elastic else workers,
                                      resources_per_worker={"CPU": 1},
                                      elastic_resize_monitor_interval_s=resize_interval),
         run_config=RunConfig(name="tfdist", storage_path=os.path.abspath(storage),
                              failure_config=FailureConfig(max_failures=max_restarts),
-                             callbacks=[StopBeforeResize()] if elastic else None))
+                             callbacks=callbacks))
     try:
         result = trainer.fit()
     except Exception as e:  # Ray's TrainingFailedError: the workers' own errors are above
@@ -220,7 +229,6 @@ def worker_loop(config):
         strategy = get_class(config["strategy"])
         ray_roles.serve(strategy, spec, {} if program else _strategy_options(strategy))
         return
-    from tfdist.launch import ray_resize
     from tfdist.runtime.preemption import Preempted
     train.LAUNCHER_CALLBACKS.append(
         lambda c, workdir: _report_callback(c, workdir, followed=bool(servers)))
@@ -233,9 +241,11 @@ def worker_loop(config):
         print(f"tfdist: error: {e}", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
     except Preempted:  # stopped and backed up for Ray's resize (ray_resize): Ray ends the group
-        return
+        pass
     finally:
-        ray_resize.ENDED.set()
+        if config.get("elastic"):
+            from tfdist.launch import ray_resize
+            ray_resize.ENDED.set()
     if servers:
         from tfdist.launch import ray_roles
         ray_roles.tell_servers(ray_roles.END)
@@ -291,6 +301,7 @@ def program_of(rest):
 def _report_callback(c, workdir, followed=False):
     import ray.train
 
+    from tfdist.runtime import preemption
     from tfdist.runtime.lazy import keras
     from tfdist.train import backup_dir
 
@@ -303,6 +314,8 @@ def _report_callback(c, workdir, followed=False):
             step = (epoch + 1) * c.train.steps_per_epoch
             metrics = {"step": step, "epoch": epoch + 1,
                        **{k: float(v) for k, v in logs.items() if k in ("loss", "val_loss")}}
+            if preemption.stopping():  # every worker agreed to stop here: none reports (a
+                return  # barrier), as Ray's controller, waiting for the stop, takes no report
             if ray.train.get_context().get_world_rank() != 0:
                 ray.train.report(metrics)
                 return

@@ -51,13 +51,21 @@ _ACTIVE = []  # the Preemption of each run in progress in this process
 
 
 def request_stop(why, then):
-    """Asks each run in progress in this process (from any thread) to stop as a preemption signal
-    would: after the step in progress, with a backup, raising `Preempted`. `why` is said for the
-    signal's name (a launcher's reason: "Ray's resize"), `then` for what comes next. Returns
-    whether a run was in progress."""
-    for stop in list(_ACTIVE):
+    """Asks each run in this process that is still training (from any thread) to stop as a
+    preemption signal would: after the step in progress, with a backup, raising `Preempted`.
+    `why` is said for the signal's name (a launcher's reason: "Ray's resize"), `then` for what
+    comes next. Returns whether a run was training (a run past its last step, saving its model,
+    is left alone)."""
+    training = [stop for stop in list(_ACTIVE) if stop.training]
+    for stop in training:
         stop.request(why, then)
-    return bool(_ACTIVE)
+    return bool(training)
+
+
+def stopping():
+    """Whether a run of this process is stopping for a preemption, every process of its job
+    agreed (so each skips, alike, what it would do at this epoch's end before its stop)."""
+    return any(stop._agreed for stop in list(_ACTIVE))
 
 
 class Preempted(SystemExit):
@@ -94,6 +102,8 @@ class Preemption(keras.callbacks.Callback):
         self._previous = {}  # signal number -> the handler before ours
         self._timer = None  # bounds the time from the signal to the exit
         self._then = None  # what comes after the stop, when a launcher asked for it
+        self._lock = threading.RLock()  # a signal and a launcher's request at once: one stop
+        self.training = False  # between on_train_begin and on_train_end
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -134,10 +144,11 @@ class Preemption(keras.callbacks.Callback):
     def request(self, why, then=None):
         """As a signal `why` would: the stop after the step in progress (any thread); `then`:
         what comes next, said at the stop."""
-        if self.received is not None:
-            return  # already stopping
-        self.received = why
-        self._then = then
+        with self._lock:
+            if self.received is not None:
+                return  # already stopping
+            self._then = then
+            self.received = why
         self.say(f"tfdist: {self.received}: finishing the step in progress and writing a backup "
                  f"(within {self.grace_secs:g} s)")
         self._timer = threading.Timer(self.grace_secs, self._out_of_time)
@@ -149,6 +160,12 @@ class Preemption(keras.callbacks.Callback):
                  f"s of {self.received}; exiting with status {EXIT_PREEMPTED}: the run resumes "
                  f"from the backup before")
         os._exit(EXIT_PREEMPTED)
+
+    def on_train_begin(self, logs=None):
+        self.training = True
+
+    def on_train_end(self, logs=None):
+        self.training = False
 
     def on_train_batch_end(self, batch, logs=None):
         if self._at_epoch_end:
