@@ -65,7 +65,7 @@ def request_stop(why, then):
 def stopping():
     """Whether a run of this process is stopping for a preemption, every process of its job
     agreed (so each skips, alike, what it would do at this epoch's end before its stop)."""
-    return any(stop._agreed for stop in list(_ACTIVE))
+    return any(stop.agreed for stop in list(_ACTIVE))
 
 
 class Preempted(SystemExit):
@@ -160,6 +160,11 @@ class Preemption(keras.callbacks.Callback):
                  f"s of {self.received}; exiting with status {EXIT_PREEMPTED}: the run resumes "
                  f"from the backup before")
         os._exit(EXIT_PREEMPTED)
+
+    @property
+    def agreed(self):
+        """Every process of the job knows of a stop: it comes at the next boundary."""
+        return self._agreed
 
     def on_train_begin(self, logs=None):
         self.training = True
