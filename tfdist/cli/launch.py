@@ -159,12 +159,12 @@ def main(argv):
         launchable = [s for s in strategies.names() if strategies.get_class(s).launch]
         raise UsageError(f"tfdist launch cannot start strategy '{strategy}'; it starts: "
                          f"{', '.join(launchable)}")
+    if "ps" in spec.roles and not 1 <= _PS.value <= 16:
+        raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
     if _ENGINE.value == "ray":
         sys.exit(_on_ray(rest, n, strategy, spec))
     if _ADDRESS.value is not None:
         raise UsageError("--address is the Ray cluster's, for --engine=ray")
-    if "ps" in spec.roles and not 1 <= _PS.value <= 16:
-        raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
     elastic = _elastic(n, strategy, spec, rest)
     if _MAX_RESTARTS.value < 0 or _BACKOFF.value < 0:
         raise UsageError("--max_restarts and --backoff must be >= 0")
@@ -233,10 +233,13 @@ def _on_ray(rest, n, strategy, spec):
         ray_train.check_reachable(_ADDRESS.value)
     args = [] if program else _prepared(rest, strategy, dict(os.environ), elastic)
     storage = _STORAGE.value or os.path.join(_workdir_in(args) if args else "runs", "ray")
+    counts = {"chief": 1, "worker": n, "ps": _PS.value}
     return ray_train.run(args, strategy, storage, n, elastic=elastic,
                          max_restarts=_MAX_RESTARTS.value, address=_ADDRESS.value,
                          backend=spec.ray_backend, program=program,
-                         resize_interval=_INTERVAL.value)
+                         resize_interval=_INTERVAL.value,
+                         roles=None if spec.roles == ("worker",) else tuple(
+                             (r, counts[r]) for r in spec.roles), servers=spec.servers)
 
 
 def _workdir_in(args):

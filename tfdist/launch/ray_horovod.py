@@ -21,16 +21,18 @@ from ray.train.backend import Backend, BackendConfig
 
 @dataclasses.dataclass
 class HorovodGlooConfig(BackendConfig):
-    """Horovod over Gloo on Ray Train workers."""
+    """Horovod over Gloo on Ray Train workers (`loopback`: all on this machine, met on
+    127.0.0.1; Ray's node address here is the machine's outward one)."""
+    loopback: bool = False
 
     @property
     def backend_cls(self):
         return _HorovodGlooBackend
 
 
-def _node_address():
+def _node_address(loopback=False):
     import ray
-    return ray.util.get_node_ip_address()
+    return "127.0.0.1" if loopback else ray.util.get_node_ip_address()
 
 
 def _interface_of(address):
@@ -71,12 +73,12 @@ class _HorovodGlooBackend(Backend):
     def on_start(self, worker_group, backend_config):
         import ray
         from horovod.runner.http.http_server import RendezvousServer
-        addresses = worker_group.execute(_node_address)
+        addresses = worker_group.execute(_node_address, backend_config.loopback)
         plan = slots(addresses)
         self.server = RendezvousServer()
         port = self.server.start()
         self.server.init(plan)
-        here = _node_address()
+        here = _node_address(backend_config.loopback)
         ray.get([worker_group.execute_single_async(rank, _set_env, {
             "HOROVOD_HOSTNAME": s.hostname, "HOROVOD_RANK": str(s.rank),
             "HOROVOD_SIZE": str(s.size), "HOROVOD_LOCAL_RANK": str(s.local_rank),

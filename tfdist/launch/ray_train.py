@@ -1,16 +1,19 @@
 """`tfdist launch --engine=ray`: tfdist's workers as Ray Train workers (Ray Train V2's
-`TensorflowTrainer`; Horovod's ranks: `DataParallelTrainer` with `tfdist.launch.ray_horovod`'s
-backend), on a Ray cluster at `--address` or on a Ray started here for the run.
+`DataParallelTrainer`, with `tfdist.launch.ray_roles`'s backend for a TF_CONFIG, or
+`tfdist.launch.ray_horovod`'s for Horovod's ranks), on a Ray cluster at `--address` or on a Ray
+started here for the run.
 
     tfdist launch --engine=ray --workers 2 -- --config=configs/gpt_nano.py --workdir=runs/r
     tfdist launch --engine=ray --address=10.0.0.1:6379 --workers 4 --min_workers 2 -- ...
+    tfdist launch --engine=ray --strategy=parameter_server --workers 2 --ps 1 -- ...
 
 What runs where:
 * The launcher checks the config and prepares the data once (`tfdist train --prepare_only`, as
-  `tfdist launch` does), connects to Ray, and runs one `TensorflowTrainer` whose
-  `train_loop_per_worker` is `worker_loop`: each Ray Train worker runs `tfdist train` in its own
-  process, with the `TF_CONFIG` Ray gives it (worker tasks only: worker 0 is the chief), or, for
-  Horovod, the environment `horovodrun` would give its rank.
+  `tfdist launch` does), connects to Ray, and runs one trainer whose `train_loop_per_worker` is
+  `worker_loop`: each Ray Train worker runs `tfdist train` in its own process, with its
+  TF_CONFIG (worker tasks: worker 0 is the chief; or the parameter server's chief, workers and ps
+  tasks, of which only the chief trains and the others serve), or, for Horovod, the environment
+  `horovodrun` would give its rank.
 * Progress and metrics go to Ray with `ray.train.report` at every epoch end (a barrier every
   worker reaches at the same step): the step, the epoch, the training and validation losses.
 * Backups: tfdist's own (asynchronous, sharded under ZeRO) in `<workdir>/backup`, which every
@@ -21,7 +24,9 @@ What runs where:
 * Faults and resizes are Ray's: a worker that dies fails the group, and Ray starts it again (at
   most `--max_restarts` times: `FailureConfig(max_failures=...)`), with `num_workers=(min, max)`
   on as many workers as the cluster has then. Each start resumes from the newest backup at its
-  exact step, resharded to the new size; the global batch stays the same at every size.
+  exact step, resharded to the new size; the global batch stays the same at every size. Before
+  Ray resizes a healthy group, its workers back up the step they are at (`ray_resize`), so a
+  grow loses no step.
 
 Only strategies whose plugin says so run here (`Launch.ray`); the error names them.
 """
@@ -82,10 +87,11 @@ QUIET = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_COLOR_PREFIX": "0"}
 START_TIMEOUT = ("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
 
 
-def connect(address):
+def connect(address, workers=1):
     """`ray.init` on the cluster at `address` (a UsageError, or after CONNECT_TIMEOUT seconds one
-    line and exit 2, when it is not a Ray cluster); without one, a Ray for this run on this
-    machine, its node on 127.0.0.1 (the workers' TF_CONFIG addresses are its node's)."""
+    line and exit 2, when it is not a Ray cluster); without one, the cluster RAY_ADDRESS names
+    (as `ray job submit` sets it), else a Ray for this run on this machine, with a CPU for each of
+    the `workers` (at least this machine's CPUs). Returns whether Ray was started here."""
     import threading
 
     import ray
@@ -93,10 +99,14 @@ def connect(address):
     env_vars = {**QUIET, variable: os.environ.get(variable, seconds)}  # (a user's value wins)
     runtime_env = {"env_vars": env_vars}
     os.environ.update(env_vars)  # (the driver prints the workers' lines; and a Ray started here)
-    if not address:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False,
-                 runtime_env=runtime_env)
-        return
+    if not address and os.environ.get("RAY_ADDRESS"):
+        ray.init(configure_logging=False, runtime_env=runtime_env)  # (Ray reads the variable)
+        return False
+    if not address:  # ("local": not a cluster an earlier `ray start` left in /tmp/ray)
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 configure_logging=False, runtime_env=runtime_env,
+                 num_cpus=max(os.cpu_count() or 1, workers))
+        return True
 
     # Ray's C++ client logs each retry on file descriptor 2 while it connects: held back, and
     # passed on only once connected (a failure is said in one line instead)
@@ -125,39 +135,48 @@ def connect(address):
         os.close(saved)
         held.close()
     sys.stderr.write(said)
+    return False
 
 
-def _trainer(backend):
-    """The Ray Train V2 trainer class for a plugin's `Launch.ray_backend`, and its keywords."""
+def _backend_config(backend, roles, loopback):
+    """Ray Train V2's DataParallelTrainer's backend for a plugin's `Launch.ray_backend` (`roles`:
+    its TF_CONFIG tasks, None for worker tasks only; `loopback`: every worker on this machine)."""
     if backend == "horovod_gloo":
-        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-
         from tfdist.launch.ray_horovod import HorovodGlooConfig
-        return DataParallelTrainer, {"backend_config": HorovodGlooConfig()}
-    from ray.train.tensorflow import TensorflowTrainer
-    return TensorflowTrainer, {}
+        return HorovodGlooConfig(loopback=loopback)
+    from tfdist.launch.ray_roles import RolesConfig
+    return RolesConfig(roles=roles, loopback=loopback)
 
 
 def run(train_args, strategy, storage, workers, elastic=None, max_restarts=3, address=None,
-        backend="tensorflow", program=None, resize_interval=60.0):
+        backend="tensorflow", program=None, resize_interval=60.0, roles=None, servers=()):
     """Runs `tfdist train <train_args> --strategy=<strategy>` (or the Python `program`, its argv)
     as `workers` Ray Train workers, with Ray's results in `storage` (`elastic`: (min, max)
     workers instead, a resize considered every `resize_interval` seconds), readied by Ray Train
-    `backend` (`Launch.ray_backend`).
+    `backend` (`Launch.ray_backend`). `roles` ((role, count), ...: the chief first), when given,
+    instead of `workers`: those of `servers` only serve (`tfdist.launch.ray_roles`).
     Returns the exit status: 0 once the run finished, 1 when Ray gave up."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    connect(address)
-    trainer_class, backend_keywords = _trainer(backend)
-    trainer = trainer_class(
-        worker_loop, **backend_keywords,
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+    if roles:
+        workers = sum(n for _, n in roles)
+    here = connect(address, max(elastic or (workers,)))
+    callbacks = None
+    if elastic:
+        from tfdist.launch.ray_resize import StopBeforeResize
+        callbacks = [StopBeforeResize()]
+    trainer = DataParallelTrainer(
+        worker_loop, backend_config=_backend_config(backend, roles, loopback=here),
         train_loop_config={"args": list(train_args), "strategy": strategy, "cwd": os.getcwd(),
-                           "program": program},
+                           "program": program, "servers": list(servers),
+                           "elastic": bool(elastic)},
         scaling_config=ScalingConfig(num_workers=tuple(elastic) if elastic else workers,
                                      resources_per_worker={"CPU": 1},
                                      elastic_resize_monitor_interval_s=resize_interval),
         run_config=RunConfig(name="tfdist", storage_path=os.path.abspath(storage),
-                             failure_config=FailureConfig(max_failures=max_restarts)))
+                             failure_config=FailureConfig(max_failures=max_restarts),
+                             callbacks=callbacks))
     try:
         result = trainer.fit()
     except Exception as e:  # Ray's TrainingFailedError: the workers' own errors are above
@@ -186,9 +205,10 @@ POINTER = "tfdist.json"
 
 def worker_loop(config):
     """A Ray Train worker: `tfdist train` in this process (or the Python program given instead),
-    reporting to Ray at each epoch end of every `tfdist.train.train` run in it."""
-    # Ray's TensorflowConfig sets TF_USE_LEGACY_KERAS=1 (for tf_keras); tfdist is Keras 3
-    # (ray/train/tensorflow/config.py, `_setup_tensorflow_environment`).
+    reporting to Ray at each epoch end of every `tfdist.train.train` run in it; or, on a server
+    task of a strategy that has them (`config["servers"]`), its server until the chief is done."""
+    # Not tf_keras (Ray's own TensorflowConfig sets TF_USE_LEGACY_KERAS=1 for it, in
+    # ray/train/tensorflow/config.py, `_setup_tensorflow_environment`): tfdist is Keras 3.
     os.environ.pop("TF_USE_LEGACY_KERAS", None)
     os.chdir(config["cwd"])  # (Ray starts its workers in a directory of its session)
     from absl import logging
@@ -200,20 +220,52 @@ def worker_loop(config):
     cli.quiet_tensorflow_import()
     from tfdist import train
     from tfdist.errors import EXIT_PEER_LOST, PeerLost
-    train.LAUNCHER_CALLBACKS.append(_report_callback)
+    from tfdist.runtime import cluster
+    servers = config.get("servers") or ()
+    spec = cluster.from_environment() if servers else None
+    if spec is not None and spec.task_type in servers:
+        from tfdist.launch import ray_roles
+        from tfdist.strategies import get_class
+        strategy = get_class(config["strategy"])
+        ray_roles.serve(strategy, spec, {} if program else _strategy_options(strategy))
+        return
+    from tfdist.runtime.preemption import Preempted
+    train.LAUNCHER_CALLBACKS.append(
+        lambda c, workdir: _report_callback(c, workdir, followed=bool(servers)))
     try:
         if program:
             _run_program(program)
-        else:  # (its --config.* overrides are read from sys.argv as its flags are defined: a new
-            # process for each Ray Train worker, so this is the first import)
-            from absl import flags
-
-            from tfdist.cli import train as train_cli
-            flags.FLAGS(sys.argv)
-            train.train(train_cli.resolve_config(), train_cli.workdir_of())
+        else:
+            train.train(*_train_config())
     except PeerLost as e:  # TF's threads may wait on the lost peer: end the actor at once
         print(f"tfdist: error: {e}", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
+    except Preempted:  # stopped and backed up for Ray's resize (ray_resize): Ray ends the group
+        pass
+    finally:
+        if config.get("elastic"):
+            from tfdist.launch import ray_resize
+            ray_resize.ENDED.set()
+    if servers:
+        from tfdist.launch import ray_roles
+        ray_roles.tell_servers(ray_roles.END)
+
+
+def _train_config():
+    """`tfdist train`'s config and workdir from sys.argv (its --config.* overrides are read as its
+    flags are defined: a new process for each Ray Train worker, so this is the first import)."""
+    from absl import flags
+
+    from tfdist.cli import train as train_cli
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv)
+    return train_cli.resolve_config(), train_cli.workdir_of()
+
+
+def _strategy_options(strategy):
+    """The strategy's options (config.strategy) of this `tfdist train` run's config."""
+    c, _ = _train_config()
+    return {k: c.strategy[k] for k in strategy.options if k in c.strategy}
 
 
 def _run_program(argv):
@@ -221,8 +273,11 @@ def _run_program(argv):
     an end."""
     import runpy
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    from tfdist.runtime.preemption import Preempted
     try:
         runpy.run_path(argv[0], run_name="__main__")
+    except Preempted:
+        raise
     except SystemExit as e:
         if e.code not in (None, 0):
             raise RuntimeError(f"{argv[0]} exited with status {e.code}") from None
@@ -243,23 +298,30 @@ def program_of(rest):
     return argv
 
 
-def _report_callback(c, workdir):
+def _report_callback(c, workdir, followed=False):
     import ray.train
 
+    from tfdist.runtime import preemption
     from tfdist.runtime.lazy import keras
     from tfdist.train import backup_dir
 
     class ReportToRay(keras.callbacks.Callback):
-        """`ray.train.report` at every epoch end; the chief adds the pointer to the backup."""
+        """`ray.train.report` at every epoch end; the chief adds the pointer to the backup (and,
+        `followed` by server tasks, tells them to report with it: `ray_roles`)."""
 
         def on_epoch_end(self, epoch, logs=None):
             logs = logs or {}
             step = (epoch + 1) * c.train.steps_per_epoch
             metrics = {"step": step, "epoch": epoch + 1,
                        **{k: float(v) for k, v in logs.items() if k in ("loss", "val_loss")}}
+            if preemption.stopping():  # every worker agreed to stop here: none reports (a
+                return  # barrier), as Ray's controller, waiting for the stop, takes no report
             if ray.train.get_context().get_world_rank() != 0:
                 ray.train.report(metrics)
                 return
+            if followed:
+                from tfdist.launch import ray_roles
+                ray_roles.tell_servers(ray_roles.REPORT)
             with tempfile.TemporaryDirectory() as d:
                 with open(os.path.join(d, POINTER), "w") as f:
                     json.dump({"step": step, "backup_dir": os.path.abspath(

@@ -180,10 +180,9 @@ def wait_for_tasks(cluster, roles, timeout, how):
                 time.sleep(0.5)
 
 
-def serve_until_chief_gone(spec, orphan_timeout, grace=45.0):
-    """Runs this task's `tf.distribute.Server` (a parameter server's worker or ps task) until the
-    chief, after having been up, has been unreachable for `orphan_timeout` seconds. Returns the
-    exit status: 0, or 75 after a preemption signal."""
+def start_server(spec):
+    """This task's `tf.distribute.Server` (a parameter server's worker or ps task), started; it
+    serves while the returned object lives."""
     import tensorflow as tf
     # The server runs the coordinator's ops with its own thread pools, sized by this config;
     # `tf.config.threading` (set by `tfdist train`) does not reach them. One inter-op thread
@@ -198,6 +197,14 @@ def serve_until_chief_gone(spec, orphan_timeout, grace=45.0):
                                   start=True)
     print(f"tfdist: {spec.task_type} {spec.task_index} serving at "
           f"{spec.cluster[spec.task_type][spec.task_index]}", flush=True)
+    return server
+
+
+def serve_until_chief_gone(spec, orphan_timeout, grace=45.0):
+    """Runs this task's server (`start_server`) until the chief, after having been up, has been
+    unreachable for `orphan_timeout` seconds. Returns the exit status: 0, or 75 after a
+    preemption signal."""
+    server = start_server(spec)
     # Preemption stops the whole job: the chief then drains the steps in flight and saves, which
     # needs these servers, so a signal here waits for the chief to go, `grace` s at most.
     signalled = []

@@ -47,6 +47,26 @@ import keras
 from tfdist.errors import EXIT_PREEMPTED
 from tfdist.runtime import early
 
+_ACTIVE = []  # the Preemption of each run in progress in this process
+
+
+def request_stop(why, then):
+    """Asks each run in this process that is still training (from any thread) to stop as a
+    preemption signal would: after the step in progress, with a backup, raising `Preempted`.
+    `why` is said for the signal's name (a launcher's reason: "Ray's resize"), `then` for what
+    comes next. Returns whether a run was training (a run past its last step, saving its model,
+    is left alone)."""
+    training = [stop for stop in list(_ACTIVE) if stop.training]
+    for stop in training:
+        stop.request(why, then)
+    return bool(training)
+
+
+def stopping():
+    """Whether a run of this process is stopping for a preemption, every process of its job
+    agreed (so each skips, alike, what it would do at this epoch's end before its stop)."""
+    return any(stop.agreed for stop in list(_ACTIVE))
+
 
 class Preempted(SystemExit):
     """Raised (exit status 75) once the backup of the interrupted step is written."""
@@ -81,10 +101,14 @@ class Preemption(keras.callbacks.Callback):
         self._at_epoch_end = False
         self._previous = {}  # signal number -> the handler before ours
         self._timer = None  # bounds the time from the signal to the exit
+        self._then = None  # what comes after the stop, when a launcher asked for it
+        self._lock = threading.RLock()  # a signal and a launcher's request at once: one stop
+        self.training = False  # between on_train_begin and on_train_end
 
     def __enter__(self):
+        _ACTIVE.append(self)
         if threading.current_thread() is not threading.main_thread():
-            return self  # Python delivers signals to the main thread only
+            return self  # Python delivers signals to the main thread only (`request_stop` works)
         for name in self.signals:
             number = getattr(signal, "SIG" + name)
             self._previous[number] = signal.signal(number, self._on_signal)
@@ -94,6 +118,8 @@ class Preemption(keras.callbacks.Callback):
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if isinstance(exc, Preempted) and self._previous:
             # The backup is written and the process is on its way out (TF's teardown can take
             # seconds). A TERM now, as srun's --kill-on-bad-exit sends to the tasks still exiting
@@ -113,9 +139,16 @@ class Preemption(keras.callbacks.Callback):
             self._timer.cancel()
 
     def _on_signal(self, number, frame):
-        if self.received is not None:
-            return  # already stopping
-        self.received = signal.Signals(number).name
+        self.request(signal.Signals(number).name)
+
+    def request(self, why, then=None):
+        """As a signal `why` would: the stop after the step in progress (any thread); `then`:
+        what comes next, said at the stop."""
+        with self._lock:
+            if self.received is not None:
+                return  # already stopping
+            self._then = then
+            self.received = why
         self.say(f"tfdist: {self.received}: finishing the step in progress and writing a backup "
                  f"(within {self.grace_secs:g} s)")
         self._timer = threading.Timer(self.grace_secs, self._out_of_time)
@@ -127,6 +160,17 @@ class Preemption(keras.callbacks.Callback):
                  f"s of {self.received}; exiting with status {EXIT_PREEMPTED}: the run resumes "
                  f"from the backup before")
         os._exit(EXIT_PREEMPTED)
+
+    @property
+    def agreed(self):
+        """Every process of the job knows of a stop: it comes at the next boundary."""
+        return self._agreed
+
+    def on_train_begin(self, logs=None):
+        self.training = True
+
+    def on_train_end(self, logs=None):
+        self.training = False
 
     def on_train_batch_end(self, batch, logs=None):
         if self._at_epoch_end:
@@ -149,8 +193,9 @@ class Preemption(keras.callbacks.Callback):
     def _stop(self):
         step = self.save()  # (the timer still bounds the rest: a hung teardown ends at it)
         why = self.received or "another process's signal"
-        self.say(f"tfdist: preempted ({why}) at step {step}: backup written; exiting with status "
-                 f"{EXIT_PREEMPTED} (run the same command to resume)")
+        then = self._then or (f"exiting with status {EXIT_PREEMPTED} (run the same command to "
+                              f"resume)")
+        self.say(f"tfdist: preempted ({why}) at step {step}: backup written; {then}")
         raise Preempted(step)
 
     def get_config(self):

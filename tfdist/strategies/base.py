@@ -65,7 +65,8 @@ class Launch:
     else what this strategy does instead, said when asked to resize. `ray`: None if its workers
     run as Ray Train workers (`tfdist launch --engine=ray`: `tfdist.launch.ray_train`), else why
     not, said when asked; `ray_backend`: how Ray Train readies its workers there: "tensorflow"
-    (Ray's TensorflowConfig: TF_CONFIG of worker tasks) or "horovod_gloo" (Horovod's rendezvous,
+    (TF_CONFIG of its `roles`, rank 0 the chief, the `servers` only serving with
+    `Strategy.start_server`: `tfdist.launch.ray_roles`) or "horovod_gloo" (Horovod's rendezvous,
     `tfdist.launch.ray_horovod`).
     """
     roles: tuple = ("worker",)
@@ -122,6 +123,13 @@ class Strategy(KerasProgram):
                 if not ok:
                     raise UsageError(f"config key 'strategy.{key}' must be {what} for strategy "
                                      f"{cls.name}, got {options[key]!r}")
+
+    @classmethod
+    def start_server(cls, spec, **options):
+        """A server task's (`Launch.servers`) server, started as this strategy's server tasks
+        start it, for a launcher that ends it itself; it serves while the returned object
+        lives."""
+        raise NotImplementedError(f"strategy {cls.name} has no server tasks")
 
     @classmethod
     def plan_command(cls, device, processes, per_node, flags):

@@ -27,8 +27,8 @@ class MultiWorkerMirrored(Strategy):
     options = {"cross_device_ops": ("auto", lambda v: v in _IMPLEMENTATIONS,
                                     "one of " + ", ".join(_IMPLEMENTATIONS)),
                **buckets.OPTIONS}
-    # N workers with TF_CONFIG; any failure restarts the group. Ray Train's TensorflowTrainer
-    # gives its workers that TF_CONFIG (worker tasks only).
+    # N workers with TF_CONFIG; any failure restarts the group (on Ray too: its workers' TF_CONFIG
+    # from tfdist.launch.ray_roles).
     launch = Launch(elastic=None, ray=None)
     shards_user_models = True  # tfdist.strategies.get("multi_worker_mirrored", zero=3)
 

@@ -16,7 +16,9 @@ its link cut; at step 50 a host is offered again.
 Time to resume: from the kill to the start of the first step the 1-worker group runs. Time to
 grow: from the offer (Ray: the node running again) to the start of the first step at 2 workers.
 Logged after backup: for each restart, the steps metrics.json held after the backup it resumed
-from (a lower bound of the steps run again: tools/faults/chaos_ray.py). The ratios are
+from (a lower bound of the steps run again: tools/faults/chaos_ray.py). Grow resumed where it
+stopped (Ray): the 1-worker group stopped for the grow at one step, backed up, and the group of 2
+resumed at that step (tfdist's own path backs up at a resize by design). The ratios are
 Ray's time over tfdist's, per round (this machine is noisy: only ratios within a round count).
 
 Prints a table and writes bench_results/node-loss-<strategy>.json.
@@ -38,7 +40,12 @@ from tools.cluster.netcluster import NetCluster  # noqa: E402
 from tools.cluster.ray_cluster import RayCluster  # noqa: E402
 from tools.faults.chaos_elastic import elastic_trial  # noqa: E402
 from tools.faults.chaos_partition import prepare_data  # noqa: E402
-from tools.faults.chaos_ray import STEPS, logged_after_backup, ray_trial  # noqa: E402
+from tools.faults.chaos_ray import (  # noqa: E402
+    STEPS,
+    grow_lossless,
+    logged_after_backup,
+    ray_trial,
+)
 
 
 def tfdist_run(work, data_dir, strategy, at):
@@ -47,6 +54,7 @@ def tfdist_run(work, data_dir, strategy, at):
     resumed = r["resumed_at"]
     r["before_join"] = None  # (tfdist backs up at the grow: it resumes where it stopped)
     r["resumed_at"] = sorted(set(resumed))
+    r["stopped_for_grow"] = None
     return r
 
 
@@ -60,6 +68,9 @@ def figures(engine, r, wall):
     return {"engine": engine, "exit": r["exit"], "kill_at_step": r["cut_at"],
             "resume_s": r["continued_s"], "grow_s": r["joined_s"],
             "resumed_at": r["resumed_at"], "logged_after_backup": logged_after_backup(r),
+            "stopped_for_grow": r["stopped_for_grow"],
+            "grow_lossless": (grow_lossless(r)["grow lossless"] if r["stopped_for_grow"] is not None
+                              else None),
             "steps_once": steps == list(range(1, STEPS + 1)), "wall_s": round(wall, 1)}
 
 
@@ -88,11 +99,12 @@ def main():
                     if mine[key] and ray[key]] for key in ("resume_s", "grow_s")}
     print(f"\ngpt_nano, {args.strategy}, 2 -> 1 -> 2 workers on 3 hosts (1 Gbit/s), a backup "
           f"every 5 steps, killed at step {args.kill_at}\n")
-    print("| round | engine | time to resume | time to grow | logged after backup | steps once |\n"
-          "|---|---|---|---|---|---|")
+    print("| round | engine | time to resume | time to grow | logged after backup | grow resumed "
+          "where it stopped | steps once |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['round']} | {r['engine']} | {r['resume_s']} s | {r['grow_s']} s | "
               f"{','.join(map(str, r['logged_after_backup'])) or '-'} | "
+              f"{ {None: '-', True: 'yes', False: 'NO'}[r['grow_lossless']]} | "
               f"{'yes' if r['steps_once'] else 'NO'} |")
     print(f"\nRay / tfdist, per round: resume {ratios['resume_s']}, grow {ratios['grow_s']}")
     out = os.path.join(ROOT, "bench_results", f"node-loss-{args.strategy}.json")

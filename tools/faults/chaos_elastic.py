@@ -178,10 +178,11 @@ def arguments(doc, prefix):
     return args
 
 
-def trials(args, trial, steps=STEPS, extra=None, **facts):
+def trials(args, trial, steps=STEPS, extra=None, more_checks=None, **facts):
     """`args.trials` runs of `trial(work, data_dir, strategy, at_step)` (a dict as
     `elastic_trial`'s), each checked against one uninterrupted run; `extra(r)`: more columns
-    ({name: value}). Prints the table, writes args.out; 0 if every trial passed, else 1."""
+    ({name: a list}); `more_checks(r)`: more checks ({name: bool}). Prints the table, writes
+    args.out; 0 if every trial passed, else 1."""
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="tfdist-elastic-")
     data_dir = prepare_data(os.path.join(tmp, "data"))
@@ -197,6 +198,7 @@ def trials(args, trial, steps=STEPS, extra=None, **facts):
         with open(work + ".log", "w") as f:
             f.write(r["output"])
         checks, diff = verdict(r, reference, steps=steps)
+        checks.update(more_checks(r) if more_checks else {})
         table.append({"trial": k, "kill_at_step": r["cut_at"], "resumed_at": r["resumed_at"],
                       "continued_on_1_after_s": r["continued_s"],
                       "offered_at_step": r["offered_at"],

@@ -11,21 +11,24 @@ the run has logged a step chosen at random (seeded, 8-30), node 2's `ray start`,
 workers are SIGKILLed and its link is cut. Ray finds the node gone and restarts the group on the
 node left (min 1). Once the job trains on 1 worker and has logged GROW_AT, the link is healed and
 node 2 started again; Ray (every --discovery_interval seconds) sees the CPU back and resizes the
-group to 2.
+group to 2. Before it does, the 1-worker group backs up the step it is at
+(tfdist/launch/ray_resize.py), and the 2-worker group resumes there.
 
 A trial passes when the launcher exits 0; the job trained on 1 worker within CONTINUE_BOUND of the
 kill; it trained on 2 again within JOIN_BOUND of the node's return; every step 1..STEPS is in
 metrics.json once, each with the same global batch; and every step's loss equals an
-uninterrupted 2-worker run's (on this machine's loopback) within 1e-5. Also recorded, for each
-restart: the steps metrics.json had logged after the backup it resumed from. That is a lower
-bound of the steps run again: metrics.json is written at each backup, so the up to
-`every_steps - 1` steps run after the newest one are not in it (Ray stops the workers without
-notice, at a kill and at a grow alike).
+uninterrupted 2-worker run's (on this machine's loopback) within 1e-5; and the grow lost no step:
+the group stopped for it at one step ("preempted (Ray's resize) at step N") and the group of 2
+resumed at that step. Also recorded, for each restart: the steps metrics.json had logged after
+the backup it resumed from. That is a lower bound of the steps run again: metrics.json is
+written at each backup, so the up to `every_steps - 1` steps run after the newest one are not in
+it (a killed node's steps since its newest backup run again).
 
 Prints a table and writes bench_results/chaos-ray-<strategy>.json. Exit status 1 if a trial
 fails.
 """
 import os
+import re
 import subprocess
 import sys
 import time
@@ -85,7 +88,17 @@ def ray_trial(net, nodes, work, data_dir, strategy, at_step, grow=True, steps=ST
                     r["joined_s"] = round(joined["time"] - joined["step_time"] - offered, 1)
     r.update(run.end())
     r["resumed_at"] = sorted(set(r["resumed_at"]))  # (one line from each worker)
+    r["stopped_for_grow"] = sorted({int(s) for s in re.findall(
+        r"preempted \(Ray's resize\) at step (\d+)", r["output"])})
     return r
+
+
+def grow_lossless(r):
+    """The group stopped for the grow (once, or again after a grow Ray retried) and each time a
+    group resumed at that step, the last one the group of 2."""
+    stopped = r["stopped_for_grow"]
+    return {"grow lossless": bool(stopped) and set(stopped) <= set(r["resumed_at"])
+            and r["resumed_at"][-1] == stopped[-1]}
 
 
 def logged_after_backup(r):
@@ -107,8 +120,8 @@ def main():
         with NetCluster(3, rate="1gbit") as net, RayCluster(net) as nodes:
             return ray_trial(net, nodes, work, data_dir, strategy, at)
     return trials(args, trial, STEPS, extra=lambda r: {
-        "logged_after_backup": logged_after_backup(r)}, engine="ray",
-        resize_interval_s=RESIZE_INTERVAL)
+        "logged_after_backup": logged_after_backup(r), "stopped_for_grow": r["stopped_for_grow"]},
+        more_checks=grow_lossless, engine="ray", resize_interval_s=RESIZE_INTERVAL)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ class ParameterServer(Strategy):
                     server_module="tfdist.cli.serve",
                     elastic="it already trains on with the workers it has (a lost worker's "
                             "steps run on the others; it is restarted alone)",
-                    ray="Ray Train's TF_CONFIG has worker tasks only, no chief and no ps")
+                    ray=None)
     options = {
         "keepalive_secs": (5.0, lambda v: v == 0 or 1 <= v <= 3600,
                            "0 (off) or a number of seconds in [1, 3600]: gRPC keepalive pings "
@@ -147,6 +147,14 @@ class ParameterServer(Strategy):
 
     ORPHAN_TIMEOUT = 60.0  # seconds; TFDIST_SERVER_ORPHAN_TIMEOUT overrides
     CONNECT_TIMEOUT = 45.0  # the chief's wait for every task to listen; TFDIST_PS_CONNECT_TIMEOUT
+
+    @classmethod
+    def start_server(cls, spec, keepalive_secs=5.0, **unused_options):
+        """This worker or ps task's server (`spec`: its ClusterSpec), started as `serve` starts
+        it, for a launcher that learns itself when the job is over (`tfdist launch --engine=ray`:
+        tfdist/launch/ray_roles.py). It serves while the returned object lives."""
+        cluster_lib.grpc_keepalive(keepalive_secs)
+        return cluster_lib.start_server(spec)
 
     def serve(self):
         """On a worker or ps task: serves, then ends the process (TF's server threads would keep
