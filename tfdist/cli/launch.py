@@ -199,12 +199,11 @@ def main(argv):
                                  rejoin_timeout=_REJOIN.value, interval=_INTERVAL.value,
                                  wrapper=spec.wrapper, **common).run()
         sys.exit(code)
-    counts = {"chief": 1, "worker": n, "ps": _PS.value}
     if spec.wrapper:  # one process (e.g. horovodrun) that starts and stops the ranks itself
         argv = spec.wrapper(n, argv, hosts)
         roles = [("worker", 0)]
     else:
-        roles = [(role, i) for role in spec.roles for i in range(counts[role])]
+        roles = [(role, i) for role, count in _role_counts(spec, n) for i in range(count)]
     code = Supervisor(argv, roles, restart_alone=spec.restart_alone, servers=spec.servers,
                       tf_config=not spec.wrapper, server_argv=server_argv,
                       hosts=None if spec.wrapper else hosts, **common).run()
@@ -233,13 +232,18 @@ def _on_ray(rest, n, strategy, spec):
         ray_train.check_reachable(_ADDRESS.value)
     args = [] if program else _prepared(rest, strategy, dict(os.environ), elastic)
     storage = _STORAGE.value or os.path.join(_workdir_in(args) if args else "runs", "ray")
-    counts = {"chief": 1, "worker": n, "ps": _PS.value}
     return ray_train.run(args, strategy, storage, n, elastic=elastic,
                          max_restarts=_MAX_RESTARTS.value, address=_ADDRESS.value,
                          backend=spec.ray_backend, program=program,
                          resize_interval=_INTERVAL.value,
-                         roles=None if spec.roles == ("worker",) else tuple(
-                             (r, counts[r]) for r in spec.roles), servers=spec.servers)
+                         roles=None if spec.roles == ("worker",) else _role_counts(spec, n),
+                         servers=spec.servers)
+
+
+def _role_counts(spec, n):
+    """((role, count), ...) of a strategy's cluster (`Launch.roles`) with `n` workers."""
+    counts = {"chief": 1, "worker": n, "ps": _PS.value}
+    return tuple((role, counts[role]) for role in spec.roles)
 
 
 def _workdir_in(args):

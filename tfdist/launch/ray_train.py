@@ -226,8 +226,9 @@ def worker_loop(config):
     if spec is not None and spec.task_type in servers:
         from tfdist.launch import ray_roles
         from tfdist.strategies import get_class
+        from tfdist.strategies import options_of as get_options
         strategy = get_class(config["strategy"])
-        ray_roles.serve(strategy, spec, {} if program else _strategy_options(strategy))
+        ray_roles.serve(strategy, spec, {} if program else get_options(_train_config()[0]))
         return
     from tfdist.runtime.preemption import Preempted
     train.LAUNCHER_CALLBACKS.append(
@@ -260,12 +261,6 @@ def _train_config():
     if not flags.FLAGS.is_parsed():
         flags.FLAGS(sys.argv)
     return train_cli.resolve_config(), train_cli.workdir_of()
-
-
-def _strategy_options(strategy):
-    """The strategy's options (config.strategy) of this `tfdist train` run's config."""
-    c, _ = _train_config()
-    return {k: c.strategy[k] for k in strategy.options if k in c.strategy}
 
 
 def _run_program(argv):

@@ -89,11 +89,15 @@ def get(name, zero=0, skip_nonfinite=0, **options):
     return plugin
 
 
+def options_of(c):
+    """The options of the plugin named by `c.strategy.name` that its section sets (a key the
+    section lacks takes the plugin's default)."""
+    return {k: c.strategy[k] for k in get_class(c.strategy.name).options if k in c.strategy}
+
+
 def from_config(c):
-    """Builds the plugin named by `c.strategy.name` with its options from that section (a key
-    the section lacks takes the plugin's default)."""
-    cls = get_class(c.strategy.name)
-    return get(cls.name, **{k: c.strategy[k] for k in cls.options if k in c.strategy})
+    """Builds the plugin named by `c.strategy.name` with its options from that section."""
+    return get(c.strategy.name, **options_of(c))
 
 
 def for_plan(device, processes, per_node, flags):
