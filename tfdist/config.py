@@ -29,6 +29,10 @@ def default_config():
     and what it means (configs/*.py change what they need)."""
     c = ml_collections.ConfigDict()
     c.seed = 1337
+    # "hf:<dir>": start from a Hugging Face checkpoint (config.json + safetensors; GPT-2 or
+    # Llama): the model's shape is the checkpoint's, and its tokenizer.json the data's tokenizer
+    # unless data.tokenizer is given (tfdist/models/huggingface.py). "": random weights.
+    c.init_from = ""
     c.model = _model()
     c.data = _data()
     c.train = _train()
@@ -42,15 +46,26 @@ def default_config():
 
 
 def _model():
-    """The GPT's shape (tfdist/models/gpt.py)."""
+    """The GPT's shape (tfdist/models/gpt.py): GPT-2's kind, or Llama's (`arch`)."""
     s = ml_collections.ConfigDict()
+    s.arch = "gpt2"  # "gpt2" or "llama" (RMSNorm, rotary positions, SwiGLU, grouped queries)
     s.vocab_size = 0  # 0: the tokenizer's; larger values leave unused rows (padding)
     s.block_size = 64  # context length
     s.n_layer = 2
     s.n_head = 2
+    s.n_kv_head = 0  # key/value heads (grouped-query attention); 0: n_head
     s.n_embd = 64
+    s.ffn_hidden = 0  # the MLP's hidden width; 0: 4 x n_embd (gpt2), 8/3 x n_embd (llama)
     s.dropout = 0.0
-    s.bias = True
+    s.bias = True  # biases in the linear layers (and LayerNorm's shift)
+    s.tie_embeddings = True  # the output head is the token embedding's transpose
+    s.norm_eps = 1e-5
+    # llama: rotary embeddings' base, and Llama 3.1's frequency scaling (factor 0: off)
+    s.rope_theta = 10000.0
+    s.rope_scaling_factor = 0.0
+    s.rope_low_freq_factor = 1.0
+    s.rope_high_freq_factor = 4.0
+    s.rope_original_context = 8192
     return s
 
 
@@ -219,6 +234,14 @@ _RULES = {
     "model.block_size": (_positive_int, "an integer > 0"),
     "model.n_layer": (_positive_int, "an integer > 0"),
     "model.n_head": (_positive_int, "an integer > 0"),
+    "model.arch": (lambda v: v in ("gpt2", "llama"), "gpt2 or llama"),
+    "model.n_kv_head": (_non_negative_int, "an integer >= 0 (0: model.n_head)"),
+    "model.ffn_hidden": (_non_negative_int, "an integer >= 0 (0: the architecture's default)"),
+    "model.norm_eps": (lambda v: 0 < v < 1, "a number in (0, 1)"),
+    "model.rope_theta": (lambda v: v > 1, "a number > 1"),
+    "model.rope_scaling_factor": (lambda v: v == 0 or v >= 1, "0 (off) or a factor >= 1"),
+    "model.rope_original_context": (_positive_int, "an integer > 0"),
+    "init_from": (lambda v: v == "" or v.startswith("hf:"), "\"\" or hf:<checkpoint directory>"),
     "model.n_embd": (_positive_int, "an integer > 0"),
     "model.dropout": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
     "data.source": (lambda v: bool(v.strip()), "'stdlib', paths, 'tfds:<name>', 'nanogpt:<dir>' "
@@ -312,6 +335,12 @@ def validate(c):
     if m.n_embd % m.n_head:
         raise UsageError(f"model.n_embd ({m.n_embd}) must be divisible by "
                          f"model.n_head ({m.n_head})")
+    if m.n_kv_head and m.n_head % m.n_kv_head:
+        raise UsageError(f"model.n_kv_head ({m.n_kv_head}) must divide model.n_head "
+                         f"({m.n_head}): each key/value head serves a whole group of query heads")
+    if m.arch == "llama" and (m.n_embd // m.n_head) % 2:
+        raise UsageError(f"model.arch=llama rotates pairs of dimensions: the head width "
+                         f"n_embd / n_head ({m.n_embd // m.n_head}) must be even")
     if t.min_learning_rate > t.learning_rate:
         raise UsageError("train.min_learning_rate must not exceed train.learning_rate")
     if t.warmup_steps >= t.steps:

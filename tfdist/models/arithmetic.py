@@ -55,6 +55,7 @@ class Transformer:
     bias: bool = True
     tied_embeddings: bool = True
     learned_positions: bool = True
+    rms_norm: bool = False  # RMSNorm (a scale only) instead of LayerNorm (scale and shift)
     dropout: bool = True  # dropout masks are stored for the backward pass
     flash_attention: bool = False  # the attention matrix is never stored (FlashAttention, xformers)
 
@@ -77,10 +78,14 @@ class Transformer:
     def layer_params(self):
         """One layer: its matrices, two norms (scale, and shift with biases), and the biases."""
         h, f = self.n_embd, self.ffn_width
-        small = 2 * (2 * h if self.bias else h)  # two norms
+        small = 2 * self.norm_params()  # two norms
         if self.bias:
             small += 2 * h + 2 * self.kv + f * (2 if self.gated_mlp else 1) + h
         return self.layer_matmul_params() + small
+
+    def norm_params(self):
+        """One norm's: a scale, and a shift (LayerNorm with biases)."""
+        return 2 * self.n_embd if self.bias and not self.rms_norm else self.n_embd
 
     def head_params(self):
         """The output head's matrix (the token embedding itself, if tied)."""
@@ -91,7 +96,7 @@ class Transformer:
         embeddings, the final norm."""
         h = self.n_embd
         return (self.vocab_size * h * (1 if self.tied_embeddings else 2)
-                + (self.seq_len * h if self.learned_positions else 0) + (2 * h if self.bias else h))
+                + (self.seq_len * h if self.learned_positions else 0) + self.norm_params())
 
     def params(self):
         return self.n_layer * self.layer_params() + self.embedding_params()
