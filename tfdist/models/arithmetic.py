@@ -8,7 +8,9 @@ all count here, so they cannot disagree (tests/test_arithmetic.py). Pure Python:
 Conventions, in the order below:
 
 * parameters: every weight, the tied output head counted once (as Keras counts a built GPT);
-  non-embedding leaves out the position embeddings (nanoGPT's convention);
+  non-embedding leaves out the embeddings that are only looked up: the position embeddings
+  (nanoGPT's convention: a tied token embedding is the head's weight, so it stays), and with an
+  untied head the token embedding too (torchtitan's for Llama: its head stays);
 * FLOPs: 2 per multiply-add. `flops_per_token` is nanoGPT's (PaLM's appendix B) 6 N + 12 L C T;
   `model_flops_per_token` is Megatron-LM's 3 x (matmuls + attention + head), used for MFU;
 * activations: the bytes one layer keeps for its backward pass, Korthikanti et al. 2022;
@@ -102,8 +104,13 @@ class Transformer:
         return self.n_layer * self.layer_params() + self.embedding_params()
 
     def non_embedding_params(self):
-        """Without the position embeddings (nanoGPT: the token embedding is the head's weight)."""
-        return self.params() - (self.seq_len * self.n_embd if self.learned_positions else 0)
+        """Without the embeddings only looked up, which no token multiplies by: the position
+        embeddings, and the token embedding when the head is untied (tied, it is the head's
+        weight: nanoGPT; untied: torchtitan's `get_num_params(exclude_embedding=True)`)."""
+        looked_up = ((self.seq_len * self.n_embd if self.learned_positions else 0)
+                     + (0 if self.tied_embeddings else self.vocab_size * self.n_embd))
+        # (not self.params(): tfdist.plan.Model makes that a property)
+        return self.n_layer * self.layer_params() + self.embedding_params() - looked_up
 
     # -- FLOPs per token -------------------------------------------------------------------------
     def layer_flops(self):

@@ -383,3 +383,31 @@ def export(gpt, directory, tokenizer_file=None):
     if tokenizer_file:
         import shutil
         shutil.copyfile(tokenizer_file, os.path.join(directory, "tokenizer.json"))
+
+
+# -- a run that starts from a checkpoint (`init_from`) ---------------------------------------------
+
+def apply_init_from(c):
+    """Config `c` with its `init_from` checkpoint's shape (every `model` key but block_size, the
+    training context, which must fit the checkpoint's, and dropout) and, when `data.tokenizer`
+    is left at "byte", the checkpoint's tokenizer.json. Unchanged without `init_from`."""
+    if not c.init_from:
+        return c
+    checkpoint = Checkpoint(c.init_from)
+    model = checkpoint.model_config()
+    if c.model.block_size > model["block_size"]:
+        raise UsageError(f"model.block_size ({c.model.block_size}) is longer than the context of "
+                         f"the checkpoint in {checkpoint.directory} ({model['block_size']}); "
+                         f"give at most {model['block_size']}")
+    for key, value in model.items():
+        if key not in ("block_size", "dropout"):
+            c.model[key] = value
+    ids = c.data.source.startswith(("nanogpt:", "store:"))
+    if c.data.tokenizer == "byte" and not ids:
+        found = checkpoint.tokenizer_file()
+        if found is None:
+            raise UsageError(f"the checkpoint in {checkpoint.directory} has no tokenizer.json; "
+                             f"give its tokenizer in data.tokenizer (a tokenizer.json, vocab.json "
+                             f"or .model file) or train on token ids (data.source=nanogpt:<dir>)")
+        c.data.tokenizer = found
+    return c

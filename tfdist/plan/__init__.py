@@ -33,6 +33,8 @@ from tfdist.plan.model import (  # noqa: F401
     Plan,
     activation_bytes_per_layer,
     allreduce_seconds,
+    config_of,
+    default_ffn_hidden,
     evaluate,
     layouts,
     memory,
