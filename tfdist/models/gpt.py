@@ -402,8 +402,8 @@ class GPT(keras.Model):
     def empty_caches(self, batch, length):
         """Zeros for `decode`: a (k, v) per block of `length` positions."""
         shape = (batch, self.n_kv_head, length, self.n_embd // self.n_head)
-        dtype = keras.mixed_precision.dtype_policy().compute_dtype
-        return [(tf.zeros(shape, dtype), tf.zeros(shape, dtype)) for _ in self.blocks]
+        return [(tf.zeros(shape, self.compute_dtype), tf.zeros(shape, self.compute_dtype))
+                for _ in self.blocks]
 
     def _compiled(self, batch, prompt, length, temperature, top_k, vocab_size):
         """The tf.functions `generate` runs, made once per shape and sampling setting: the
