@@ -8,7 +8,9 @@ machine's benches (machine.py), and the command line (this file). It covers data
 sharding of the optimizer state, the gradients and (ZeRO-3) the weights, whose gathered layers
 it counts too. The recommended command is the best layout tfdist runs
 (`tfdist.parallel.layout.Layout` accepts it: ZeRO-2 without pipeline stages, a process's stages
-and tensor-parallel devices on one node, the embedding and head kept whole as tfdist keeps them).
+and tensor-parallel devices on one node, the embedding and head kept whole as tfdist keeps them,
+the attention scores stored as tfdist's attention stores them). GPT-2's kind and Llama's
+(grouped-query attention, SwiGLU: configs/llama3_8b.py, --model=llama3-70b) are priced alike.
 The transformer's arithmetic (parameters, FLOPs, activation and model-state bytes) is
 tfdist.models.arithmetic's, which the GPT and the pipeline's memory estimate use too.
 
@@ -20,6 +22,7 @@ bench's measured step time instead, and the bench's other figures are predicted
 
     tfdist plan --config=configs/gpt2_xl.py --device=a100-80gb --devices=16 --batch=512
     tfdist plan --model=llama2-70b --device=a100-80gb --devices=2048 --batch=1024
+    tfdist plan --config=configs/llama3_8b.py --device=h100 --devices=64
     tfdist plan --validate
 
 In Python:
