@@ -140,9 +140,6 @@ def test_a_llama_config_is_priced_as_tfdists_gpt_builds_it():
     assert model.ffn == gpt.ffn_hidden == 128  # 8/3 x 48 = 128, and not GPT-2's 4 x 48 = 192
     assert model.params == gpt.count_params()
     assert (model.gated_mlp, model.rms_norm, model.learned_positions) == (True, True, False)
-    for arch in ("gpt2", "llama"):
-        assert all(plan.default_ffn_hidden(arch, n) == gpt_lib.default_ffn_hidden(arch, n)
-                   for n in range(8, 8200, 8))
     # and back: the config a plan is judged with, and the command's, is this shape again
     assert {k: c.model[k] for k in plan.config_of(model)} == plan.config_of(model)
 

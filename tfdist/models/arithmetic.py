@@ -37,6 +37,7 @@ One layer's activations in MiB, s h (34 + 5 a s / h), and with recomputation onl
 ((2, 2, 12), (4, 4, 8))
 """
 import dataclasses
+import math
 
 PRECISIONS = ("mixed", "float32")
 
@@ -165,6 +166,13 @@ class Transformer:
     def logits_bytes(self, tokens, tp=1):
         """The head's float32 logits (also under mixed precision), split over `tp` ranks."""
         return tokens * self.vocab_size * 4 / tp
+
+
+def default_ffn_hidden(arch, n_embd):
+    """The MLP's hidden width when the config leaves it 0 (`model.ffn_hidden`): GPT-2's 4 x
+    n_embd; Llama's SwiGLU 2/3 of that (the same parameters in three matrices), rounded up to a
+    multiple of 64."""
+    return 64 * math.ceil(8 * n_embd / 3 / 64) if arch == "llama" else 4 * n_embd
 
 
 def value_bytes(precision):

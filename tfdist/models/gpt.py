@@ -40,7 +40,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfdist.models import rope
-from tfdist.models.arithmetic import Transformer
+from tfdist.models.arithmetic import Transformer, default_ffn_hidden
 from tfdist.models.fused import gelu, layer_norm, masked_softmax, rms_norm, swiglu
 
 ARCHITECTURES = ("gpt2", "llama")
@@ -70,14 +70,6 @@ def _norm(arch, epsilon, bias, name):
     if arch == "llama":
         return RMSNorm(epsilon=epsilon, name=name)
     return LayerNorm(epsilon=epsilon, center=bias, name=name)
-
-
-def default_ffn_hidden(arch, n_embd):
-    """The MLP's hidden width when the config leaves it 0: GPT-2's 4 x n_embd; Llama's SwiGLU
-    2/3 of that (the same parameters in three matrices), rounded up to a multiple of 64."""
-    if arch == "llama":
-        return 64 * math.ceil(8 * n_embd / 3 / 64)
-    return 4 * n_embd
 
 
 def _causal_bias(q_positions, k_positions):

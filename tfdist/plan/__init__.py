@@ -34,7 +34,6 @@ from tfdist.plan.model import (  # noqa: F401
     activation_bytes_per_layer,
     allreduce_seconds,
     config_of,
-    default_ffn_hidden,
     evaluate,
     layouts,
     memory,

@@ -61,13 +61,6 @@ class Model(arithmetic.Transformer):
         return self.params_override or arithmetic.Transformer.params(self)
 
 
-def default_ffn_hidden(arch, n_embd):
-    """The MLP's width when a config's `model.ffn_hidden` is 0: 4 x n_embd (gpt2); for llama's
-    SwiGLU 2/3 of that, rounded up to a multiple of 64. As tfdist.models.gpt.default_ffn_hidden,
-    which imports TensorFlow (tests/test_plan.py checks that the two agree)."""
-    return 64 * math.ceil(8 * n_embd / 3 / 64) if arch == "llama" else 4 * n_embd
-
-
 def model_from_config(c, name):
     """A Model from a tfdist config (the `model` section of configs/*.py): GPT-2's kind or
     Llama's (`model.arch`), as tfdist's GPT builds it (`GPT.arch_sizes`)."""
@@ -76,8 +69,8 @@ def model_from_config(c, name):
     llama = m.arch == "llama"
     return Model(name=name, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head,
                  vocab_size=config_lib.vocab_size(c) or 256, seq_len=m.block_size, bias=m.bias,
-                 dropout=m.dropout > 0, n_kv_head=m.n_kv_head,
-                 ffn=m.ffn_hidden or default_ffn_hidden(m.arch, m.n_embd), gated_mlp=llama,
+                 dropout=m.dropout > 0, n_kv_head=m.n_kv_head, gated_mlp=llama,
+                 ffn=m.ffn_hidden or arithmetic.default_ffn_hidden(m.arch, m.n_embd),
                  tied_embeddings=m.tie_embeddings, learned_positions=not llama, rms_norm=llama)
 
 
@@ -90,7 +83,7 @@ def config_of(model):
     return {"arch": arch, "n_layer": model.n_layer, "n_head": model.n_head,
             "n_embd": model.n_embd, "block_size": model.seq_len, "vocab_size": model.vocab_size,
             "n_kv_head": model.n_kv_head,
-            "ffn_hidden": 0 if ffn == default_ffn_hidden(arch, model.n_embd) else ffn,
+            "ffn_hidden": 0 if ffn == arithmetic.default_ffn_hidden(arch, model.n_embd) else ffn,
             "bias": model.bias, "tie_embeddings": model.tied_embeddings}
 
 
