@@ -14,7 +14,16 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers import ROOT, assert_usage_error, first_fast, metrics, run, tfdist
+from tests.helpers import (
+    ROOT,
+    assert_usage_error,
+    driver_group,
+    first_fast,
+    losses,
+    metrics,
+    run,
+    tfdist,
+)
 
 PROBE = os.path.join(ROOT, "tests", "support", "hf_probe.py")
 TOL = 1e-4  # the issue's bound for fp32 logits (measured: ~1e-7; a wrong mapping: ~1e-1)
@@ -147,33 +156,38 @@ def test_tfdist_gpt_exported_loads_in_transformers_with_equal_logits(tmp_path, a
     assert np.abs(np.asarray(back(ids.astype("int32"))) - ours).max() <= TOL
 
 
-def _fine_tune_overrides(checkpoints, tmp_path, **extra):
+def _fine_tune_overrides(checkpoints, data_dir, **extra):
     return ["--config.init_from=hf:" + checkpoints["llama"],
             "--config.data.source=" + checkpoints["corpus"],
-            f"--config.data.data_dir={tmp_path / 'data'}", "--config.model.block_size=32",
+            f"--config.data.data_dir={data_dir}", "--config.model.block_size=32",
             "--config.train.steps=20", "--config.train.steps_per_epoch=10",
             "--config.train.warmup_steps=2", "--config.train.batch_size=8",
             "--config.train.learning_rate=3e-3", "--config.backup.enabled=false",
             *[f"--config.{k}={v}" for k, v in extra.items()]]
 
 
-@pytest.mark.slow
-def test_fine_tuning_starts_at_transformers_loss_and_lowers_it(checkpoints, tmp_path):
-    """`tfdist train --config.init_from=hf:DIR` on a corpus tokenized by the checkpoint's
-    tokenizer.json: its first step's loss (before any update) equals transformers' loss on the
-    same batch within 1e-4, and the loss falls."""
+@pytest.fixture(scope="module")
+def fine_tuned(checkpoints, tmp_path_factory):
+    """`tfdist prepare`, then `tfdist train`, from the llama checkpoint: the run's workdir."""
+    root = tmp_path_factory.mktemp("fine-tune")
+    p = tfdist("prepare", *_fine_tune_overrides(checkpoints, root / "data"))
+    assert "tokenizer.json (300 tokens)" in p.stdout  # the checkpoint's tokenizer
+    p = tfdist("train", *_fine_tune_overrides(checkpoints, root / "data"),
+               f"--workdir={root / 'run'}")
+    assert "weights from the Hugging Face checkpoint" in p.stdout
+    return root
+
+
+@pytest.fixture(scope="module")
+def first_loss(checkpoints, fine_tuned):
+    """transformers' loss on the run's first batch (the store it prepared, its step-0 windows)."""
     import ml_collections
 
     from tfdist.data import Windows
     from tfdist.data.build import open_store
 
-    p = tfdist("train", *_fine_tune_overrides(checkpoints, tmp_path),
-               f"--workdir={tmp_path / 'run'}")
-    assert "weights from the Hugging Face checkpoint" in p.stdout
-    steps = metrics(tmp_path / "run")["steps"]
-    # the same batch: the store the run prepared, its step-0 windows
     data = ml_collections.ConfigDict({"source": checkpoints["corpus"],
-                                      "data_dir": str(tmp_path / "data"),
+                                      "data_dir": str(fine_tuned / "data"),
                                       "tokenizer": os.path.join(checkpoints["llama"],
                                                                 "tokenizer.json"),
                                       "vocab_size": 0, "shard_tokens": 1 << 17,
@@ -181,11 +195,70 @@ def test_fine_tuning_starts_at_transformers_loss_and_lowers_it(checkpoints, tmp_
     x, y = Windows(open_store(data, progress=False).split("train"), 32, 8, seed=1337).batch(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"]).eval()
     logits = torch.tensor(_logits(model, np.asarray(x)))
-    theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                               torch.tensor(np.asarray(y)).long().reshape(-1))
-    assert abs(steps[0]["loss"] - float(theirs)) <= 1e-4, (steps[0]["loss"], float(theirs))
+    return float(torch.nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), torch.tensor(np.asarray(y)).long().reshape(-1)))
+
+
+@pytest.mark.slow
+def test_fine_tuning_starts_at_transformers_loss_and_lowers_it(fine_tuned, first_loss):
+    """`tfdist train --config.init_from=hf:DIR` on a corpus tokenized by the checkpoint's
+    tokenizer.json: its first step's loss (before any update) equals transformers' loss on the
+    same batch within 1e-4, and the loss falls."""
+    steps = metrics(fine_tuned / "run")["steps"]
+    assert abs(steps[0]["loss"] - first_loss) <= 1e-4, (steps[0]["loss"], first_loss)
     first, last = np.mean([s["loss"] for s in steps[:3]]), np.mean([s["loss"] for s in steps[-3:]])
     assert last < first - 0.05, (first, last)
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_fine_tuning_under_horovod_zero3_loads_each_ranks_shards(checkpoints, fine_tuned,
+                                                                  tmp_path):
+    """2 Horovod ranks with ZeRO-3, each loading only the weights it owns: the single run's
+    losses (within 1e-5) from the first step on."""
+    overrides = {"init_from": "hf:" + checkpoints["llama"], "data.source": checkpoints["corpus"],
+                 "data.data_dir": str(fine_tuned / "data"), "model.block_size": 32,
+                 "train.steps": 20, "train.steps_per_epoch": 10, "train.warmup_steps": 2,
+                 "train.batch_size": 8, "train.learning_rate": 3e-3, "backup.enabled": False,
+                 "strategy.name": "horovod", "zero.stage": 3}
+    p = driver_group(tmp_path, overrides, ranks=2)
+    assert "ZeRO-3 over 2 replica(s)" in p.stdout
+    a, b = losses(fine_tuned / "run"), losses(tmp_path)
+    assert len(a) == len(b) == 20
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+
+
+@pytest.mark.slow
+def test_export_and_sample_commands_round_trip_a_fine_tuned_run(fine_tuned, tmp_path):
+    """`tfdist export --format=hf` of the run: transformers loads it with the logits of the
+    run's model.keras, with its tokenizer.json; `tfdist sample --model=hf:` samples from it."""
+    import keras
+
+    out = tmp_path / "export"
+    p = tfdist("export", f"--model={fine_tuned / 'run' / 'model.keras'}", "--format=hf",
+               f"--out={out}")
+    assert "LlamaForCausalLM" in p.stdout
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    ours = keras.saving.load_model(fine_tuned / "run" / "model.keras", compile=False)
+    ids = np.random.RandomState(3).randint(0, VOCAB, (2, 16))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert np.abs(_logits(theirs, ids) - np.asarray(ours(ids.astype("int32")))).max() <= TOL
+    p = tfdist("sample", f"--model=hf:{out}", "--prompt=def ", "--top_k=1",
+               "--max_new_tokens=8")
+    assert p.stdout.splitlines()[1].startswith("def ")
+
+
+def test_sampling_a_checkpoint_by_token_ids_is_transformers_greedy_decoding(checkpoints):
+    """`tfdist sample --model=hf:DIR --prompt_ids=... --top_k=1` (no tokenizer needed): the ids
+    transformers' greedy `generate` gives."""
+    p = tfdist("sample", f"--model=hf:{checkpoints['gpt2']}", "--prompt_ids=5,17,42",
+               "--top_k=1", "--max_new_tokens=12")
+    ours = [int(t) for t in p.stdout.splitlines()[1].split(",")]
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["gpt2"]).eval()
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([[5, 17, 42]]), max_new_tokens=12,
+                                do_sample=False, pad_token_id=0)[0].tolist()
+    assert ours == theirs
 
 
 # -- bad input: one line, exit 2 ------------------------------------------------------------------
@@ -227,8 +300,36 @@ def test_bad_checkpoints_and_layouts_are_one_line(checkpoints, tmp_path, case):
                    "--config.model.block_size=32", f"--workdir={tmp_path / 'run'}", check=False)
         assert_usage_error(p, "has no tokenizer.json; give its tokenizer in data.tokenizer")
     else:  # 2 key/value heads cannot be split over 4 devices
-        p = tfdist("train", *_fine_tune_overrides(checkpoints, tmp_path,
+        p = tfdist("train", *_fine_tune_overrides(checkpoints, tmp_path / "data",
                                                   **{"tensor.parallel": 4}),
                    f"--workdir={tmp_path / 'run'}", check=False)
         assert_usage_error(p, "tensor.parallel=4 must divide model.n_kv_head (2)")
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_under_zero3_each_replica_reads_only_the_tensors_it_owns(checkpoints):
+    """A Llama sharded over 2 replicas (ZeRO-3): loading on replica r reads from the checkpoint
+    only the tensors whose variables r owns, and between the two every tensor is read once and
+    every variable is filled with it."""
+    from tfdist import compat
+    from tfdist.models import huggingface, state
+    from tfdist.models.gpt import GPT
+    from tfdist.parallel import zero
+
+    checkpoint = huggingface.Checkpoint(checkpoints["llama"])
+    read = {0: [], 1: []}
+    for rank in (0, 1):
+        gpt = GPT.from_model_config(checkpoint.model_config())
+        gpt.build()
+        zero.make(3, gpt, zero.Collectives(rank, 2, None, None, None, None))
+        tensor = checkpoint.tensor
+        checkpoint.tensor = lambda name, r=rank, t=tensor: read[r].append(name) or t(name)
+        huggingface.load_weights(gpt, checkpoint)
+        del checkpoint.tensor
+        owned = {n: v for n, v in state.weights(gpt).items() if compat.has_storage(v)}
+        assert owned and len(owned) < len(state.weights(gpt))
+        embed = np.asarray(owned["wte/embeddings"]) if "wte/embeddings" in owned else None
+        if embed is not None:  # filled with the checkpoint's, not the random initialisation's
+            assert np.array_equal(embed, checkpoint.tensor("model.embed_tokens.weight"))
+    assert not set(read[0]) & set(read[1])
+    assert sorted(read[0] + read[1]) == checkpoint.tensor_names()

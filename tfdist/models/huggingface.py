@@ -162,6 +162,10 @@ class Checkpoint:
     def has(self, name):
         return name in self._files
 
+    def tensor_names(self):
+        """Every tensor the checkpoint's files hold."""
+        return sorted(self._files)
+
     def tensor(self, name):
         """The tensor `name` as float32 numpy (bfloat16 and float16 widened)."""
         if name not in self._files:

@@ -16,12 +16,12 @@ Example:
     >>> import numpy as np
     >>> from tfdist.models import rope
     >>> inv = rope.inverse_frequencies(4, theta=10000.0)
-    >>> [float(f) for f in inv]
+    >>> [round(float(f), 6) for f in inv]
     [1.0, 0.01]
     >>> x = np.ones((1, 1, 2, 4), "float32")  # (batch, heads, positions, head width)
     >>> y = np.asarray(rope.rotate(x, np.arange(2), inv))
-    >>> [round(float(v), 4) for v in y[0, 0, 1]]
-    [-0.3012, 0.99, 1.3818, 1.01]
+    >>> [round(float(v), 2) for v in y[0, 0, 1]]  # position 1: cos 1 - sin 1, ..., sin 1 + cos 1
+    [-0.3, 0.99, 1.38, 1.01]
 """
 import math
 
