@@ -11,16 +11,9 @@ mixed bfloat16. The vocabulary is Llama 3's size: train it on Llama 3 tokens
 (`--config.data.tokenizer=<dir>/tokenizer.json`); with a smaller tokenizer the extra rows go
 unused.
 """
-from tfdist.config import default_config
+from tfdist.config import llama3_config
 
 
 def get_config():
-    c = default_config()
-    c.model.update(arch="llama", vocab_size=128256, block_size=8192, n_layer=32, n_head=32,
-                   n_kv_head=8, n_embd=4096, ffn_hidden=14336, dropout=0.0, bias=False,
-                   tie_embeddings=False, norm_eps=1e-5, rope_theta=500000.0)
-    c.train.update(batch_size=512, steps=3_578_000, steps_per_epoch=2000, learning_rate=3e-4,
-                   min_learning_rate=3e-5, warmup_steps=2000, eval_steps=200,
-                   precision="mixed_bfloat16")  # 3,578,000 x 512 x 8192 tokens: 15.0T
-    c.backup.every_steps = 1000
-    return c
+    return llama3_config(n_layer=32, n_head=32, n_embd=4096, ffn_hidden=14336,
+                         learning_rate=3e-4)

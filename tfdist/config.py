@@ -452,3 +452,19 @@ def gpt2_config(n_layer, n_head, n_embd):
                    precision="mixed_bfloat16")
     c.backup.every_steps = 1000
     return c
+
+
+def llama3_config(n_layer, n_head, n_embd, ffn_hidden, learning_rate):
+    """A Llama 3 family config (8 key/value heads, context 8192, vocab 128256, rotary base 5e5,
+    no biases, an untied head; 4M-token batches for 15T tokens, bf16) for real hardware."""
+    c = default_config()
+    c.model.update(arch="llama", vocab_size=128256, block_size=8192, n_layer=n_layer,
+                   n_head=n_head, n_kv_head=8, n_embd=n_embd, ffn_hidden=ffn_hidden,
+                   dropout=0.0, bias=False, tie_embeddings=False, norm_eps=1e-5,
+                   rope_theta=500000.0)
+    c.train.update(batch_size=512, steps=3_578_000, steps_per_epoch=2000,
+                   learning_rate=learning_rate, min_learning_rate=learning_rate / 10,
+                   warmup_steps=2000, eval_steps=200,
+                   precision="mixed_bfloat16")  # 3,578,000 x 512 x 8192 tokens: 15.0T
+    c.backup.every_steps = 1000
+    return c
