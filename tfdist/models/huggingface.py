@@ -3,7 +3,8 @@
 A checkpoint directory holds `config.json` and its weights in safetensors files (one
 `model.safetensors`, or shards listed by `model.safetensors.index.json`), and often the
 tokenizer's `tokenizer.json`. `Checkpoint(dir)` reads the config into tfdist's `model` keys and
-each tensor on demand (safetensors maps the files: a tensor is read when it is asked for);
+each tensor on demand (safetensors maps a local file: a tensor is read when it is asked for; a
+`gs://` file, read through `tf.io.gfile` as every file here is, is read whole, a file at a time);
 `load_weights(model, checkpoint)` fills a built model of any layout (a GPT; a `Pipeline` of
 stages and tensor-parallel shards; ZeRO-3's shards) tensor by tensor, through the layout-free
 names of `tfdist.models.state`: each replica reads only the tensors it keeps (ZeRO-3: the ones
@@ -39,6 +40,7 @@ import os
 import numpy as np
 
 from tfdist.errors import UsageError
+from tfdist.runtime.lazy import tf
 
 #: config.json's `architectures` -> tfdist's `model.arch`
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
@@ -63,23 +65,22 @@ class Checkpoint:
     def __init__(self, directory):
         self.directory = directory = directory_of(directory)
         path = os.path.join(directory, "config.json")
-        if not os.path.isfile(path):
+        if not tf.io.gfile.exists(path):
             raise UsageError(f"{directory} is not a Hugging Face checkpoint: it has no "
                              f"config.json; give the directory that transformers' "
                              f"save_pretrained wrote")
-        with open(path) as f:
-            try:
-                self.config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path} is not valid JSON ({e})") from None
+        try:
+            self.config = json.loads(_read(path))
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path} is not valid JSON ({e})") from None
         names = self.config.get("architectures") or [self.config.get("model_type", "?")]
         known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
         if not known:
             raise UsageError(f"{directory} holds a {', '.join(names)}; tfdist reads "
                              f"{' and '.join(ARCHITECTURES)} checkpoints")
         self.architecture = known[0]
-        self._files = self._weight_files()
         self._open = {}
+        self._files = self._weight_files()
 
     # -- config.json -> tfdist's model keys -----------------------------------------------------
     def model_config(self):
@@ -143,21 +144,32 @@ class Checkpoint:
     def _weight_files(self):
         """{tensor name: file}: from the shards' index, or the one file's own list."""
         index = os.path.join(self.directory, INDEX)
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+        if tf.io.gfile.exists(index):
+            weight_map = json.loads(_read(index))["weight_map"]
             for name in sorted(set(weight_map.values())):
-                if not os.path.isfile(os.path.join(self.directory, name)):
+                if not tf.io.gfile.exists(os.path.join(self.directory, name)):
                     raise UsageError(f"{index} lists {name}, which is missing from "
                                      f"{self.directory}")
             return weight_map
-        single = os.path.join(self.directory, SINGLE)
-        if not os.path.isfile(single):
+        if not tf.io.gfile.exists(os.path.join(self.directory, SINGLE)):
             raise UsageError(f"{self.directory} has no {SINGLE} nor {INDEX}; tfdist reads "
                              f"safetensors weights (save_pretrained's default)")
-        from safetensors import safe_open
-        with safe_open(single, framework="numpy") as f:
-            return {name: SINGLE for name in f.keys()}
+        self._open = {}
+        return {name: SINGLE for name in self._file(SINGLE).keys()}
+
+    def _file(self, name):
+        """The safetensors file `name`, opened once: mapped where it is local (each tensor read
+        when asked), else read whole through tf.io.gfile. (TF tensors: numpy has no
+        bfloat16.)"""
+        if name not in self._open:
+            path = os.path.join(self.directory, name)
+            if "://" in path:
+                from safetensors.tensorflow import load
+                self._open[name] = load(_read(path, "rb"))
+            else:
+                from safetensors import safe_open
+                self._open[name] = safe_open(path, framework="tf")
+        return self._open[name]
 
     def has(self, name):
         return name in self._files
@@ -171,16 +183,19 @@ class Checkpoint:
         if name not in self._files:
             raise UsageError(f"{self.directory} has no tensor {name}, which a "
                              f"{self.architecture} checkpoint of this config needs")
-        from safetensors import safe_open
-        file = self._files[name]
-        if file not in self._open:  # (framework "tf": numpy has no bfloat16)
-            self._open[file] = safe_open(os.path.join(self.directory, file), framework="tf")
-        return self._open[file].get_tensor(name).numpy().astype("float32")
+        opened = self._file(self._files[name])
+        value = opened[name] if isinstance(opened, dict) else opened.get_tensor(name)
+        return value.numpy().astype("float32")
 
     def tokenizer_file(self):
         """Its tokenizer.json, or None."""
         path = os.path.join(self.directory, "tokenizer.json")
-        return path if os.path.isfile(path) else None
+        return path if tf.io.gfile.exists(path) else None
+
+
+def _read(path, mode="r"):
+    with tf.io.gfile.GFile(path, mode) as f:
+        return f.read()
 
 
 def _no_scaling():
@@ -376,17 +391,18 @@ class _Names:
 def export(gpt, directory, tokenizer_file=None):
     """Writes `gpt` (a plain, built GPT: `tfdist.models.state.plain_gpt`) as a Hugging Face
     checkpoint: config.json, model.safetensors (float32) and, if given, tokenizer.json."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     config = hf_config(gpt)
     tensors = {k: np.ascontiguousarray(v) for k, v in _hf_tensors(gpt).items()}
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, os.path.join(directory, SINGLE), metadata={"format": "pt"})
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    tf.io.gfile.makedirs(directory)
+    with tf.io.gfile.GFile(os.path.join(directory, SINGLE), "wb") as f:
+        f.write(save(tensors, metadata={"format": "pt"}))
+    with tf.io.gfile.GFile(os.path.join(directory, "config.json"), "w") as f:
+        f.write(json.dumps(config, indent=2))
     if tokenizer_file:
-        import shutil
-        shutil.copyfile(tokenizer_file, os.path.join(directory, "tokenizer.json"))
+        tf.io.gfile.copy(tokenizer_file, os.path.join(directory, "tokenizer.json"),
+                         overwrite=True)
 
 
 # -- a run that starts from a checkpoint (`init_from`) ---------------------------------------------
