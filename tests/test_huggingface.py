@@ -275,8 +275,39 @@ def _broken(checkpoints, tmp_path, arch, **config):
     return str(directory)
 
 
+def test_config_variants_read_as_transformers_writes_them(checkpoints, tmp_path):
+    """transformers 4's Llama config (top-level rope_theta, rope_scaling with `type`), one
+    without num_key_value_heads (multi-head) or architectures (model_type), and configs with a
+    key missing or a GPT-2 option tfdist lacks: read, or refused in one line naming the key."""
+    from tfdist.errors import UsageError
+    from tfdist.models import huggingface
+
+    old = _broken(checkpoints, tmp_path, "llama", rope_parameters=None, rope_theta=250000.0,
+                  rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 16})
+    m = huggingface.Checkpoint(old).model_config()
+    assert (m["rope_theta"], m["rope_scaling_factor"], m["rope_original_context"]) == (
+        250000.0, 8.0, 16)
+    shutil.rmtree(old)
+    c = json.load(open(os.path.join(checkpoints["llama"], "config.json")))
+    del c["num_key_value_heads"], c["architectures"]
+    plain = _broken(checkpoints, tmp_path, "llama")
+    json.dump(c, open(os.path.join(plain, "config.json"), "w"))
+    m = huggingface.Checkpoint(plain).model_config()
+    assert m["arch"] == "llama" and m["n_kv_head"] == m["n_head"] == 4
+    shutil.rmtree(plain)
+    del c["intermediate_size"]
+    json.dump(c, open(os.path.join(_broken(checkpoints, tmp_path, "llama"), "config.json"), "w"))
+    with pytest.raises(UsageError, match="config.json has no 'intermediate_size'"):
+        huggingface.Checkpoint(tmp_path / "broken-llama").model_config()
+    gpt2 = _broken(checkpoints, tmp_path, "gpt2", scale_attn_weights=False)
+    with pytest.raises(UsageError, match="scale_attn_weights=false is not in tfdist's GPT-2"):
+        huggingface.Checkpoint(gpt2).model_config()
+
+
 @pytest.mark.parametrize("case", first_fast(["no_config", "architecture", "shape", "tokenizer",
-                                             "train_tokenizer", "heads"]))
+                                             "train_tokenizer", "heads", "mlp_width"]))
 def test_bad_checkpoints_and_layouts_are_one_line(checkpoints, tmp_path, case):
     sample = ["sample", "--max_new_tokens=2"]
     if case == "no_config":
@@ -299,11 +330,18 @@ def test_bad_checkpoints_and_layouts_are_one_line(checkpoints, tmp_path, case):
         p = tfdist("train", f"--config.init_from=hf:{checkpoints['gpt2']}",
                    "--config.model.block_size=32", f"--workdir={tmp_path / 'run'}", check=False)
         assert_usage_error(p, "has no tokenizer.json; give its tokenizer in data.tokenizer")
-    else:  # 2 key/value heads cannot be split over 4 devices
+    elif case == "heads":  # 2 key/value heads cannot be split over 4 devices
         p = tfdist("train", *_fine_tune_overrides(checkpoints, tmp_path / "data",
                                                   **{"tensor.parallel": 4}),
                    f"--workdir={tmp_path / 'run'}", check=False)
         assert_usage_error(p, "tensor.parallel=4 must divide model.n_kv_head (2)")
+    else:  # a SwiGLU 51 wide cannot be split over 2 devices (refused before any weight)
+        d = _broken(checkpoints, tmp_path, "llama", intermediate_size=51)
+        p = tfdist("train", *_fine_tune_overrides(checkpoints, tmp_path / "data",
+                                                  **{"tensor.parallel": 2}),
+                   "--config.init_from=hf:" + d, f"--workdir={tmp_path / 'run'}", check=False)
+        assert_usage_error(p, "tensor.parallel=2 must divide the MLP's width "
+                              "(model.ffn_hidden 51)")
     assert not (tmp_path / "run").exists()  # nothing written
 
 
@@ -328,8 +366,10 @@ def test_under_zero3_each_replica_reads_only_the_tensors_it_owns(checkpoints):
         del checkpoint.tensor
         owned = {n: v for n, v in state.weights(gpt).items() if compat.has_storage(v)}
         assert owned and len(owned) < len(state.weights(gpt))
-        embed = np.asarray(owned["wte/embeddings"]) if "wte/embeddings" in owned else None
-        if embed is not None:  # filled with the checkpoint's, not the random initialisation's
-            assert np.array_equal(embed, checkpoint.tensor("model.embed_tokens.weight"))
+        # every owned variable holds the checkpoint's tensor (not its random initialisation)
+        plain, _ = huggingface.load_gpt(checkpoints["llama"])
+        expected = state.weights(plain)
+        for name, v in owned.items():
+            assert np.array_equal(np.asarray(v), np.asarray(expected[name])), name
     assert not set(read[0]) & set(read[1])
     assert sorted(read[0] + read[1]) == checkpoint.tensor_names()

@@ -57,8 +57,10 @@ def _model():
     s.n_embd = 64
     s.ffn_hidden = 0  # the MLP's hidden width; 0: 4 x n_embd (gpt2), 8/3 x n_embd (llama)
     s.dropout = 0.0
-    s.bias = True  # biases in the linear layers (and LayerNorm's shift)
-    s.tie_embeddings = True  # the output head is the token embedding's transpose
+    # biases in the linear layers (and LayerNorm's shift); the output head is the token
+    # embedding's transpose. None: the architecture's (gpt2: both; llama: neither)
+    s.bias = ml_collections.FieldReference(None, field_type=bool)
+    s.tie_embeddings = ml_collections.FieldReference(None, field_type=bool)
     s.norm_eps = 1e-5
     # llama: rotary embeddings' base, and Llama 3.1's frequency scaling (factor 0: off)
     s.rope_theta = 10000.0
@@ -306,6 +308,8 @@ def _walk(reference, given, prefix=""):
             known = ", ".join(sorted(reference.keys()))
             raise UsageError(f"unknown config key '{path}' (known keys here: {known})")
         ref, val = reference[key], given[key]
+        if ref is None:  # (a typed FieldReference left unset: its type is checked on override)
+            continue
         if isinstance(ref, ml_collections.ConfigDict):
             if not isinstance(val, (ml_collections.ConfigDict, dict)):
                 raise UsageError(f"config key '{path}' must be a section, got {val!r}")
@@ -321,6 +325,7 @@ def validate(c):
     """Checks `c` against the schema of `default_config()`; raises UsageError on the first
     problem."""
     _walk(default_config(), c)
+    resolve_architecture(c.model)
     for path, (check, what) in _RULES.items():
         section, _, key = path.rpartition(".")
         value = c[section][key] if section else c[key]
@@ -338,6 +343,10 @@ def validate(c):
     if m.n_kv_head and m.n_head % m.n_kv_head:
         raise UsageError(f"model.n_kv_head ({m.n_kv_head}) must divide model.n_head "
                          f"({m.n_head}): each key/value head serves a whole group of query heads")
+    if m.arch == "gpt2" and m.n_kv_head not in (0, m.n_head):
+        raise UsageError(f"model.n_kv_head ({m.n_kv_head}) groups the heads of arch=llama; GPT-2 "
+                         f"has one key/value head per query head: set it to 0, or "
+                         f"model.arch=llama")
     if m.arch == "llama" and (m.n_embd // m.n_head) % 2:
         raise UsageError(f"model.arch=llama rotates pairs of dimensions: the head width "
                          f"n_embd / n_head ({m.n_embd // m.n_head}) must be even")
@@ -362,6 +371,15 @@ def validate(c):
     if t.spike:
         _check_spike(c)
     return c
+
+
+def resolve_architecture(model):
+    """Sets the `model` keys left to the architecture (None): `bias` and `tie_embeddings`, True
+    for gpt2, False for llama."""
+    for key in ("bias", "tie_embeddings"):
+        if model[key] is None:
+            model[key] = model.arch != "llama"
+    return model
 
 
 def _check_spike(c):

@@ -50,8 +50,11 @@ def main(argv):
         model, tok = saved.load_checkpoint(_MODEL.value, need_tokenizer=not ids)
     else:
         model = saved.load_model(_MODEL.value)
-        tok = saved.load_tokenizer(_MODEL.value, model)
+        tok = None if ids else saved.load_tokenizer(_MODEL.value, model)
     prompt = prompt_ids(_PROMPT_IDS.value, model.vocab_size) if ids else tok.encode(_PROMPT.value)
+    if len(prompt) == 0:
+        from tfdist.errors import UsageError
+        raise UsageError("--prompt is empty: give some text to continue (or --prompt_ids)")
     for i in range(_NUM.value):
         out = model.generate(prompt, _MAX_NEW.value, temperature=_TEMPERATURE.value,
                              top_k=_TOP_K.value or None, seed=_SEED.value + i,

@@ -8,8 +8,8 @@ embedding; initialisation follows GPT-2 / nanoGPT.
 `arch="llama"` (Touvron et al. 2023; Llama 3): no position embeddings but rotary ones on the
 queries and keys (`tfdist.models.rope`, base `rope_theta`, Llama 3.1's frequency scaling
 optional), RMSNorm, grouped-query attention (`n_kv_head` key/value heads shared by the
-`n_head` query heads), a SwiGLU MLP `ffn_hidden` wide, and (`bias=False`,
-`tie_embeddings=False`) no biases and an output head of its own.
+`n_head` query heads), a SwiGLU MLP `ffn_hidden` wide, and (unless `bias` or
+`tie_embeddings` say otherwise) no biases and an output head of its own.
 
 Both share one layout of variables, which tensor parallelism, pipelines, ZeRO and checkpoints
 rely on: `h_<i>/attn/c_attn` (the queries', keys' and values' columns side by side),
@@ -28,7 +28,7 @@ Example:
     >>> tuple(tokens.shape)
     (1, 7)
     >>> llama = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, arch="llama",
-    ...             n_kv_head=2, bias=False, tie_embeddings=False)
+    ...             n_kv_head=2)
     >>> tuple(llama(np.zeros((1, 8), "int32")).shape)
     (1, 8, 256)
 """
@@ -270,12 +270,15 @@ class GPT(keras.Model):
     "llama" (the module's docstring)."""
 
     def __init__(self, vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64,
-                 dropout=0.0, bias=True, arch="gpt2", n_kv_head=None, ffn_hidden=None,
-                 rope_theta=10000.0, rope_scaling=None, norm_eps=1e-5, tie_embeddings=True,
+                 dropout=0.0, bias=None, arch="gpt2", n_kv_head=None, ffn_hidden=None,
+                 rope_theta=10000.0, rope_scaling=None, norm_eps=1e-5, tie_embeddings=None,
                  **kwargs):
         super().__init__(**kwargs)
         if arch not in ARCHITECTURES:
             raise ValueError(f"arch {arch!r}: one of {', '.join(ARCHITECTURES)}")
+        # None: the architecture's (GPT-2: biases and a tied head; Llama: neither)
+        bias = arch != "llama" if bias is None else bias
+        tie_embeddings = arch != "llama" if tie_embeddings is None else tie_embeddings
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.n_layer = n_layer

@@ -74,7 +74,9 @@ class Checkpoint:
         except json.JSONDecodeError as e:
             raise UsageError(f"{path} is not valid JSON ({e})") from None
         names = self.config.get("architectures") or [self.config.get("model_type", "?")]
-        known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
+        by_type = {arch: arch for arch in ARCHITECTURES.values()}  # (no `architectures`)
+        known = [ARCHITECTURES.get(n, by_type.get(n)) for n in names
+                 if n in ARCHITECTURES or n in by_type]
         if not known:
             raise UsageError(f"{directory} holds a {', '.join(names)}; tfdist reads "
                              f"{' and '.join(ARCHITECTURES)} checkpoints")
@@ -87,9 +89,13 @@ class Checkpoint:
         """tfdist's `model` keys for this checkpoint (tfdist/config.py); block_size is the
         checkpoint's whole context."""
         c = self.config
-        if self.architecture == "gpt2":
-            return self._gpt2_config(c)
-        return self._llama_config(c)
+        try:
+            if self.architecture == "gpt2":
+                return self._gpt2_config(c)
+            return self._llama_config(c)
+        except KeyError as e:
+            raise UsageError(f"{self.directory}/config.json has no {e.args[0]!r}, which a "
+                             f"{self.architecture} config needs") from None
 
     def _gpt2_config(self, c):
         act = c.get("activation_function", "gelu_new")
@@ -99,6 +105,9 @@ class Checkpoint:
         for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
             if c.get(flag):
                 raise UsageError(f"{self.directory}: {flag}=true is not in tfdist's GPT-2")
+        if not c.get("scale_attn_weights", True):
+            raise UsageError(f"{self.directory}: scale_attn_weights=false is not in tfdist's "
+                             f"GPT-2 (its scores are scaled by 1/sqrt(head width))")
         return {"arch": "gpt2", "vocab_size": c["vocab_size"], "block_size": c["n_positions"],
                 "n_layer": c["n_layer"], "n_head": c["n_head"], "n_kv_head": 0,
                 "n_embd": c["n_embd"], "ffn_hidden": c.get("n_inner") or 4 * c["n_embd"],
@@ -145,7 +154,11 @@ class Checkpoint:
         """{tensor name: file}: from the shards' index, or the one file's own list."""
         index = os.path.join(self.directory, INDEX)
         if tf.io.gfile.exists(index):
-            weight_map = json.loads(_read(index))["weight_map"]
+            try:
+                weight_map = json.loads(_read(index))["weight_map"]
+            except (ValueError, KeyError, TypeError):
+                raise UsageError(f"{index} is not a safetensors index (JSON with a "
+                                 f"weight_map)") from None
             for name in sorted(set(weight_map.values())):
                 if not tf.io.gfile.exists(os.path.join(self.directory, name)):
                     raise UsageError(f"{index} lists {name}, which is missing from "
@@ -162,13 +175,17 @@ class Checkpoint:
         when asked), else read whole through tf.io.gfile. (TF tensors: numpy has no
         bfloat16.)"""
         if name not in self._open:
+            from safetensors import SafetensorError, safe_open
+            from safetensors.tensorflow import load
             path = os.path.join(self.directory, name)
-            if "://" in path:
-                from safetensors.tensorflow import load
-                self._open[name] = load(_read(path, "rb"))
-            else:
-                from safetensors import safe_open
-                self._open[name] = safe_open(path, framework="tf")
+            try:
+                if "://" in path:  # one remote file in memory at a time
+                    self._open = {k: v for k, v in self._open.items() if not isinstance(v, dict)}
+                    self._open[name] = load(_read(path, "rb"))
+                else:
+                    self._open[name] = safe_open(path, framework="tf")
+            except SafetensorError as e:
+                raise UsageError(f"{path} is not a readable safetensors file ({e})") from None
         return self._open[name]
 
     def has(self, name):
@@ -309,13 +326,16 @@ def load_weights(model, checkpoint):
 def load_gpt(directory, block_size=None):
     """A built GPT with the checkpoint's shape and weights (to sample from; `block_size`: a
     shorter context)."""
+    from tfdist import config as config_lib
     from tfdist.models.gpt import GPT
 
     checkpoint = Checkpoint(directory)
-    config = checkpoint.model_config()
+    c = config_lib.default_config()
+    c.model.update(checkpoint.model_config())
     if block_size:
-        config["block_size"] = min(block_size, config["block_size"])
-    gpt = GPT.from_model_config(config)
+        c.model.block_size = min(block_size, c.model.block_size)
+    config_lib.validate(c)  # (the shapes tfdist's rules allow: one line if not)
+    gpt = GPT.from_model_config(c.model)
     gpt.build()
     load_weights(gpt, checkpoint)
     return gpt, checkpoint

@@ -65,7 +65,7 @@ def model_from_config(c, name):
     """A Model from a tfdist config (the `model` section of configs/*.py): GPT-2's kind or
     Llama's (`model.arch`), as tfdist's GPT builds it (`GPT.arch_sizes`)."""
     from tfdist import config as config_lib
-    m = c.model
+    m = config_lib.resolve_architecture(c.model.copy_and_resolve_references())
     llama = m.arch == "llama"
     return Model(name=name, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head,
                  vocab_size=config_lib.vocab_size(c) or 256, seq_len=m.block_size, bias=m.bias,
