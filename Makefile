@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
-.PHONY: setup horovod demo lint test test-fast bench bench-peer bench-scaling bench-scaling-ps bench-scaling-horovod \
+.PHONY: setup horovod demo lint test test-fast bench bench-peer bench-sample bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
         chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition chaos-elastic chaos-ray \
         bench-node-loss plan-validate plan-measured clean cluster-tools
@@ -14,7 +14,7 @@ setup: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,horovod,ray]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,horovod,ray,hf]'
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $$($(BIN)/python -c \
 	  "import configparser; p = configparser.ConfigParser(); p.read('setup.cfg'); \
 	  print(p['options.extras_require']['keras_hub'])")
@@ -83,6 +83,11 @@ $(PEER)/.installed: setup.cfg
 	  p = configparser.ConfigParser(); p.read('setup.cfg'); print(p['options.extras_require']['peer'])")
 	$(PEER)/bin/python tools/bench/torch_gpt.py --check
 	touch $@
+
+# Sampling tokens/s: tfdist's KV-cache generate against transformers' generate on the same
+# weights (tools/bench/sample.py); writes bench_results/sample.json.
+bench-sample: $(STAMP)
+	$(BIN)/python tools/bench/sample.py
 
 bench-peer: $(STAMP) $(PEER)/.installed
 	$(BIN)/python tools/bench/peer.py

@@ -95,6 +95,116 @@ def test_parameter_counts_match_the_papers_and_tfdists_gpt():
         assert plan.model_from_config(c, name).params == gpt.num_params()
 
 
+LLAMA3 = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496}  # Meta's released weights
+
+
+@pytest.mark.parametrize("name", LLAMA3)
+def test_llama3_parameter_counts_are_the_published(name):
+    """The named models, their configs (configs/llama3_*.py) and tfdist's GPT of each config
+    count Meta's figures exactly: per layer q and out h x h, k and v h x kv (8 key/value heads),
+    SwiGLU's three h x ffn, two RMSNorm scales; the token embedding and an untied head, V x h
+    each; the final norm."""
+    from tfdist.models.gpt import GPT
+    published = LLAMA3[name]
+    named = plan.MODELS[name.replace("_", "-")]
+    c = plan.load_config(os.path.join(ROOT, "configs", f"{name}.py"))
+    tfdist_config.validate(c)
+    model = plan.model_from_config(c, name)
+    L, h, heads, ffn = model.n_layer, model.n_embd, model.n_head, model.ffn
+    kv = h // heads * 8
+    assert L * (2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h) + 2 * 128256 * h + h == published
+    assert named.params == model.params == published
+    assert GPT.from_model_config(c.model).num_params() == published  # (not built: 8 to 70 B)
+    # the same shape; the named one priced as Meta trained it (memory-efficient attention)
+    assert dataclasses.replace(named, name=name, flash_attention=False, config="",
+                               source="") == model
+    assert named.config == f"configs/{name}.py" and "arXiv:2407.21783" in named.source
+    # what wrong formulas count instead: keys and values as wide as the queries, a head tied
+    # to the embedding, a two-matrix MLP
+    for wrong in (dict(n_kv_head=0), dict(tied_embeddings=True), dict(gated_mlp=False)):
+        assert dataclasses.replace(model, **wrong).params != published, wrong
+
+
+def test_a_llama_config_is_priced_as_tfdists_gpt_builds_it():
+    """A llama config with the default MLP width (model.ffn_hidden 0: 8/3 x n_embd, rounded up to
+    a multiple of 64), grouped keys and an untied head: the planner's parameters are the built
+    GPT's, and its default width is the GPT's (tfdist.models.gpt imports TensorFlow, the planner
+    does not: one formula in each place)."""
+    from tfdist.models import gpt as gpt_lib
+    c = tfdist_config.default_config()
+    c.model.update(arch="llama", vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=48,
+                   bias=False, tie_embeddings=False)
+    gpt = gpt_lib.GPT.from_model_config(c.model)
+    gpt.build()
+    model = plan.model_from_config(c, "llama")
+    assert model.ffn == gpt.ffn_hidden == 128  # 8/3 x 48 = 128, and not GPT-2's 4 x 48 = 192
+    assert model.params == gpt.count_params()
+    assert (model.gated_mlp, model.rms_norm, model.learned_positions) == (True, True, False)
+    # and back: the config a plan is judged with, and the command's, is this shape again
+    assert {k: c.model[k] for k in plan.config_of(model)} == plan.config_of(model)
+
+
+def test_planning_llama3_8b_gives_a_layout_tfdist_runs():
+    """configs/llama3_8b.py (batch 512 x 8192 tokens) on 64 H100: the fastest layout that fits
+    is one tfdist runs, judged with the llama config (8 key/value heads), and its command is
+    that config file with valid keys, whose layout is the planned one."""
+    from tfdist import strategies
+    from tfdist.parallel.layout import Layout
+    c = plan.load_config(os.path.join(ROOT, "configs", "llama3_8b.py"))
+    model = plan.model_from_config(c, "llama3_8b")
+    cluster = plan.Cluster(plan.DEVICES["h100"], 64)
+    plans = plan.search(model, cluster, 512, opts=plan.calibrated_options())
+    judged = plan.base_config(model, "mixed", c)
+    assert (judged.model.arch, judged.model.n_kv_head, judged.model.ffn_hidden) == (
+        "llama", 8, 14336)
+    first = next(p for p in plans if p.fits)
+    assert plan.runnable(first, cluster, judged), (first.layout,
+                                                   plan.refusal(first, cluster, judged))
+    assert first.layout.tp > 1 and first.memory["total"] <= 0.95 * cluster.device.memory
+    # one 8,192-token sequence's activations alone need more than an H100 without tensor
+    # parallelism: tfdist's attention keeps the scores, 2 a s / h = 128 of the 169 per s h
+    assert not any(p.fits for p in plans if p.layout.tp == 1 and not p.layout.recompute)
+    cmd = plan.tfdist_command(first, cluster, "--config=configs/llama3_8b.py", "mixed",
+                              c=judged).split()
+    assert "--config=configs/llama3_8b.py" in cmd
+    for arg in cmd:
+        if arg.startswith("--config."):
+            key, value = arg[len("--config."):].split("=")
+            section, key = key.split(".")
+            kind = type(c[section][key])
+            c[section][key] = (value == "True") if kind is bool else kind(value)
+    c.strategy.name = "multi_worker_mirrored"  # (the launchers' default)
+    tfdist_config.validate(c)
+    got = Layout.from_config(c, strategies.get_class(c.strategy.name),
+                             replicas=first.layout.dp, local_devices=cluster.node())
+    assert (got.dp, got.tp, got.sp, got.accumulate, got.zero) == (
+        first.layout.dp, first.layout.tp, first.layout.sp, first.layout.accumulate,
+        first.layout.zero)
+    # tensor parallelism only over divisors of the 8 key/value heads, even on 16-device nodes
+    # (the companion: the same model with multi-head attention is split 16 ways there)
+    wide = plan.Cluster(plan.DEVICES["h100"], 64, per_node=16)
+    assert {lay.tp for lay in plan.layouts(model, wide, 512)} == {1, 2, 4, 8}
+    mha = dataclasses.replace(model, n_kv_head=0)
+    assert {lay.tp for lay in plan.layouts(mha, wide, 512)} == {1, 2, 4, 8, 16}
+
+
+def test_a_model_priced_with_flash_attention_is_run_by_tfdist_with_its_scores():
+    """The named llama3-70b is priced as Meta trained it (no attention scores stored); tfdist's
+    GPT stores them, so a layout that fits only without them is not offered as a tfdist command
+    ("scores stored: OOM"), and the layout tfdist is told to run fits as the config prices it."""
+    named = plan.MODELS["llama3-70b"]
+    c = plan.load_config(os.path.join(ROOT, "configs", "llama3_70b.py"))
+    cluster, o = plan.Cluster(plan.DEVICES["h100"], 512), plan.calibrated_options()
+    lay = plan.planned(512, 64, tp=8, microbatch=1, zero=2, sp=True)
+    p = plan.evaluate(named, cluster, lay, o)
+    as_tfdist = plan.evaluate(plan.model_from_config(c, "llama3_70b"), cluster, lay, o)
+    assert p.fits and not as_tfdist.fits  # the scores: 2 a s / h = 128 values per s h
+    assert plan.refusal(p, cluster, plan.base_config(named, "mixed", c)) == "scores stored: OOM"
+    best = next(q for q in plan.search(named, cluster, 512, opts=o)
+                if q.fits and plan.runnable(q, cluster, c))
+    assert plan.evaluate(plan.model_from_config(c, "llama3_70b"), cluster, best.layout, o).fits
+
+
 def test_activation_memory_is_korthikanti_equation():
     """s b h (34 + 5 a s / h) without tensor parallelism; s b h (10 + 24/t + 5 a s / (h t)) with
     t."""
@@ -313,6 +423,37 @@ def test_command_line_writes_table_chart_and_json(tmp_path):
     assert "do not fit" in r.stdout  # gpt2_xl's pipeline layouts with all 256 sequences in flight
 
 
+def test_plan_prices_the_llama3_configs_from_the_command_line(tmp_path):
+    r = tfdist_plan("--config=configs/llama3_8b.py", "--device=h100", "--devices=64",
+                    f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("llama3_8b: 8.03 B parameters, 8192 tokens per sequence; batch 512")
+    cmd = next(line for line in r.stdout.splitlines() if "--config=configs/llama3_8b.py" in line)
+    assert "--config.tensor.parallel=" in cmd
+    out = json.loads((tmp_path / "plan.json").read_text())
+    assert (out["model"]["n_kv_head"], out["model"]["ffn"], out["model"]["gated_mlp"]) == (
+        8, 14336, True)
+
+
+@pytest.mark.slow
+def test_a_named_llama3_model_recommends_its_config(tmp_path):
+    r = tfdist_plan("--model=llama3-70b", "--device=h100", "--devices=512", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("llama3-70b: 70.55 B parameters, 8192 tokens per sequence; "
+                               "batch 512")  # (the config's batch: 4M tokens)
+    assert "scores stored: OOM" in r.stdout
+    assert "--config=configs/llama3_70b.py --config.train.batch_size=" in r.stdout
+    # a named model without a config: configs/gpt2.py made its shape, Llama's keys included
+    r = tfdist_plan("--model=llama2-70b", "--device=a100-80gb", "--devices=256", "--batch=1024",
+                    "--top=1", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert ("--config=configs/gpt2.py --config.model.n_layer=80 --config.model.n_embd=8192 "
+            "--config.model.n_head=64 --config.model.vocab_size=32000 "
+            "--config.model.block_size=4096 --config.model.arch=llama --config.model.n_kv_head=8 "
+            "--config.model.ffn_hidden=28672 --config.model.bias=False "
+            "--config.model.tie_embeddings=False") in r.stdout
+
+
 # --- this machine ------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -445,6 +586,8 @@ def test_cpu_device_without_a_bench_is_one_clear_line(tmp_path):
      "--batch=97 does not split into 2 data-parallel replicas x microbatches of 1"),
     (["--model=gpt4"], "unknown --model 'gpt4'"),
     (["--model=gpt3-175b", "--tp=5"], "--tp=5 must divide the 96 attention heads"),
+    (["--model=llama3-8b", "--devices=64", "--tp=16"],
+     "--tp=16 must divide the 8 key/value heads"),
     (["--model=gpt3-175b", "--devices=12", "--pp=8"],
      "--devices=12 is not a multiple of tp x pp = 8"),
     (["--devices=8"], "say which model"),

@@ -1,10 +1,11 @@
-"""`tfdist <command> [flags]`: prepare, train, sample, launch, plan."""
+"""`tfdist <command> [flags]`: prepare, train, sample, export, launch, plan."""
 import importlib
 import sys
 
 #: each command's command line: tfdist/cli/<command>.py
-COMMANDS = {name: f"tfdist.cli.{name}" for name in ("prepare", "train", "sample", "launch", "plan")}
-USAGE = ("usage: tfdist {prepare,train,sample,launch,plan} [--flags]   (tfdist <command> --help "
+_NAMES = ("prepare", "train", "sample", "export", "launch", "plan")
+COMMANDS = {name: f"tfdist.cli.{name}" for name in _NAMES}
+USAGE = (f"usage: tfdist {{{','.join(_NAMES)}}} [--flags]   (tfdist <command> --help "
          "for its flags)")
 
 

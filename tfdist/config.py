@@ -29,6 +29,10 @@ def default_config():
     and what it means (configs/*.py change what they need)."""
     c = ml_collections.ConfigDict()
     c.seed = 1337
+    # "hf:<dir>": start from a Hugging Face checkpoint (config.json + safetensors; GPT-2 or
+    # Llama): the model's shape is the checkpoint's, and its tokenizer.json the data's tokenizer
+    # unless data.tokenizer is given (tfdist/models/huggingface.py). "": random weights.
+    c.init_from = ""
     c.model = _model()
     c.data = _data()
     c.train = _train()
@@ -42,15 +46,28 @@ def default_config():
 
 
 def _model():
-    """The GPT's shape (tfdist/models/gpt.py)."""
+    """The GPT's shape (tfdist/models/gpt.py): GPT-2's kind, or Llama's (`arch`)."""
     s = ml_collections.ConfigDict()
+    s.arch = "gpt2"  # "gpt2" or "llama" (RMSNorm, rotary positions, SwiGLU, grouped queries)
     s.vocab_size = 0  # 0: the tokenizer's; larger values leave unused rows (padding)
     s.block_size = 64  # context length
     s.n_layer = 2
     s.n_head = 2
+    s.n_kv_head = 0  # key/value heads (grouped-query attention); 0: n_head
     s.n_embd = 64
+    s.ffn_hidden = 0  # the MLP's hidden width; 0: 4 x n_embd (gpt2), 8/3 x n_embd (llama)
     s.dropout = 0.0
-    s.bias = True
+    # biases in the linear layers (and LayerNorm's shift); the output head is the token
+    # embedding's transpose. None: the architecture's (gpt2: both; llama: neither)
+    s.bias = ml_collections.FieldReference(None, field_type=bool)
+    s.tie_embeddings = ml_collections.FieldReference(None, field_type=bool)
+    s.norm_eps = 1e-5
+    # llama: rotary embeddings' base, and Llama 3.1's frequency scaling (factor 0: off)
+    s.rope_theta = 10000.0
+    s.rope_scaling_factor = 0.0
+    s.rope_low_freq_factor = 1.0
+    s.rope_high_freq_factor = 4.0
+    s.rope_original_context = 8192
     return s
 
 
@@ -219,6 +236,14 @@ _RULES = {
     "model.block_size": (_positive_int, "an integer > 0"),
     "model.n_layer": (_positive_int, "an integer > 0"),
     "model.n_head": (_positive_int, "an integer > 0"),
+    "model.arch": (lambda v: v in ("gpt2", "llama"), "gpt2 or llama"),
+    "model.n_kv_head": (_non_negative_int, "an integer >= 0 (0: model.n_head)"),
+    "model.ffn_hidden": (_non_negative_int, "an integer >= 0 (0: the architecture's default)"),
+    "model.norm_eps": (lambda v: 0 < v < 1, "a number in (0, 1)"),
+    "model.rope_theta": (lambda v: v > 1, "a number > 1"),
+    "model.rope_scaling_factor": (lambda v: v == 0 or v >= 1, "0 (off) or a factor >= 1"),
+    "model.rope_original_context": (_positive_int, "an integer > 0"),
+    "init_from": (lambda v: v == "" or v.startswith("hf:"), "\"\" or hf:<checkpoint directory>"),
     "model.n_embd": (_positive_int, "an integer > 0"),
     "model.dropout": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
     "data.source": (lambda v: bool(v.strip()), "'stdlib', paths, 'tfds:<name>', 'nanogpt:<dir>' "
@@ -283,6 +308,8 @@ def _walk(reference, given, prefix=""):
             known = ", ".join(sorted(reference.keys()))
             raise UsageError(f"unknown config key '{path}' (known keys here: {known})")
         ref, val = reference[key], given[key]
+        if ref is None:  # (a typed FieldReference left unset: its type is checked on override)
+            continue
         if isinstance(ref, ml_collections.ConfigDict):
             if not isinstance(val, (ml_collections.ConfigDict, dict)):
                 raise UsageError(f"config key '{path}' must be a section, got {val!r}")
@@ -298,6 +325,7 @@ def validate(c):
     """Checks `c` against the schema of `default_config()`; raises UsageError on the first
     problem."""
     _walk(default_config(), c)
+    resolve_architecture(c.model)
     for path, (check, what) in _RULES.items():
         section, _, key = path.rpartition(".")
         value = c[section][key] if section else c[key]
@@ -312,6 +340,16 @@ def validate(c):
     if m.n_embd % m.n_head:
         raise UsageError(f"model.n_embd ({m.n_embd}) must be divisible by "
                          f"model.n_head ({m.n_head})")
+    if m.n_kv_head and m.n_head % m.n_kv_head:
+        raise UsageError(f"model.n_kv_head ({m.n_kv_head}) must divide model.n_head "
+                         f"({m.n_head}): each key/value head serves a whole group of query heads")
+    if m.arch == "gpt2" and m.n_kv_head not in (0, m.n_head):
+        raise UsageError(f"model.n_kv_head ({m.n_kv_head}) groups the heads of arch=llama; GPT-2 "
+                         f"has one key/value head per query head: set it to 0, or "
+                         f"model.arch=llama")
+    if m.arch == "llama" and (m.n_embd // m.n_head) % 2:
+        raise UsageError(f"model.arch=llama rotates pairs of dimensions: the head width "
+                         f"n_embd / n_head ({m.n_embd // m.n_head}) must be even")
     if t.min_learning_rate > t.learning_rate:
         raise UsageError("train.min_learning_rate must not exceed train.learning_rate")
     if t.warmup_steps >= t.steps:
@@ -333,6 +371,15 @@ def validate(c):
     if t.spike:
         _check_spike(c)
     return c
+
+
+def resolve_architecture(model):
+    """Sets the `model` keys left to the architecture (None): `bias` and `tie_embeddings`, True
+    for gpt2, False for llama."""
+    for key in ("bias", "tie_embeddings"):
+        if model[key] is None:
+            model[key] = model.arch != "llama"
+    return model
 
 
 def _check_spike(c):
@@ -421,5 +468,21 @@ def gpt2_config(n_layer, n_head, n_embd):
     c.train.update(batch_size=512, steps=600000, steps_per_epoch=2000, learning_rate=6e-4,
                    min_learning_rate=6e-5, warmup_steps=2000, eval_steps=200,
                    precision="mixed_bfloat16")
+    c.backup.every_steps = 1000
+    return c
+
+
+def llama3_config(n_layer, n_head, n_embd, ffn_hidden, learning_rate):
+    """A Llama 3 family config (8 key/value heads, context 8192, vocab 128256, rotary base 5e5,
+    no biases, an untied head; 4M-token batches for 15T tokens, bf16) for real hardware."""
+    c = default_config()
+    c.model.update(arch="llama", vocab_size=128256, block_size=8192, n_layer=n_layer,
+                   n_head=n_head, n_kv_head=8, n_embd=n_embd, ffn_hidden=ffn_hidden,
+                   dropout=0.0, bias=False, tie_embeddings=False, norm_eps=1e-5,
+                   rope_theta=500000.0)
+    c.train.update(batch_size=512, steps=3_578_000, steps_per_epoch=2000,
+                   learning_rate=learning_rate, min_learning_rate=learning_rate / 10,
+                   warmup_steps=2000, eval_steps=200,
+                   precision="mixed_bfloat16")  # 3,578,000 x 512 x 8192 tokens: 15.0T
     c.backup.every_steps = 1000
     return c

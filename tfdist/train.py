@@ -41,6 +41,7 @@ from tfdist import compat, strategies
 from tfdist import config as config_lib
 from tfdist.data import Windows, open_store, store
 from tfdist.errors import UsageError
+from tfdist.models import huggingface
 from tfdist.models.gpt import loss_fn
 from tfdist.models.state import plain_gpt
 from tfdist.optimizers import make_optimizer
@@ -146,6 +147,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     throughout. A preemption signal ends it with `tfdist.runtime.preemption.Preempted` (a
     SystemExit, status 75) once the backup of the step in progress is written.
     """
+    c = config_lib.validate(huggingface.apply_init_from(c))  # (its shape, from its config.json)
     run = Run(c, workdir, hooks or Hooks())
     with contextlib.ExitStack() as held:  # the workdir's lock, the preemption signal handlers
         _start(run)
@@ -198,6 +200,7 @@ def prepare(c, workdir, overwrite=False, sizes=()):
     `tfdist train --prepare_only`): the config, the strategy name and the layout are checked (at
     every worker count of `sizes`, an elastic job's), the dataset is prepared, and `--overwrite`
     clears the workdir."""
+    c = config_lib.validate(huggingface.apply_init_from(c))
     plugin = strategies.get_class(c.strategy.name)
     Layout.from_config(c, plugin)
     Layout.check_sizes(c, plugin, sizes)
@@ -280,6 +283,10 @@ def _resume(run, held, overwrite):
     # meanwhile. Every worker starts at step 0 then (the chief's deletion precedes its first step,
     # which no worker can finish without it).
     run.start = run.backup.restore(run.model) if c.backup.enabled and not overwrite else 0
+    if c.init_from and not run.start:  # (a resumed run has its own weights)
+        huggingface.load_weights(run.model, huggingface.Checkpoint(c.init_from))
+        run.notes.append(f"weights from the Hugging Face checkpoint in "
+                         f"{huggingface.directory_of(c.init_from)} ({c.model.arch})")
     if run.start:  # the data order the run read (its loss spikes' skips)
         run.rollbacks = cb.spike.read_rollbacks(run.backup_dir)
     if run.start > t.steps:

@@ -70,8 +70,8 @@ def batch(n=8, seed=1):
 def grads(k, m, recompute=False, t=1, schedule="gpipe"):
     plain, piped = models(k, m, recompute, t, schedule)
     x, y = batch()
-    same = {n: state._value(v) for n, v in state.weights(plain).items()}
-    assert max_abs_diff(same, {n: state._value(v) for n, v in state.weights(piped).items()}) == 0
+    same = {n: state.value_of(v) for n, v in state.weights(plain).items()}
+    assert max_abs_diff(same, {n: state.value_of(v) for n, v in state.weights(piped).items()}) == 0
     piped.compile(optimizer="sgd", loss=loss_fn())
     plain_loss = loss_fn()
     with tf.GradientTape() as tape:

@@ -8,7 +8,9 @@ machine's benches (machine.py), and the command line (this file). It covers data
 sharding of the optimizer state, the gradients and (ZeRO-3) the weights, whose gathered layers
 it counts too. The recommended command is the best layout tfdist runs
 (`tfdist.parallel.layout.Layout` accepts it: ZeRO-2 without pipeline stages, a process's stages
-and tensor-parallel devices on one node, the embedding and head kept whole as tfdist keeps them).
+and tensor-parallel devices on one node, the embedding and head kept whole as tfdist keeps them,
+the attention scores stored as tfdist's attention stores them). GPT-2's kind and Llama's
+(grouped-query attention, SwiGLU: configs/llama3_8b.py, --model=llama3-70b) are priced alike.
 The transformer's arithmetic (parameters, FLOPs, activation and model-state bytes) is
 tfdist.models.arithmetic's, which the GPT and the pipeline's memory estimate use too.
 
@@ -20,6 +22,7 @@ bench's measured step time instead, and the bench's other figures are predicted
 
     tfdist plan --config=configs/gpt2_xl.py --device=a100-80gb --devices=16 --batch=512
     tfdist plan --model=llama2-70b --device=a100-80gb --devices=2048 --batch=1024
+    tfdist plan --config=configs/llama3_8b.py --device=h100 --devices=64
     tfdist plan --validate
 
 In Python:
@@ -42,6 +45,7 @@ from tfdist.plan.model import (
     Cluster,
     Model,
     Options,
+    config_of,
     memory,
     model_from_config,
     planned,
@@ -115,6 +119,17 @@ def _model_overrides(model, keys):
                     for k in keys)
 
 
+def _shape_overrides(model):
+    """The config flags that make configs/gpt2.py tfdist's GPT of `model`'s shape
+    (`config_of`): its sizes, and its architecture's keys where they are not the defaults."""
+    from tfdist import config as config_lib
+    shape, default = config_of(model), config_lib.default_config().model
+    keys = ["n_layer", "n_embd", "n_head", "vocab_size", "block_size"] + [
+        k for k in ("arch", "n_kv_head", "ffn_hidden", "bias", "tie_embeddings")
+        if shape[k] != default[k]]
+    return " ".join(f"--config.model.{k}={shape[k]}" for k in keys)
+
+
 def _model_from_flags(F):
     from ml_collections import config_flags
     if F.model and F.config:
@@ -123,15 +138,18 @@ def _model_from_flags(F):
         if F.model not in MODELS:
             raise UsageError(f"unknown --model '{F.model}'; choose one of {', '.join(MODELS)} "
                              f"or --config=configs/<name>.py")
-        model, config_arg = MODELS[F.model], None
+        model, config_arg, c = MODELS[F.model], None, None
         batch = next((r["batch"] for r in PUBLISHED.values() if r["model"] == F.model), None)
+        if model.config:  # its tfdist config (configs/llama3_8b.py): its batch; the command runs it
+            c = load_config(os.path.join(cli.REPO, model.config))
+            batch, config_arg = batch or c.train.batch_size, f"--config={model.config}"
     elif F.config:
         c = F.config
         name = os.path.splitext(os.path.basename(config_flags.get_config_filename(F["config"])))[0]
         model, batch = model_from_config(c, name), c.train.batch_size
         config_arg = f"--config={config_flags.get_config_filename(F['config'])}"
     elif F.n_layer or F.params:
-        model, batch, config_arg = None, None, None
+        model, batch, config_arg, c = None, None, None, None
     else:
         raise UsageError("say which model: --config=configs/<name>.py, --model=<name> "
                          f"({', '.join(MODELS)}), or its sizes "
@@ -150,9 +168,8 @@ def _model_from_flags(F):
                       seq_len=sizes.get("seq_len", 2048))
     else:
         model = dataclasses.replace(model, **sizes)
-    if config_arg is None:  # tfdist's GPT (GELU, full attention) of the same sizes
-        config_arg = "--config=configs/gpt2.py " + _model_overrides(
-            model, ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len"))
+    if config_arg is None:  # tfdist's GPT of the same shape (GPT-2's kind or Llama's)
+        config_arg = "--config=configs/gpt2.py " + _shape_overrides(model)
     else:  # the config file, the user's own overrides, then the sizes given directly
         own = [a for a in sys.argv
                if a.startswith("--config.") and a.split("=")[0][9:] not in _SET_BY_PLAN]
@@ -162,7 +179,7 @@ def _model_from_flags(F):
         model = dataclasses.replace(model, params_override=F.params)
     if model.n_layer and model.n_embd % model.n_head:
         raise UsageError(f"n_embd ({model.n_embd}) must be a multiple of n_head ({model.n_head})")
-    return model, batch, config_arg
+    return model, batch, config_arg, c
 
 
 def main(argv):
@@ -192,7 +209,7 @@ def main(argv):
     if F.efficiency is not None and F.efficiency > 1:
         raise UsageError(f"--efficiency={F.efficiency} is a fraction of peak: "
                          f"give a number in (0, 1]")
-    model, config_batch, config_arg = _model_from_flags(F)
+    model, config_batch, config_arg, config = _model_from_flags(F)
     if F.measured:
         if not model.n_layer:
             raise UsageError("--measured needs a model with sizes "
@@ -246,8 +263,7 @@ def main(argv):
         raise UsageError(f"no layout of {cluster.count} devices splits a batch of {batch} and "
                          f"{model.n_layer} layers as asked; change --batch, --devices or the "
                          f"fixed dims")
-    report(model, cluster, batch, plans, opts, config_arg, F.top, F.out,
-           F.config if F.config and not F.model else None)
+    report(model, cluster, batch, plans, opts, config_arg, F.top, F.out, config)
 
 
 def _check_fixed(model, cluster, batch, fixed):
@@ -255,6 +271,8 @@ def _check_fixed(model, cluster, batch, fixed):
     tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
     if model.n_layer and model.n_head % tp:
         raise UsageError(f"--tp={tp} must divide the {model.n_head} attention heads")
+    if model.n_layer and model.n_kv_head and model.n_kv_head % tp:
+        raise UsageError(f"--tp={tp} must divide the {model.n_kv_head} key/value heads")
     if model.n_layer and pp > model.n_layer:
         raise UsageError(f"--pp={pp} is more stages than the model's {model.n_layer} layers")
     if "dp" in fixed and ("tp" in fixed and "pp" in fixed) and fixed["dp"] * tp * pp != g:

@@ -32,8 +32,8 @@ _WORKERS = flags.DEFINE_integer("workers", 0, "Tokenizer processes (0: one per C
 def main(argv):
     del argv
     from tfdist.data import build  # (TensorFlow: not before `main`, so `--help` is quick)
-
-    c = config_lib.validate(_CONFIG.value)
+    from tfdist.models import huggingface
+    c = config_lib.validate(huggingface.apply_init_from(config_lib.validate(_CONFIG.value)))
     s = build.build_store(c.data, out=_OUT.value, workers=_WORKERS.value)
     print(f"tfdist prepare: {s.describe()}; fingerprint {s.fingerprint}")
     if not _OUT.value:

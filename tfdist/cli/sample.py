@@ -1,6 +1,9 @@
-"""`tfdist sample`: generate text from a model saved by `tfdist train`.
+"""`tfdist sample`: generate text from a model saved by `tfdist train`, or straight from a
+Hugging Face checkpoint directory (GPT-2 or Llama), over a key/value cache.
 
     tfdist sample --model=runs/demo/model.keras --prompt='def ' --max_new_tokens=300
+    tfdist sample --model=hf:/ckpt/gpt2 --prompt='Hello' --top_k=1     # greedy
+    tfdist sample --model=hf:/ckpt/tiny --prompt_ids=5,17,42           # no tokenizer needed
 """
 import os
 import sys
@@ -9,8 +12,12 @@ from absl import flags
 
 from tfdist import cli
 
-_MODEL = flags.DEFINE_string("model", None, "A .keras file written by `tfdist train`.")
+_MODEL = flags.DEFINE_string("model", None, "A .keras file written by `tfdist train`, or "
+                             "hf:<dir>, a Hugging Face checkpoint directory.")
 _PROMPT = flags.DEFINE_string("prompt", "\n", "Text to continue.")
+_PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "The prompt as comma-separated token ids "
+                                  "(e.g. 5,17,42), for a checkpoint without a tokenizer; prints "
+                                  "the ids generated.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature (> 0).",
                                   lower_bound=1e-6)
@@ -20,64 +27,43 @@ _NUM = flags.DEFINE_integer("num_samples", 1, "How many samples.", lower_bound=1
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 
 
-def load_model(path):
-    """Loads a tfdist .keras model; UsageError if the file is missing or not a tfdist GPT."""
-    import keras
-    import tensorflow as tf
-
+def prompt_ids(text, vocab_size):
+    """--prompt_ids as a list of ints; UsageError if malformed or outside the vocabulary."""
     from tfdist.errors import UsageError
-    from tfdist.models.gpt import GPT
-
-    if not path or not tf.io.gfile.exists(path):
-        raise UsageError(f"model file '{path}' not found; pass --model=<workdir>/model.keras "
-                         f"written by `tfdist train`")
     try:
-        model = keras.saving.load_model(path, compile=False)
-    except Exception as e:  # zip/JSON/deserialization errors: one line
-        raise UsageError(f"cannot load {path} as a Keras model "
-                         f"({str(e).splitlines()[0][:150]})") from None
-    if not isinstance(model, GPT):
-        raise UsageError(f"{path} holds a {type(model).__name__}, not a tfdist GPT")
-    return model
-
-
-def load_tokenizer(model_path, model):
-    """The tokenizer saved beside the model (`<workdir>/tokenizer/`, written by `tfdist train`);
-    bytes for an older run without one, if the model's vocabulary is the byte tokenizer's."""
-    import json
-
-    import tensorflow as tf
-
-    from tfdist.data import tokenizer
-    from tfdist.errors import UsageError
-
-    directory = os.path.join(os.path.dirname(model_path), "tokenizer")
-    config_path = os.path.join(directory, "config.json")
-    if not tf.io.gfile.exists(config_path):
-        if model.vocab_size == 256:
-            return tokenizer.ByteTokenizer()
-        raise UsageError(f"no tokenizer beside {model_path} ({config_path} is missing); "
-                         f"sample from a model in the workdir `tfdist train` wrote, with its "
-                         f"tokenizer/")
-    with tf.io.gfile.GFile(config_path) as f:
-        config = json.load(f)
-    if config["kind"] == "ids":
-        raise UsageError(f"the run in {os.path.dirname(model_path)} was trained on token ids "
-                         f"without a tokenizer; give its data's tokenizer files in data.tokenizer")
-    return tokenizer.load(directory, config)
+        ids = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt_ids={text!r}: give comma-separated token ids, e.g. "
+                         f"5,17,42") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if not ids or bad:
+        raise UsageError(f"--prompt_ids={text!r}: give at least one id, each in [0, "
+                         f"{vocab_size}) (the model's vocabulary)")
+    return ids
 
 
 def main(argv):
     del argv
-    model = load_model(_MODEL.value)
-    tok = load_tokenizer(_MODEL.value, model)
-    prompt = tok.encode(_PROMPT.value)
+    from tfdist.models import huggingface, saved
+    ids = _PROMPT_IDS.value is not None
+    if huggingface.is_hf(_MODEL.value):
+        model, tok = saved.load_checkpoint(_MODEL.value, need_tokenizer=not ids)
+    else:
+        model = saved.load_model(_MODEL.value)
+        tok = None if ids else saved.load_tokenizer(_MODEL.value, model)
+    prompt = prompt_ids(_PROMPT_IDS.value, model.vocab_size) if ids else tok.encode(_PROMPT.value)
+    if len(prompt) == 0:
+        from tfdist.errors import UsageError
+        raise UsageError("--prompt is empty: give some text to continue (or --prompt_ids)")
     for i in range(_NUM.value):
         out = model.generate(prompt, _MAX_NEW.value, temperature=_TEMPERATURE.value,
                              top_k=_TOP_K.value or None, seed=_SEED.value + i,
-                             vocab_size=tok.vocab_size)
-        print(f"--- sample {i + 1} ({os.path.basename(_MODEL.value)}) ---")
-        print(tok.decode(out[0]))
+                             vocab_size=tok.vocab_size if tok else None)
+        print(f"--- sample {i + 1} ({os.path.basename(_MODEL.value.rstrip('/'))}) ---")
+        if ids:
+            print(",".join(str(int(t)) for t in out[0]))
+        else:
+            print(tok.decode(out[0]))
 
 
 def run(argv=None):

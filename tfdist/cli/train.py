@@ -43,7 +43,8 @@ def resolve_config():
             c.strategy.name = _STRATEGY.value
         if _DEVICES.value is not None:
             c.strategy.devices = _DEVICES.value
-    return config_lib.validate(c)
+    from tfdist.models import huggingface  # (numpy only: --help stays quick)
+    return config_lib.validate(huggingface.apply_init_from(config_lib.validate(c)))
 
 
 def workdir_of():

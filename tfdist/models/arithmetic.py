@@ -8,7 +8,9 @@ all count here, so they cannot disagree (tests/test_arithmetic.py). Pure Python:
 Conventions, in the order below:
 
 * parameters: every weight, the tied output head counted once (as Keras counts a built GPT);
-  non-embedding leaves out the position embeddings (nanoGPT's convention);
+  non-embedding leaves out the embeddings that are only looked up: the position embeddings
+  (nanoGPT's convention: a tied token embedding is the head's weight, so it stays), and with an
+  untied head the token embedding too (torchtitan's for Llama: its head stays);
 * FLOPs: 2 per multiply-add. `flops_per_token` is nanoGPT's (PaLM's appendix B) 6 N + 12 L C T;
   `model_flops_per_token` is Megatron-LM's 3 x (matmuls + attention + head), used for MFU;
 * activations: the bytes one layer keeps for its backward pass, Korthikanti et al. 2022;
@@ -35,6 +37,7 @@ One layer's activations in MiB, s h (34 + 5 a s / h), and with recomputation onl
 ((2, 2, 12), (4, 4, 8))
 """
 import dataclasses
+import math
 
 PRECISIONS = ("mixed", "float32")
 
@@ -55,6 +58,7 @@ class Transformer:
     bias: bool = True
     tied_embeddings: bool = True
     learned_positions: bool = True
+    rms_norm: bool = False  # RMSNorm (a scale only) instead of LayerNorm (scale and shift)
     dropout: bool = True  # dropout masks are stored for the backward pass
     flash_attention: bool = False  # the attention matrix is never stored (FlashAttention, xformers)
 
@@ -77,10 +81,14 @@ class Transformer:
     def layer_params(self):
         """One layer: its matrices, two norms (scale, and shift with biases), and the biases."""
         h, f = self.n_embd, self.ffn_width
-        small = 2 * (2 * h if self.bias else h)  # two norms
+        small = 2 * self.norm_params()  # two norms
         if self.bias:
             small += 2 * h + 2 * self.kv + f * (2 if self.gated_mlp else 1) + h
         return self.layer_matmul_params() + small
+
+    def norm_params(self):
+        """One norm's: a scale, and a shift (LayerNorm with biases)."""
+        return 2 * self.n_embd if self.bias and not self.rms_norm else self.n_embd
 
     def head_params(self):
         """The output head's matrix (the token embedding itself, if tied)."""
@@ -91,14 +99,19 @@ class Transformer:
         embeddings, the final norm."""
         h = self.n_embd
         return (self.vocab_size * h * (1 if self.tied_embeddings else 2)
-                + (self.seq_len * h if self.learned_positions else 0) + (2 * h if self.bias else h))
+                + (self.seq_len * h if self.learned_positions else 0) + self.norm_params())
 
     def params(self):
         return self.n_layer * self.layer_params() + self.embedding_params()
 
     def non_embedding_params(self):
-        """Without the position embeddings (nanoGPT: the token embedding is the head's weight)."""
-        return self.params() - (self.seq_len * self.n_embd if self.learned_positions else 0)
+        """Without the embeddings only looked up, which no token multiplies by: the position
+        embeddings, and the token embedding when the head is untied (tied, it is the head's
+        weight: nanoGPT; untied: torchtitan's `get_num_params(exclude_embedding=True)`)."""
+        looked_up = ((self.seq_len * self.n_embd if self.learned_positions else 0)
+                     + (0 if self.tied_embeddings else self.vocab_size * self.n_embd))
+        # (not self.params(): tfdist.plan.Model makes that a property)
+        return self.n_layer * self.layer_params() + self.embedding_params() - looked_up
 
     # -- FLOPs per token -------------------------------------------------------------------------
     def layer_flops(self):
@@ -153,6 +166,13 @@ class Transformer:
     def logits_bytes(self, tokens, tp=1):
         """The head's float32 logits (also under mixed precision), split over `tp` ranks."""
         return tokens * self.vocab_size * 4 / tp
+
+
+def default_ffn_hidden(arch, n_embd):
+    """The MLP's hidden width when the config leaves it 0 (`model.ffn_hidden`): GPT-2's 4 x
+    n_embd; Llama's SwiGLU 2/3 of that (the same parameters in three matrices), rounded up to a
+    multiple of 64."""
+    return 64 * math.ceil(8 * n_embd / 3 / 64) if arch == "llama" else 4 * n_embd
 
 
 def value_bytes(precision):

@@ -125,3 +125,22 @@ def masked_softmax(scores, bias, dtype):
     """softmax(scores + bias) over the last axis in float32, returned as `dtype`; `bias` (float32,
     broadcast to `scores`) holds no gradient: a mask."""
     return ops.cast(ops.softmax(ops.cast(scores, "float32") + bias, axis=-1), dtype)
+
+
+# --- Llama's parts: RMSNorm and the SwiGLU MLP's gate ----------------------------------------
+
+def rms_norm(x, scale, epsilon):
+    """x / sqrt(mean(x^2) + eps) * scale over the last axis (Zhang & Sennrich 2019), computed in
+    float32 as Llama's reference does, returned in x's dtype."""
+    x = ops.convert_to_tensor(x)
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    x32 = ops.cast(x, "float32")
+    y = x32 * ops.rsqrt(ops.mean(ops.square(x32), axis=-1, keepdims=True) + epsilon)
+    return ops.cast(y * ops.cast(scale, "float32"), dtype)
+
+
+def swiglu(x):
+    """SwiGLU's gate (Shazeer 2020): x is [gate | up] along the last axis (its two halves);
+    returns silu(gate) * up, half as wide."""
+    gate, up = ops.split(x, 2, axis=-1)
+    return ops.silu(gate) * up

@@ -51,7 +51,7 @@ from tfdist.models.gpt import GPT
 def block_costs(gpt):
     """Relative forward FLOPs per token of each block, and of the embedding and the head
     (tfdist.models.arithmetic: a block's matmuls, 2 * 12 C^2, and attention's 4 T C)."""
-    a = gpt.arch
+    a = gpt.arch_sizes
     return [a.layer_flops()] * gpt.n_layer, a.embedding_flops(), a.head_flops()
 
 
@@ -326,7 +326,7 @@ class Pipeline(keras.Model):
         wraps each stage whole, only the stage's input per microbatch, plus one stage's full set
         while it is recomputed), and the last stage each microbatch's float32 logits."""
         g = self.gpt
-        arch = g.arch
+        arch = g.arch_sizes
         m = self.microbatches
         t = self.tensor_parallel
         tokens = batch_size // m * g.block_size

@@ -125,7 +125,8 @@ def shapes(model):
     return {name: [int(d) for d in v.shape] for name, v in sorted(weights(model).items())}
 
 
-def _value(v):
+def value_of(v):
+    """A weight's value: a variable's, or tensor-parallel shards' joined."""
     if callable(getattr(v, "value", None)) and not isinstance(v, keras.Variable):
         return v.value()
     return tf.convert_to_tensor(v)
@@ -142,7 +143,7 @@ def plain_gpt(model):
     from tfdist.models.gpt import GPT
     plain = GPT.from_config(gpt.get_config())
     plain.build()
-    values = {name: _value(v) for name, v in weights(gpt).items()}
+    values = {name: value_of(v) for name, v in weights(gpt).items()}
     for name, v in weights(plain).items():
         v.assign(np.asarray(values[name]))
     return plain

@@ -53,7 +53,6 @@ import tensorflow as tf
 from keras import ops
 
 from tfdist import compat
-from tfdist.models.gpt import attention, gelu
 
 AXIS = "model"  # the DeviceMesh axis the blocks are split over
 BUILT = weakref.WeakSet()  # every built ShardedDense (tfdist.models.state finds a model's here)
@@ -95,7 +94,8 @@ class ShardedDense(keras.layers.Layer):
     """A Dense layer whose kernel (and, column-parallel, bias) is split over `devices`.
 
     `split="column"`: device r holds output units; with `groups=g` the units are g equal groups
-    (q, k, v) and device r holds its slice of each. `split="row"`: device r holds input rows, and
+    (q, k, v), or groups of the given widths (`groups=(q, kv, kv)`: grouped-query attention), and
+    device r holds its slice of each. `split="row"`: device r holds input rows, and
     the bias is whole on devices[0]. Called like a Dense it computes the unsplit result;
     `column(r, x)` and `row(r, x)` are device r's part. Initialised exactly as the Dense it replaces
     (the whole kernel is drawn with the same initializer, then split).
@@ -118,24 +118,29 @@ class ShardedDense(keras.layers.Layer):
         return len(self.devices)
 
     # -- the whole tensor <-> its shards --------------------------------------------------------
+    @property
+    def group_widths(self):
+        """The widths of the column groups: `groups` given as widths, or `groups` equal ones."""
+        if isinstance(self.groups, (list, tuple)):
+            return [int(g) for g in self.groups]
+        return [self.units // self.groups] * self.groups
+
     def split_whole(self, whole, is_kernel=True):
         """The t shards of a tensor shaped like the unsplit kernel (or bias)."""
         if self.split == "row":
             return tf.split(whole, self.t, axis=0) if is_kernel else [whole]
-        lead = list(whole.shape[:-1])
-        n = self.units // (self.groups * self.t)
-        grouped = tf.reshape(whole, lead + [self.groups, self.t, n])
-        return [tf.reshape(tf.gather(grouped, r, axis=len(lead) + 1), lead + [self.groups * n])
+        groups = tf.split(whole, self.group_widths, axis=-1)
+        parts = [tf.split(g, self.t, axis=-1) for g in groups]  # [group][shard]
+        return [tf.concat([p[r] for p in parts], axis=-1) if len(parts) > 1 else parts[0][r]
                 for r in range(self.t)]
 
     def join_shards(self, shards, is_kernel=True):
         if self.split == "row":
             return tf.concat(shards, axis=0) if is_kernel else shards[0]
-        lead = list(shards[0].shape[:-1])
-        n = self.units // (self.groups * self.t)
-        grouped = tf.stack([tf.reshape(s, lead + [self.groups, n]) for s in shards],
-                           axis=len(lead) + 1)
-        return tf.reshape(grouped, lead + [self.units])
+        local = [w // self.t for w in self.group_widths]
+        pieces = [tf.split(s, local, axis=-1) if len(local) > 1 else [s] for s in shards]
+        return tf.concat([pieces[r][g] for g in range(len(local)) for r in range(self.t)],
+                         axis=-1)
 
     def build(self, input_shape):
         n_in = int(input_shape[-1])
@@ -222,8 +227,18 @@ def shard_blocks(gpt, block_devices, layout):
                                    (block, "c_proj", "mlp_c_proj")):
             axes = layout[f"{block.name}/{path}/kernel"].axes
             split = "column" if axes == (None, AXIS) else "row"
-            _swap(parent, attr, split, devices, groups=3 if attr == "c_attn" else 1)
+            _swap(parent, attr, split, devices, groups=_groups(block, attr, parent))
         block.call = _parallel_call(block, devices)
+
+
+def _groups(block, attr, parent):
+    """How a column-parallel layer's units group: c_attn's queries, keys and values; a SwiGLU
+    c_fc's gate and up halves (each device holds its slice of each group)."""
+    if attr == "c_attn":
+        return tuple(block.attn.qkv_widths)
+    if parent is block and attr == "c_fc" and block.arch == "llama":
+        return 2
+    return 1
 
 
 def _parallel_call(block, devices):
@@ -250,14 +265,13 @@ def parallel_block(block, x, training, devices):
 
 def _parallel_block(block, x, training, devices):
     attn, home = block.attn, devices[0]
-    heads = attn.n_head // len(devices)
+    heads, kv_heads = attn.n_head // len(devices), attn.n_kv_head // len(devices)
     with tf.device(home):
         h = block.ln_1(x)
     parts = []
     for r, device in enumerate(devices):
         with tf.device(device), tf.name_scope(f"tp{r}"):
-            q, k, v = ops.split(attn.c_attn.column(r, h), 3, axis=-1)
-            y = attention(q, k, v, heads, attn.attn_dropout, training)
+            y = attn.attend_columns(attn.c_attn.column(r, h), heads, kv_heads, training)
             parts.append(attn.c_proj.row(r, y))
     with tf.device(home):
         x = x + attn.resid_dropout(attn.c_proj.add_bias(_sum(parts, home)), training=training)
@@ -265,7 +279,7 @@ def _parallel_block(block, x, training, devices):
     parts = []
     for r, device in enumerate(devices):
         with tf.device(device), tf.name_scope(f"tp{r}"):
-            parts.append(block.c_proj.row(r, gelu(block.c_fc.column(r, h))))
+            parts.append(block.c_proj.row(r, block.activation(block.c_fc.column(r, h))))
     with tf.device(home):
         return x + block.mlp_dropout(block.c_proj.add_bias(_sum(parts, home)), training=training)
 
@@ -303,7 +317,7 @@ def _reduce_scatter(parts, devices):
 
 def _sequence_block(block, xs, training, devices):
     attn = block.attn
-    heads = attn.n_head // len(devices)
+    heads, kv_heads = attn.n_head // len(devices), attn.n_kv_head // len(devices)
 
     def norm(layer, chunks):
         out = []
@@ -323,8 +337,8 @@ def _sequence_block(block, xs, training, devices):
     parts = []
     for r, device in enumerate(devices):
         with tf.device(device), tf.name_scope(f"tp{r}"):
-            q, k, v = ops.split(attn.c_attn.column(r, gather_sequence(hs, device)), 3, axis=-1)
-            y = attention(q, k, v, heads, attn.attn_dropout, training)
+            qkv = attn.c_attn.column(r, gather_sequence(hs, device))
+            y = attn.attend_columns(qkv, heads, kv_heads, training)
             parts.append(attn.c_proj.row(r, y))
     xs = add(xs, _reduce_scatter(parts, devices), attn.c_proj, attn.resid_dropout)
     hs = norm(block.ln_2, xs)
@@ -332,7 +346,7 @@ def _sequence_block(block, xs, training, devices):
     for r, device in enumerate(devices):
         with tf.device(device), tf.name_scope(f"tp{r}"):
             h = gather_sequence(hs, device)
-            parts.append(block.c_proj.row(r, gelu(block.c_fc.column(r, h))))
+            parts.append(block.c_proj.row(r, block.activation(block.c_fc.column(r, h))))
     return add(xs, _reduce_scatter(parts, devices), block.c_proj, block.mlp_dropout)
 
 
@@ -345,7 +359,7 @@ def build_block(block, x, devices):
             block.attn.c_attn.build((None, C))
             block.attn.c_proj.build((None, C))
         block.c_fc.build((None, C))
-        block.c_proj.build((None, 4 * C))
+        block.c_proj.build((None, block.ffn_hidden))
         y = parallel_block(block, x, False, devices)  # the LayerNorms, on devices[0]
     block.built = block.attn.built = True
     return y

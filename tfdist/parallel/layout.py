@@ -74,7 +74,11 @@ class Layout:
             layers_per_stage=tuple(int(x) for x in p.layers_per_stage.split(",") if x.strip()),
             devices=tuple(d.strip() for d in p.devices.split(",") if d.strip()),
             overlap=c.strategy.get("overlap", "auto"), jit_compile=c.train.jit_compile)
-        layout.check(c.model.n_layer, c.model.n_head, plugin, local_devices)
+        from tfdist.models.arithmetic import default_ffn_hidden
+        layout.check(c.model.n_layer, c.model.n_head, plugin, local_devices,
+                     n_kv_head=c.model.n_kv_head,
+                     ffn_hidden=c.model.ffn_hidden or default_ffn_hidden(c.model.arch,
+                                                                         c.model.n_embd))
         if c.train.skip_nonfinite and not plugin.updates_together:
             raise UsageError(f"train.skip_nonfinite={c.train.skip_nonfinite} under {plugin.name}: "
                              f"its workers apply their updates on their own, with no step at "
@@ -110,12 +114,12 @@ class Layout:
                    recompute=recompute, schedule=schedule, batch=batch // m)
 
     # -- the one judge ----------------------------------------------------------------------------
-    def check(self, n_layer, n_head, plugin, local_devices=None):
+    def check(self, n_layer, n_head, plugin, local_devices=None, n_kv_head=0, ffn_hidden=0):
         """Raises UsageError (one line) for the first thing this layout cannot run: with a GPT of
         `n_layer` blocks and `n_head` heads, under strategy plugin class `plugin`, on a process
         with `local_devices` devices for its stages and shards (None: not known; the CPU can be
         split)."""
-        self._check_model(n_layer, n_head)
+        self._check_model(n_layer, n_head, n_kv_head, ffn_hidden)
         self._check_strategy(plugin, local_devices)
         if not self.dp:
             return
@@ -127,7 +131,7 @@ class Layout:
                              f"of each replica ({self.batch // self.dp} = train.batch_size "
                              f"{self.batch} / {self.dp} replica(s))")
 
-    def _check_model(self, n_layer, n_head):
+    def _check_model(self, n_layer, n_head, n_kv_head=0, ffn_hidden=0):
         """What the model's shape allows."""
         if self.pp > n_layer:
             raise UsageError(f"pipeline.stages ({self.pp}) cannot exceed the model's blocks "
@@ -140,10 +144,18 @@ class Layout:
         if self.devices and len(self.devices) != self.pp * self.tp:
             raise UsageError(f"pipeline.devices lists {len(self.devices)} device(s); "
                              f"pipeline.stages x tensor.parallel is {self.pp} x {self.tp}")
-        if n_head % self.tp:  # (n_head divides n_embd, so t also divides the MLP's 4 x n_embd)
-            raise UsageError(f"tensor.parallel={self.tp} must divide model.n_head ({n_head}) and "
-                             f"so the MLP width: each device runs whole attention heads; pick t "
-                             f"among the divisors of {n_head}")
+        if n_head % self.tp:
+            raise UsageError(f"tensor.parallel={self.tp} must divide model.n_head ({n_head}): "
+                             f"each device runs whole attention heads; pick t among the "
+                             f"divisors of {n_head}")
+        if n_kv_head and n_kv_head % self.tp:
+            raise UsageError(f"tensor.parallel={self.tp} must divide model.n_kv_head "
+                             f"({n_kv_head}): each device holds whole key/value heads; pick t "
+                             f"among the divisors of {n_kv_head}")
+        if ffn_hidden and ffn_hidden % self.tp:
+            raise UsageError(f"tensor.parallel={self.tp} must divide the MLP's width "
+                             f"(model.ffn_hidden {ffn_hidden}): each device holds an equal share "
+                             f"of its units")
         if self.sp and self.tp == 1:
             raise UsageError("tensor.sequence_parallel=True splits the sequence over the "
                              "tensor-parallel shards, and tensor.parallel is 1; set "

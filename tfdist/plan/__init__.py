@@ -33,6 +33,7 @@ from tfdist.plan.model import (  # noqa: F401
     Plan,
     activation_bytes_per_layer,
     allreduce_seconds,
+    config_of,
     evaluate,
     layouts,
     memory,

@@ -46,11 +46,15 @@ class Device:
 
 @dataclasses.dataclass(frozen=True)
 class Model(arithmetic.Transformer):
-    """A decoder-only transformer's sizes (`arithmetic.Transformer`), named, with an optional
-    published parameter count to use instead of counting (`params_override`)."""
+    """A decoder-only transformer's sizes (`arithmetic.Transformer`: GPT-2's kind by default;
+    grouped-query attention, a SwiGLU MLP, RMSNorm, an untied head and no position embeddings
+    for Llama's), named, with an optional published parameter count to use instead of counting
+    (`params_override`), and the tfdist config file of its shape, if any (`config`: what
+    `tfdist plan --model` recommends running)."""
     name: str = ""
     params_override: float = 0
     source: str = ""
+    config: str = ""
 
     @property
     def params(self):
@@ -58,12 +62,29 @@ class Model(arithmetic.Transformer):
 
 
 def model_from_config(c, name):
-    """A Model from a tfdist config (the `model` section of configs/*.py)."""
+    """A Model from a tfdist config (the `model` section of configs/*.py): GPT-2's kind or
+    Llama's (`model.arch`), as tfdist's GPT builds it (`GPT.arch_sizes`)."""
     from tfdist import config as config_lib
-    m = c.model
+    m = config_lib.resolve_architecture(c.model.copy_and_resolve_references())
+    llama = m.arch == "llama"
     return Model(name=name, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head,
                  vocab_size=config_lib.vocab_size(c) or 256, seq_len=m.block_size, bias=m.bias,
-                 dropout=m.dropout > 0)
+                 dropout=m.dropout > 0, n_kv_head=m.n_kv_head, gated_mlp=llama,
+                 ffn=m.ffn_hidden or arithmetic.default_ffn_hidden(m.arch, m.n_embd),
+                 tied_embeddings=m.tie_embeddings, learned_positions=not llama, rms_norm=llama)
+
+
+def config_of(model):
+    """The `model` config keys of tfdist's GPT of `model`'s shape (the inverse of
+    `model_from_config`): arch llama for a gated MLP (tfdist's Llama: SwiGLU, RMSNorm and rotary
+    positions together), else gpt2; ffn_hidden 0 where the width is the architecture's default."""
+    arch = "llama" if model.gated_mlp else "gpt2"
+    ffn = model.ffn_width
+    return {"arch": arch, "n_layer": model.n_layer, "n_head": model.n_head,
+            "n_embd": model.n_embd, "block_size": model.seq_len, "vocab_size": model.vocab_size,
+            "n_kv_head": model.n_kv_head,
+            "ffn_hidden": 0 if ffn == arithmetic.default_ffn_hidden(arch, model.n_embd) else ffn,
+            "bias": model.bias, "tie_embeddings": model.tied_embeddings}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,8 +314,11 @@ class Plan:
     # hardware FLOP/s as Megatron-LM reports them (recomputation included)
     tflops_per_device: float
     overflow: str = ""
-    tfdist_fits: bool = True  # also with the embedding and head whole, as tfdist keeps them
+    tfdist_fits: bool = True  # also as tfdist runs it: the embedding and head whole, ...
     model: Model = None
+    # ... and the attention scores stored (tfdist's GPT has no FlashAttention): what overflows
+    # when it does not fit so ("head kept whole" or "scores stored"; "": it fits)
+    tfdist_overflow: str = ""
 
 
 def evaluate(model, cluster, layout, opts=Options()):
@@ -309,12 +333,16 @@ def evaluate(model, cluster, layout, opts=Options()):
         f"needs {mem['total'] / GB:.1f} GB > {capacity / GB:.1f} GB usable; largest: "
         + ", ".join(f"{k} {v / GB:.1f}" for k, v in sorted(
             ((k, v) for k, v in mem.items() if k != "total"), key=lambda kv: -kv[1])[:2]))
-    whole = memory(model, layout, dataclasses.replace(opts, vocab_parallel=False))
+    whole = dataclasses.replace(opts, vocab_parallel=False)
+    tfdist_overflow = ("head kept whole" if memory(model, layout, whole)["total"] > capacity
+                       else "scores stored" if model.flash_attention and memory(
+                           dataclasses.replace(model, flash_attention=False), layout,
+                           whole)["total"] > capacity else "")
     return Plan(layout, mem, tm, fits, tokens / tm["total"],
                 model.model_flops_per_token() * tokens
                 / (tm["total"] * cluster.count * cluster.device.peak(opts.precision)),
                 hw / (tm["total"] * cluster.count) / 1e12, overflow,
-                tfdist_fits=whole["total"] <= capacity, model=model)
+                tfdist_fits=not tfdist_overflow, model=model, tfdist_overflow=tfdist_overflow)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,8 +363,8 @@ def layouts(model, cluster, batch, fixed=None, schedule="gpipe"):
     g = cluster.count
     tps = [fixed["tp"]] if "tp" in fixed else _powers_of_two(min(cluster.node(), model.n_head))
     for tp in tps:  # searched: powers of two within a node; pinned: as given
-        if model.n_head % tp or g % tp:
-            continue
+        if model.n_head % tp or (model.n_kv_head or model.n_head) % tp or g % tp:
+            continue  # (each tensor-parallel device: whole query heads and key/value heads)
         for pp in range(1, model.n_layer + 1):
             if g % (tp * pp) or fixed.get("pp", pp) != pp:
                 continue

@@ -64,10 +64,26 @@ MODELS = {
                       seq_len=2048, source=_MEGATRON),
     "llama2-70b": _m("llama2-70b", n_layer=80, n_embd=8192, n_head=64, n_kv_head=8, ffn=28672,
                      gated_mlp=True, bias=False, tied_embeddings=False, learned_positions=False,
-                     dropout=False, flash_attention=True, vocab_size=32000, seq_len=4096,
+                     rms_norm=True, dropout=False, flash_attention=True, vocab_size=32000,
+                     seq_len=4096,
                      source="Touvron et al., Llama 2, arXiv:2307.09288 (sizes: the released "
                             "config.json; xformers memory-efficient attention)"),
 }
+# Llama 3 (grouped-query attention, SwiGLU, RMSNorm, rotary positions, an untied head), as Meta
+# trained it (memory-efficient attention, no dropout); their tfdist configs: configs/llama3_*.py.
+_LLAMA3 = ("Llama Team, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3, and Meta's Llama 3 "
+           "model card (sizes: the released config.json of meta-llama/Meta-Llama-3-{}; {} "
+           "parameters)")
+_LLAMA = dict(n_kv_head=8, gated_mlp=True, bias=False, tied_embeddings=False,
+              learned_positions=False, rms_norm=True, dropout=False, flash_attention=True,
+              vocab_size=128256, seq_len=8192)
+MODELS.update({
+    "llama3-8b": _m("llama3-8b", n_layer=32, n_embd=4096, n_head=32, ffn=14336, **_LLAMA,
+                    config="configs/llama3_8b.py", source=_LLAMA3.format("8B", "8,030,261,248")),
+    "llama3-70b": _m("llama3-70b", n_layer=80, n_embd=8192, n_head=64, ffn=28672, **_LLAMA,
+                     config="configs/llama3_70b.py",
+                     source=_LLAMA3.format("70B", "70,553,706,496")),
+})
 
 # ---------------------------------------------------------------------------------------------
 # Calibration and validation against published runs.

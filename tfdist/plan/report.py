@@ -25,7 +25,7 @@ import dataclasses
 import json
 import os
 
-from tfdist.plan.model import GB, Options
+from tfdist.plan.model import GB, Options, config_of
 
 
 def strategy_command(layout, cluster, flags=()):
@@ -39,12 +39,12 @@ def strategy_command(layout, cluster, flags=()):
 
 
 def base_config(model, precision="mixed", config=None):
-    """A tfdist config of `model`'s sizes (tfdist's GPT): what a planned layout is judged with,
-    from the user's `config` (its epoch, backup interval, ...) or the defaults."""
+    """A tfdist config of `model`'s shape (tfdist's GPT, `config_of`: GPT-2's kind or Llama's):
+    what a planned layout is judged with, from the user's `config` (its epoch, backup interval,
+    ...) or the defaults."""
     from tfdist import config as config_lib
     c = (config or config_lib.default_config()).copy_and_resolve_references()
-    c.model.update(n_layer=model.n_layer, n_head=model.n_head, n_embd=model.n_embd,
-                   block_size=model.seq_len, vocab_size=model.vocab_size, bias=model.bias)
+    c.model.update(config_of(model))
     c.train.precision = "mixed_bfloat16" if precision == "mixed" else "float32"
     return c
 
@@ -59,12 +59,13 @@ def refusal(plan_, cluster, c=None):
     strategy plugin takes it, the layout object accepts it (`tfdist.parallel.layout.Layout.accepts`:
     the very checks of `tfdist train`, with a process's devices on one node) with config `c`
     (default: `base_config` of the plan's model), and it fits with the embedding and head whole,
-    as tfdist keeps them."""
+    as tfdist keeps them, and with the attention scores stored, as tfdist's attention stores them
+    (for a published model priced with FlashAttention)."""
     plugin, _ = strategy_command(plan_.layout, cluster)
     if plugin is None:
         return "no strategy for these devices"
-    if not plan_.tfdist_fits:
-        return "head kept whole: OOM"
+    if not plan_.tfdist_fits:  # "head kept whole: OOM", "scores stored: OOM"
+        return f"{plan_.tfdist_overflow or 'head kept whole'}: OOM"
     c = c if c is not None else base_config(plan_.model)
     why = plan_.layout.refusal(c, plugin, local_devices=cluster.node())
     return None if why is None else _few_words(why)

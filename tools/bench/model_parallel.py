@@ -140,7 +140,7 @@ def kept_worker(spec):
         device = tf.DeviceSpec.from_string(t.op.device)
         per_device[f"CPU:{device.device_index}" if t.op.device else "unplaced"] += \
             t.shape.num_elements() * t.dtype.size
-    arch = model.gpt.arch
+    arch = model.gpt.arch_sizes
     tokens_n = spec["batch"] * SIZES["block_size"]
     print("RESULT " + json.dumps({"bytes": per_device, "formula_per_layer": {
         "sp": arch.activation_bytes_per_layer(tokens_n, "float32", tp=2, sp=True),

@@ -185,8 +185,14 @@ class ShardedWeights(ShardedGradients):
         if self._gather_all is None:  # (traced once: a retrace at each call would warn)
             @tf.function
             def gather_all():
-                pad = self.anchor.read_value()
-                return [self._gathered(u, self._mine(u), "all", pad) for u in self.units]
+                # One unit after another: two units of which this replica holds nothing gather
+                # the same input (the pad), and grappler would merge the two unordered gathers
+                # into one (Horovod's ops are not stateful), which the other replicas never meet.
+                pad, out = self.anchor.read_value(), []
+                for u in self.units:
+                    with tf.control_dependencies(out[-1][:1] if out else []):
+                        out.append(self._gathered(u, self._mine(u), "all", pad))
+                return out
             self._gather_all = gather_all
         full = {}
         for unit, values in zip(self.units, self._gather_all()):
