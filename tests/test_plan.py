@@ -27,6 +27,16 @@ def tfdist_plan(*args, cwd=ROOT):
 
 # --- the published figures (the issue's acceptance list) -----------------------------------------
 
+def apply_flags(c, cmd):
+    """Config `c` with the `--config.<section>.<key>=value` flags of command `cmd` (a list)."""
+    for arg in cmd:
+        if arg.startswith("--config."):
+            key, value = arg[len("--config."):].split("=")
+            section, key = key.split(".")
+            kind = type(c[section][key])
+            c[section][key] = (value == "True") if kind is bool else kind(value)
+
+
 def test_zero_paper_figure_1():
     """7.5B parameters, N_d = 64, mixed-precision Adam (K = 12): 120 / 31.4 / 16.6 / 1.9 GB."""
     got = plan.zero_figure1()
@@ -167,12 +177,7 @@ def test_planning_llama3_8b_gives_a_layout_tfdist_runs():
     cmd = plan.tfdist_command(first, cluster, "--config=configs/llama3_8b.py", "mixed",
                               c=judged).split()
     assert "--config=configs/llama3_8b.py" in cmd
-    for arg in cmd:
-        if arg.startswith("--config."):
-            key, value = arg[len("--config."):].split("=")
-            section, key = key.split(".")
-            kind = type(c[section][key])
-            c[section][key] = (value == "True") if kind is bool else kind(value)
+    apply_flags(c, cmd)
     c.strategy.name = "multi_worker_mirrored"  # (the launchers' default)
     tfdist_config.validate(c)
     got = Layout.from_config(c, strategies.get_class(c.strategy.name),
@@ -624,12 +629,7 @@ def test_every_layout_the_planner_calls_runnable_is_what_its_command_runs(name, 
         cmd = plan.tfdist_command(p, cluster, f"--config=configs/{name}.py", "mixed",
                                   c=judged).split()
         c = plan.load_config(os.path.join(ROOT, "configs", f"{name}.py"))
-        for arg in cmd:
-            if arg.startswith("--config."):
-                key, value = arg[len("--config."):].split("=")
-                section, key = key.split(".")
-                kind = type(c[section][key])
-                c[section][key] = (value == "True") if kind is bool else kind(value)
+        apply_flags(c, cmd)
         processes = (int(cmd[cmd.index("--workers") + 1]) if "--workers" in cmd else
                      math.prod(int(a.split("=")[1]) for a in cmd
                                if a.startswith(("--nodes=", "--ntasks-per-node="))) or 1)

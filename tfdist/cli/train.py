@@ -43,8 +43,7 @@ def resolve_config():
             c.strategy.name = _STRATEGY.value
         if _DEVICES.value is not None:
             c.strategy.devices = _DEVICES.value
-    from tfdist.models import huggingface  # (numpy only: --help stays quick)
-    return config_lib.validate(huggingface.apply_init_from(config_lib.validate(c)))
+    return config_lib.validate(c)  # (an init_from checkpoint's shape: tfdist.train applies it)
 
 
 def workdir_of():

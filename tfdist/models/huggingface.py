@@ -222,9 +222,9 @@ def _no_scaling():
 
 # -- tfdist's names <- Hugging Face's tensors ------------------------------------------------------
 
-def _gpt2_sources(checkpoint, n_layer, tied):
-    """{tfdist name: (Hugging Face names, how to make the tensor from theirs)}."""
-    p = "transformer." if checkpoint.has("transformer.wte.weight") else ""
+def _gpt2_sources(p, n_layer, tied):
+    """{tfdist name: (Hugging Face names, how to make the tensor from theirs)}; `p` the names'
+    prefix ("transformer.", as GPT2LMHeadModel saves them, or "" as GPT2Model does)."""
     same = lambda t: t  # noqa: E731  (Conv1D is input x output, as a Dense kernel)
     out = {"wte/embeddings": ([f"{p}wte.weight"], same),
            "wpe/embeddings": ([f"{p}wpe.weight"], same),
@@ -270,7 +270,8 @@ def _llama_sources(n_layer, tied, bias):
 
 def _sources(checkpoint, gpt):
     if gpt.arch == "gpt2":
-        return _gpt2_sources(checkpoint, gpt.n_layer, gpt.tie_embeddings)
+        prefix = "transformer." if checkpoint.has("transformer.wte.weight") else ""
+        return _gpt2_sources(prefix, gpt.n_layer, gpt.tie_embeddings)
     return _llama_sources(gpt.n_layer, gpt.tie_embeddings, gpt.bias)
 
 
@@ -382,7 +383,7 @@ def _hf_tensors(gpt):
             for name, v in state.weights(gpt).items()}
     out = {}
     if gpt.arch == "gpt2":
-        for name, (theirs, _) in _gpt2_sources(_Names(), gpt.n_layer,
+        for name, (theirs, _) in _gpt2_sources("transformer.", gpt.n_layer,
                                                gpt.tie_embeddings).items():
             value = ours[name]
             out[theirs[0]] = value.T if name == "lm_head/kernel" else value
@@ -398,14 +399,6 @@ def _hf_tensors(gpt):
         for n, part in zip(theirs, parts):
             out[n] = part.T if part.ndim == 2 else part
     return out
-
-
-class _Names:
-    """A stand-in checkpoint for `_gpt2_sources` when writing: Hugging Face's own prefix."""
-
-    @staticmethod
-    def has(name):
-        return True
 
 
 def export(gpt, directory, tokenizer_file=None):
