@@ -120,6 +120,7 @@ class Run:
     start: int = 0  # the step it starts (or resumed) at
     rollbacks: list = dataclasses.field(default_factory=list)  # loss spikes' (callbacks.spike)
     undone: int = 0  # steps run, then undone by a rollback
+    offload: object = None  # ZeRO-Offload's store of this process (tfdist.parallel.zero.offload)
     notes: list = dataclasses.field(default_factory=list)  # said once the inputs are checked
 
     @property
@@ -150,6 +151,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     c = config_lib.validate(huggingface.apply_init_from(c))  # (its shape, from its config.json)
     run = Run(c, workdir, hooks or Hooks())
     with contextlib.ExitStack() as held:  # the workdir's lock, the preemption signal handlers
+        held.callback(lambda: run.offload and run.offload.close())
         _start(run)
         _resume(run, held, overwrite)
         _say_what_runs(run)
@@ -164,13 +166,16 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
             run.log.set_model(run.model)
             run.log.on_train_end()
         while run.start < t.steps:
-            strategy.fit(run.model, _windows(run, "train"), epochs=t.steps // t.steps_per_epoch,
-                         steps_per_epoch=t.steps_per_epoch, initial_step=run.start,
-                         callbacks=callbacks, validation_data=_windows(run, "val"),
-                         validation_steps=t.eval_steps,
-                         verbose=verbose if strategy.is_chief else 0,  # one progress per cluster
-                         progress_every=t.log_every_steps,
-                         strategy_callbacks=run.hooks.strategy_callbacks(strategy.callbacks()))
+            with _offload_errors(run):
+                strategy.fit(run.model, _windows(run, "train"),
+                             epochs=t.steps // t.steps_per_epoch,
+                             steps_per_epoch=t.steps_per_epoch, initial_step=run.start,
+                             callbacks=callbacks, validation_data=_windows(run, "val"),
+                             validation_steps=t.eval_steps,
+                             verbose=verbose if strategy.is_chief else 0,  # one progress
+                             progress_every=t.log_every_steps,
+                             strategy_callbacks=run.hooks.strategy_callbacks(
+                                 strategy.callbacks()))
             if watch is None or watch.spike is None:
                 break
             _roll_back(run, watch)
@@ -244,9 +249,34 @@ def _start(run):
         run.model = model = layout.build_model(c.model, devices)
         model.compile(optimizer=make_optimizer(t, t.steps), loss=loss_fn(),
                       jit_compile=t.jit_compile, steps_per_execution=t.steps_per_execution)
+        run.offload = _offload(c, run.workdir, strategy)
         TrainStep(model, strategy, layout, clipnorm=t.grad_clip,
                   reduce=hooks.reduction(strategy), zero_options=hooks.zero_options,
-                  skip_nonfinite=t.skip_nonfinite).install()
+                  skip_nonfinite=t.skip_nonfinite, offload=run.offload).install()
+
+
+def _offload(c, workdir, strategy):
+    """This process's ZeRO-Offload (zero.offload), or None: its files in a directory of its own
+    under zero.offload_dir (default <workdir>/offload)."""
+    z = c.zero
+    if z.offload == "none":
+        return None
+    base = z.offload_dir or os.path.join(workdir, "offload")
+    where = zero.offload.directory(base, strategy.worker_index) if z.offload == "disk" else None
+    return zero.offload.Offload(z.offload, where, subgroup=z.offload_subgroup,
+                                prefetch=z.offload_prefetch)
+
+
+@contextlib.contextmanager
+def _offload_errors(run):
+    """An offload store that failed during a step (a full disk): its one line, not TF's."""
+    try:
+        yield
+    except tf.errors.OpError:
+        failure = run.offload and run.offload.store.failure
+        if failure:
+            raise failure from None
+        raise
 
 
 def _windows(run, split):

@@ -2,6 +2,7 @@
 (`tfdist.parallel.zero.weights`). Keras 3 has no public way to drop a variable's value on the TF
 backend: its `keras.distribution` shards variables on JAX only (keras-team/keras#18473, open)."""
 from tfdist.compat.table import using
+from tfdist.runtime.lazy import tf
 
 
 def storage(variable):
@@ -36,3 +37,25 @@ def restore_storage(variable, value):
     using("parameter_storage")
     variable._initializer = None
     variable._initialize(value)
+
+
+def make_stageable(variable):
+    """Gives `variable` a storage of any shape, empty now ("staged_storage"): ZeRO-Offload's
+    step fills it with a sub-group's values (`fill_storage`), updates it, and empties it
+    (`empty_storage`), so that a variable holds its value only while it is updated. The TF
+    variable stays the same object, so that Keras's optimizer, which knows each variable by its
+    TF variable's id, keeps knowing it."""
+    using("staged_storage")
+    old = variable._value
+    variable._value = tf.Variable(tf.zeros([0], old.dtype), shape=tf.TensorShape(None),
+                                  trainable=old.trainable, name=old.name.split(":")[0])
+
+
+def fill_storage(variable, value):
+    using("staged_storage")
+    variable._value.assign(value)
+
+
+def empty_storage(variable):
+    using("staged_storage")
+    variable._value.assign(tf.zeros([0], variable._value.dtype))
