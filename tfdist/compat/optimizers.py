@@ -112,9 +112,10 @@ def local_variables(strategy):
 def uses_weight_decay(optimizer, variable):
     """Whether `optimizer` decays `variable`'s weight ("weight_decay_choice": Keras 3 decides by
     the lists and patterns given to `exclude_from_weight_decay`, and has no public query)."""
-    using("weight_decay_choice")
     if optimizer.weight_decay is None:
         return False
+    if not using("weight_decay_choice"):  # (switched off: every variable decays)
+        return True
     if variable._value is not None:
         return optimizer._use_weight_decay(variable)
     # (a weight without storage, ZeRO-3's offloaded: its name decides; a list of variables

@@ -45,17 +45,20 @@ def make_stageable(variable):
     (`empty_storage`), so that a variable holds its value only while it is updated. The TF
     variable stays the same object, so that Keras's optimizer, which knows each variable by its
     TF variable's id, keeps knowing it."""
-    using("staged_storage")
+    if not using("staged_storage"):  # (switched off: the value stays whole, in memory)
+        return
     old = variable._value
     variable._value = tf.Variable(tf.zeros([0], old.dtype), shape=tf.TensorShape(None),
                                   trainable=old.trainable, name=old.name.split(":")[0])
 
 
 def fill_storage(variable, value):
-    using("staged_storage")
-    variable._value.assign(value)
+    if using("staged_storage"):
+        variable._value.assign(value)
+    else:
+        variable.assign(value)
 
 
 def empty_storage(variable):
-    using("staged_storage")
-    variable._value.assign(tf.zeros([0], variable._value.dtype))
+    if using("staged_storage"):
+        variable._value.assign(tf.zeros([0], variable._value.dtype))

@@ -46,6 +46,7 @@ Example (one replica, a Dense layer, its Adam state on disk):
     (-0.1, 1)
     >>> offload.close()
 """
+import concurrent.futures
 import dataclasses
 import os
 
@@ -117,9 +118,15 @@ class Offload:
                              "global_clipnorm would clip by a sub-group's norm; clip with "
                              "tfdist (train.grad_clip) or use clipnorm")
         self._place(variables)
-        self.groups = []
-        for indices in _cut([count(v.shape) for v in self.variables], self.subgroup):
-            self.groups.append(self._group(optimizer, indices))
+        # The copies and their stand-ins are this process's own, stepped where no strategy is
+        # entered (the step's py_function): made in a thread of their own, outside the
+        # strategy's scope (under multi_worker_mirrored a variable made inside it would be
+        # mirrored, initialised by a broadcast that the other workers, whose sub-groups differ,
+        # never join).
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            self.groups = thread.submit(lambda: [
+                self._group(optimizer, indices) for indices in
+                _cut([count(v.shape) for v in self.variables], self.subgroup)]).result()
 
     def _place(self, variables):
         if not self.variables:
