@@ -103,6 +103,9 @@ class Hooks:
         """Called with the run's `tfdist.callbacks.BackupAndRestore` once it is made (before its
         first save)."""
 
+    def on_offload(self, offload):
+        """Called with the run's `tfdist.parallel.zero.offload.Offload` once it is made."""
+
 
 @dataclasses.dataclass
 class Run:
@@ -250,6 +253,8 @@ def _start(run):
         model.compile(optimizer=make_optimizer(t, t.steps), loss=loss_fn(),
                       jit_compile=t.jit_compile, steps_per_execution=t.steps_per_execution)
         run.offload = _offload(c, run.workdir, strategy)
+        if run.offload is not None:
+            hooks.on_offload(run.offload)
         TrainStep(model, strategy, layout, clipnorm=t.grad_clip,
                   reduce=hooks.reduction(strategy), zero_options=hooks.zero_options,
                   skip_nonfinite=t.skip_nonfinite, offload=run.offload).install()

@@ -19,6 +19,7 @@ Example (a model compiled in a plugin's scope is that plugin's):
 """
 import contextlib
 import importlib
+import itertools
 import os
 import shutil
 import sys
@@ -33,6 +34,7 @@ _ACTIVE = threading.local()  # .stack: the plugins whose scope() is entered, inn
 _OWNERS = weakref.WeakKeyDictionary()  # model -> the plugin it was compiled under
 _BY_TF_STRATEGY = weakref.WeakValueDictionary()  # id(tf.distribute strategy) -> plugin
 _PROCESS_WIDE = []  # a plugin that owns every model of its process (Horovod)
+_OFFLOADS = itertools.count()  # (each offloaded model's store its own directory)
 _SHARDED = weakref.WeakSet()  # models compiled in the scope of a plugin with user_zero (ZeRO-3)
 _CHECKED = weakref.WeakSet()  # models whose non-finite updates tfdist's step skips
 _ACCUMULATING = weakref.WeakKeyDictionary()  # model -> its optimizer's accumulation steps, where
@@ -95,6 +97,9 @@ class KerasProgram:
 
     #: ZeRO stage of a user's compiled models (`tfdist.strategies.get(name, zero=3)`); 0: none.
     user_zero = 0
+    #: ZeRO-Offload of their state (`get(name, zero=3, offload="host"|"disk", offload_dir=D)`):
+    #: (kind, directory), or None.
+    user_offload = None
     #: K > 0: a user's model compiled in the scope skips updates whose loss or gradients are
     #: not finite (`tfdist.strategies.get(name, skip_nonfinite=K)`, `tfdist.runtime.nonfinite`)
     user_skip_nonfinite = 0
@@ -153,9 +158,11 @@ class KerasProgram:
             _updating(model.optimizer).gradient_accumulation_steps = None  # tfdist's step sums
             layout = Layout(dp=self.num_replicas, zero=self.user_zero if model in _SHARDED else 0,
                             accumulate=accumulate)
+            offload = self._offload() if model in _SHARDED else None
             with self.scope():
                 skip = self.user_skip_nonfinite if model in _CHECKED else 0
-                _step_class()(model, self, layout, skip_nonfinite=skip).install()
+                _step_class()(model, self, layout, skip_nonfinite=skip,
+                              offload=offload).install()
             if zero.of(model) is not None:
                 if loaded is not None:
                     whole.copy_by_name(model.optimizer, loaded)
@@ -173,6 +180,24 @@ class KerasProgram:
                                  f"sharded model is whole at epoch ends only; use "
                                  f"save_freq='epoch'")
         return _whole_for_callbacks(shown)
+
+    def _offload(self):
+        """A new ZeRO-Offload of a user's model (`user_offload`), closed (its files removed) when
+        the process exits; None without offload."""
+        if self.user_offload is None:
+            return None
+        import atexit
+
+        from tfdist.parallel.zero import offload
+        kind, base = self.user_offload
+        where = None
+        if kind == "disk":
+            base = base or os.path.join(tempfile.gettempdir(), f"tfdist-offload-{os.getpid()}")
+            where = offload.directory(base, self.worker_index)
+            where = f"{where}-model-{next(_OFFLOADS)}"
+        store = offload.Offload(kind, where)
+        atexit.register(store.close)
+        return store
 
     def keras_call(self, method, model, upstream, arguments):
         """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own

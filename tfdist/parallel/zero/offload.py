@@ -96,6 +96,10 @@ class Offload:
         self._order, self._recorded, self._cursor = [], None, 0  # ZeRO-3's read order
         self.steps = 0
         self.io = []  # (bytes read, bytes written) of each step
+        self.names = {}  # the name the run's optimizer would give a slot -> its store key
+        #: Called as f(update, sub-group) once a sub-group's writes have started (a fault
+        #: test's: tools/faults/faulty_train.py --kill-in-offload).
+        self.after_group = None
 
     # -- set up --------------------------------------------------------------------------------
     def keep_weights(self, variables):
@@ -153,9 +157,20 @@ class Offload:
         if excluded:
             copy.exclude_from_weight_decay(var_list=excluded)
         own = {id(v) for v in copy.variables}  # (the step, the learning rate: no slots)
-        with tf.device("CPU:0"):
-            copy.build(standins)
+        make, reference = copy.add_variable_from_reference, {}
+
+        def recording(variable, name=None, initializer="zeros"):
+            slot = make(variable, name=name, initializer=initializer)
+            reference[id(slot)] = variable
+            return slot
+        copy.add_variable_from_reference = recording
+        try:
+            with tf.device("CPU:0"):
+                copy.build(standins)
+        finally:
+            del copy.add_variable_from_reference
         slots = []
+        by_standin = {id(s): i for i, s in zip(indices, standins)}
         for slot in copy.variables:
             if id(slot) in own:
                 continue
@@ -163,6 +178,11 @@ class Offload:
             self.store.put(key, np.asarray(compat.storage(slot).numpy()))
             compat.make_stageable(slot)
             slots.append((slot, key))
+            standin = reference.get(id(slot))
+            if standin is not None:  # the name the run's own optimizer gives this slot
+                real = self.variables[by_standin[id(standin)]]
+                suffix = slot.name[len(standin.path.replace("/", "_")):]
+                self.names[real.path.replace("/", "_") + suffix] = key
         return Group(list(indices), copy, standins, slots)
 
     # -- the step ------------------------------------------------------------------------------
@@ -189,6 +209,8 @@ class Offload:
                 else:
                     self.store.write_behind(key, value)
                     pending.append(key)
+            if self.after_group is not None:
+                self.after_group(self.steps + 1, k)
         self.store.flush()
         self.steps += 1
         self.io.append((self.store.bytes_read - read0, self.store.bytes_written - written0))
@@ -336,6 +358,11 @@ class Offload:
             for i, v in enumerate(self.variables):
                 out[id(v)] = Offloaded(self.store, _weight_key(i))
         return out
+
+    def named_slots(self):
+        """{name: Offloaded} of the slots, under the names the run's own optimizer would give
+        them (what `tfdist.parallel.zero.whole` matches by name)."""
+        return {name: Offloaded(self.store, key) for name, key in self.names.items()}
 
     @property
     def stored_bytes(self):
