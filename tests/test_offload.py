@@ -17,6 +17,7 @@ import pytest
 from tests.helpers import (
     ROOT,
     assert_usage_error,
+    driver_argv,
     driver_group,
     losses,
     metrics,
@@ -278,8 +279,9 @@ def test_a_run_killed_mid_offloaded_step_resumes_from_its_backup(tmp_path, data_
 @pytest.mark.horovod
 def test_a_disk_that_fills_during_an_offloaded_run_is_one_line(tmp_path, data_dir):
     """The workdir and the offload store on a small file system that fills after step 3: the
-    store writes in place, needing no new space; the next backup cannot be written: one line,
-    exit 2, and the backup of step 3 intact (a resume after space is freed starts there)."""
+    store writes in place, needing no new space; the run's next write (its log, or its backup)
+    cannot be: one line, exit 2, and the backup of step 3 intact (a resume after space is freed
+    starts there)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a small tmpfs (the full filesystem)")
     disk = tmp_path / "disk"
@@ -288,13 +290,18 @@ def test_a_disk_that_fills_during_an_offloaded_run_is_one_line(tmp_path, data_di
                     str(disk)], check=True, timeout=30)
     try:
         work = disk / "run"
-        p = driver_group(work, options(data_dir, **{"zero.offload": "disk", "train.steps": 6}),
-                         "--fill-disk-at-step", "3", ranks=1, check=False)
-        assert_usage_error(p, "could not write the backup of step 4")
-        assert "the backup of step 3 is intact" in p.stderr
+        settings = options(data_dir, **{"zero.offload": "disk", "train.steps": 6,
+                                        "train.steps_per_epoch": 3})
+        launch = [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod", "--workers=1",
+                  "--max_restarts=0", "--"]
+        p = run(launch + driver_argv(work, settings, "--fill-disk-at-step", "3"), timeout=300,
+                check=False)
+        errors = [x for x in p.stdout.splitlines() if "tfdist: error: " in x]
+        assert p.returncode == 2 and len(errors) == 1, p.stdout[-3000:]
+        assert "(No space left on device); free space" in errors[0], errors
+        assert "(bad usage); not restarting" in p.stdout
         os.remove(work / "filler")
-        p = driver_group(work, options(data_dir, **{"zero.offload": "disk", "train.steps": 6}),
-                         ranks=1)
+        p = run(launch + driver_argv(work, settings), timeout=300)
         assert "at step 3 of 6" in p.stdout, p.stdout[-3000:]
         assert len(metrics(work)["steps"]) == 6
     finally:
