@@ -349,6 +349,9 @@ def _say_what_runs(run):
     if layout.zero:
         say(f"tfdist: {zero.of(model).describe()}")
     say(f"tfdist: model {model.num_params():,} parameters; {run.data.describe()}")
+    sizes = getattr(model, "arch_sizes", None)  # (a GPT's, or a pipeline's)
+    if sizes is not None:
+        say(f"tfdist: {expected_memory(c, layout, sizes)}")
     for note in run.notes:
         say(f"tfdist: {note}")
     device = "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
@@ -391,6 +394,8 @@ def _finish(run):
             say(f"tfdist: {_memory_line(row, layout)}")
     if c.backup.enabled:
         say(f"tfdist: {run.backup.describe()}")
+    if run.offload is not None:
+        say(f"tfdist: {run.offload.summary()}")
     last_eval = (log.history["evals"] or [{}])[-1]
     result = {"steps_run": log.step - run.start + run.undone, "final_step": log.step,
               "val_loss": last_eval.get("loss"),
@@ -414,6 +419,29 @@ def _finish(run):
             + f"peak RSS {peak_rss_mib():,.0f} MiB, {result['tokens_per_sec']:,.0f} tokens/s; "
             f"model saved to {run.workdir}/model.keras")
     return result
+
+
+def expected_memory(c, layout, sizes):
+    """One line: the bytes a process of the run expects to hold, by part (the planner's model,
+    `tfdist.parallel.memory`, of the model's `sizes`: Keras keeps float32 weights, gradients and
+    Adam moments under either precision; activations at the run's precision), and what offload
+    holds off it."""
+    from tfdist.parallel import memory
+    states = memory.memory(sizes, layout, memory.Defaults(
+        precision="float32", offload_subgroup=c.zero.offload_subgroup))
+    if c.train.precision != "float32":
+        states["activations"] = memory.memory(sizes, layout)["activations"]
+    parts = [(k, states[k]) for k in ("weights", "gathered", "gradients", "optimizer",
+                                      "activations", "buffers") if k in states]
+    text = ", ".join(f"{k} {v / 2**30:,.2f} GiB" for k, v in parts)
+    total = sum(v for _, v in parts)
+    off = ""
+    if layout.offload != "none":
+        host = states["host_gradients"]
+        off = (f"; off the device: {layout.offload} {states['offloaded'] / 2**30:,.2f} GiB"
+               + (f", host memory {host / 2**30:,.2f} GiB (ZeRO-3's gradients)" if host else ""))
+    return (f"memory expected per process (before TensorFlow's own): {text}; "
+            f"{total / 2**30:,.2f} GiB on the device{off}")
 
 
 def _memory_line(row, layout):

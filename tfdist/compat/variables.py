@@ -2,7 +2,6 @@
 (`tfdist.parallel.zero.weights`). Keras 3 has no public way to drop a variable's value on the TF
 backend: its `keras.distribution` shards variables on JAX only (keras-team/keras#18473, open)."""
 from tfdist.compat.table import using
-from tfdist.runtime.lazy import tf
 
 
 def storage(variable):
@@ -45,6 +44,7 @@ def make_stageable(variable):
     (`empty_storage`), so that a variable holds its value only while it is updated. The TF
     variable stays the same object, so that Keras's optimizer, which knows each variable by its
     TF variable's id, keeps knowing it."""
+    import tensorflow as tf
     if not using("staged_storage"):  # (switched off: the value stays whole, in memory)
         return
     old = variable._value
@@ -60,5 +60,6 @@ def fill_storage(variable, value):
 
 
 def empty_storage(variable):
+    import tensorflow as tf
     if using("staged_storage"):
         variable._value.assign(tf.zeros([0], variable._value.dtype))

@@ -23,8 +23,9 @@ Example (stage 1 of a model over one replica):
     >>> zero.of(model) is sharded, sharded.stage
     (True, 1)
 """
+import tfdist.parallel.zero.offload  # noqa: F401  (zero.offload: ZeRO-Offload)
 from tfdist.errors import UsageError
-from tfdist.parallel.zero import offload, shards  # noqa: F401
+from tfdist.parallel.zero import shards  # noqa: F401
 from tfdist.parallel.zero.collectives import Collectives, local  # noqa: F401
 from tfdist.parallel.zero.optimizer import ShardedGradients, ShardedOptimizer
 from tfdist.parallel.zero.partition import Partition, partition  # noqa: F401

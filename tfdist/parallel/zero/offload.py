@@ -49,6 +49,8 @@ Example (one replica, a Dense layer, its Adam state on disk):
 import concurrent.futures
 import dataclasses
 import os
+import statistics
+import time
 
 import numpy as np
 
@@ -95,7 +97,9 @@ class Offload:
         self.batches = 0  # batches whose gradients `grads` sums
         self._order, self._recorded, self._cursor = [], None, 0  # ZeRO-3's read order
         self.steps = 0
-        self.io = []  # (bytes read, bytes written) of each step
+        self.io = []  # (bytes read, bytes written) of each update, the passes' reads since the last
+        self.seconds = []  # the CPU step's seconds of each update
+        self._mark = (0, 0)  # the store's counters at the last update's end
         self.names = {}  # the name the run's optimizer would give a slot -> its store key
         #: Called as f(update, sub-group) once a sub-group's writes have started (a fault
         #: test's: tools/faults/faulty_train.py --kill-in-offload).
@@ -191,7 +195,7 @@ class Offload:
         tensors) of the offloaded variables that have one; `weights` {index: value}, their
         current values (stages 1-2; ZeRO-3 reads its own). Returns {index: new value}
         (stages 1-2; ZeRO-3 stores them)."""
-        read0, written0 = self.store.bytes_read, self.store.bytes_written
+        start = time.perf_counter()
         self.store.drop_prefetched()  # (ZeRO-3's reads ahead: the weights are about to change)
         new, pending = {}, []
         groups = [g for g in self.groups if any(i in grads for i in g.indices)]
@@ -213,7 +217,11 @@ class Offload:
                 self.after_group(self.steps + 1, k)
         self.store.flush()
         self.steps += 1
-        self.io.append((self.store.bytes_read - read0, self.store.bytes_written - written0))
+        self.seconds.append(time.perf_counter() - start)
+        # per update: its own reads and writes, and the passes' reads since the one before
+        read, written = self.store.bytes_read, self.store.bytes_written
+        self.io.append((read - self._mark[0], written - self._mark[1]))
+        self._mark = (read, written)
         if self.master and self._order:
             self._recorded, self._cursor = list(self._order), 0
             self.store.prefetch(self._weight_keys(self._recorded[0]))
@@ -386,6 +394,17 @@ class Offload:
                 f"{len(self.groups)} sub-group(s) of at most {self.subgroup:,} parameters, "
                 f"{'prefetch on' if self.prefetch else 'prefetch off'}; host buffers up to "
                 f"{self.buffer_bytes / 2**20:,.1f} MiB")
+
+    def summary(self):
+        """One line: the updates' medians of bytes read and written, and of the CPU step."""
+        if not self.io[1:]:
+            return "offload: fewer than 2 updates (no steady figures)"
+        steady = self.io[1:]  # (the first update's reads include the initial ones)
+        read = statistics.median(r for r, _ in steady)
+        written = statistics.median(w for _, w in steady)
+        return (f"offload: per update (median of {len(steady)}), {read / 2**30:,.2f} GiB read and "
+                f"{written / 2**30:,.2f} GiB written ({self.kind}); the CPU step "
+                f"{statistics.median(self.seconds[1:]):,.2f} s")
 
     def close(self):
         self.store.close()

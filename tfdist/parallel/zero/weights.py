@@ -239,7 +239,8 @@ class ShardedWeights(ShardedGradients):
         return (f"ZeRO-3 over {c.size} replica(s): this replica holds {len(held)} of "
                 f"{len(self.units)} units, {len(self.owned_variables)} of {len(self.variables)} "
                 f"variables ({self.load[c.rank]:,} of {sum(self.load):,} parameters); largest "
-                f"unit {self.largest_unit:,} parameters; imbalance {self.imbalance:.2f}")
+                f"unit {self.largest_unit:,} parameters; imbalance {self.imbalance:.2f}"
+                + (f"; {self.offload.describe()}" if self.offload is not None else ""))
 
     @property
     def largest_unit(self):
