@@ -236,7 +236,8 @@ class Layout:
                 ("pipeline.schedule", self.schedule, "gpipe"),
                 ("pipeline.recompute", self.recompute, False),
                 ("train.grad_accum_steps", self.accumulate, 1),
-                ("zero.stage", self.zero, 0)):
+                ("zero.stage", self.zero, 0),
+                ("zero.offload", self.offload, "none")):
             if value != default:
                 out[key] = value
         k = self.accumulate
@@ -289,7 +290,8 @@ class Layout:
     def __str__(self):  # the planner's table
         mb = self.batch // (self.dp * self.microbatches) if self.dp else 0
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={mb} zero={self.zero}"
-                f"{' sp' if self.sp else ''}{' recompute' if self.recompute else ''}")
+                f"{' sp' if self.sp else ''}{' recompute' if self.recompute else ''}"
+                f"{' offload=' + self.offload if self.offload != 'none' else ''}")
 
     # -- devices and the model (TensorFlow from here) ---------------------------------------------
     def split_cpu(self):

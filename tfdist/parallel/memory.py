@@ -6,7 +6,8 @@ and `tfdist train` states it at start (`tfdist.train.expected_memory`).
 `model` is a `tfdist.models.arithmetic.Transformer` (the planner's `Model`), `layout` a
 `tfdist.parallel.layout.Layout`; `opts` anything with the planner's `Options` fields it reads
 (default: `Options()`'s): precision, schedule, vocab_parallel, offload_subgroup, and for
-`offload_io`'s seconds disk_read_bw, disk_write_bw, cpu_adam_rate.
+`offload_io`'s seconds disk_read_bw, disk_write_bw, cpu_adam_rate (and cpu_adam_disk_rate: the
+CPU step's rate with its state on the disk, which shares the cores with its reads and writes).
 
 Example (GPT-2 XL's shape, ZeRO-3 over 1 replica with disk offload: nothing of the model's state
 stays on the device but the gathered units and the CPU step's buffers):
@@ -38,6 +39,7 @@ class Defaults:
     disk_read_bw: float = 0.0
     disk_write_bw: float = 0.0
     cpu_adam_rate: float = 0.0
+    cpu_adam_disk_rate: float = 0.0
 
 
 def stage_params(model, pp, tp=1, vocab_parallel=True):
@@ -116,20 +118,23 @@ def memory(model, layout, opts=None):
 
 
 def offload_io(model, layout, opts=None):
-    """(bytes read, bytes written, seconds) of one optimizer update's offload, per device, for
-    disk offload (host: the same bytes in memory): the CPU step reads and writes each owned
-    parameter's state (and, ZeRO-3, its master weight: read again by the forward and the
-    backward pass); the seconds price them at the measured bandwidths, each sub-group's read,
-    update and write overlapped with its neighbours' (prefetch), the weights' reads with the
-    passes' compute (not counted here). tfdist's store holds float32 (Keras keeps float32
-    variables under mixed precision): Adam's two moments, and ZeRO-3's master weight."""
+    """One optimizer update's offload per device, for disk offload (host: the same bytes in
+    memory): {"read", "written": bytes; "update_s": the CPU step's seconds, each sub-group's
+    read, update and write overlapped with its neighbours' (prefetch), so the slowest of the
+    three; "passes_read_s": ZeRO-3's reads of the weights by the forward and the backward pass,
+    which prefetch overlaps with their compute} (the seconds None without the measured rates).
+    The CPU step reads and writes each owned parameter's state: tfdist's store holds float32
+    (Keras keeps float32 variables under mixed precision), Adam's two moments, and ZeRO-3's
+    master weight."""
     opts = opts or Defaults()
     n = stage_params(model, layout.pp, layout.tp, opts.vocab_parallel) / layout.dp
     state = n * (8 + (4 if layout.zero >= 3 else 0))
     read = state + (2 * n * 4 if layout.zero >= 3 else 0)
     written = state
-    if not (opts.disk_read_bw and opts.disk_write_bw and opts.cpu_adam_rate):
-        return read, written, None
-    step = max(state / opts.disk_read_bw, written / opts.disk_write_bw, n / opts.cpu_adam_rate)
-    passes = (read - state) / opts.disk_read_bw
-    return read, written, step + passes
+    out = {"read": read, "written": written, "update_s": None, "passes_read_s": None}
+    if opts.disk_read_bw and opts.disk_write_bw and opts.cpu_adam_rate:
+        rate = (opts.cpu_adam_disk_rate or opts.cpu_adam_rate) if layout.offload == "disk" \
+            else opts.cpu_adam_rate
+        out["update_s"] = max(state / opts.disk_read_bw, written / opts.disk_write_bw, n / rate)
+        out["passes_read_s"] = (read - state) / opts.disk_read_bw
+    return out

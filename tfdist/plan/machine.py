@@ -51,13 +51,14 @@ def read_bench(bench_dir, name):
 
 def offload_rates(bench_dir):
     """The Options fields that price ZeRO-Offload here (`make bench-disk`: the disk's read and
-    write bandwidth through the offload store, and the CPU AdamW's parameters per second), or
-    {} when it has not been run."""
+    write bandwidth through the offload store, and the CPU AdamW's parameters per second with
+    its state in memory and on the disk), or {} when it has not been run."""
     d = read_bench(bench_dir, "disk.json")
     if not d:
         return {}
     return {"disk_read_bw": d["read_GBps"] * GB, "disk_write_bw": d["write_GBps"] * GB,
-            "cpu_adam_rate": d["adam_Mparams_per_s"] * 1e6}
+            "cpu_adam_rate": d["adam_Mparams_per_s"] * 1e6,
+            "cpu_adam_disk_rate": d.get("adam_disk_Mparams_per_s", 0.0) * 1e6}
 
 
 def allreduce_bandwidth(bench_dir, implementation=RING):

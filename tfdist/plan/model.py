@@ -150,6 +150,8 @@ class Options:
     disk_read_bw: float = 0.0
     disk_write_bw: float = 0.0
     cpu_adam_rate: float = 0.0
+    cpu_adam_disk_rate: float = 0.0  # (with its state on the disk: the reads and writes on the
+    # same cores)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +249,13 @@ def step_time(model, cluster, layout, opts=Options()):
                                        opts.bucket_bytes)
     held = n / (layout.dp if layout.zero >= 1 else 1)
     update = held * 28 / dev.hbm_bw if dev.hbm_bw else 0.0
+    if layout.offload != "none":  # the CPU step by sub-groups; ZeRO-3's weights read in passes
+        io = offload_io(model, layout, opts)
+        if io["update_s"] is None:
+            raise ValueError("an offloaded layout is priced with the disk's and the CPU step's "
+                             "measured rates (Options.disk_read_bw, ...: make bench-disk)")
+        update = io["update_s"]
+        pipeline = max(pipeline, io["passes_read_s"] or 0.0)  # (read ahead while computing)
     total = pipeline + dp + update
     parts = {"compute": m * compute, "memory": m * elementwise + update,
              "network": m * (tp_comm + p2p) + dp, "bubble": bubble}
@@ -279,9 +288,12 @@ def evaluate(model, cluster, layout, opts=Options()):
     hw = (model.model_flops_per_token()
           + (model.n_layer * model.layer_flops() if layout.recompute else 0)) * tokens
     capacity = cluster.device.memory * opts.usable_memory
-    fits = mem["total"] <= capacity
+    held = mem["total"]
+    if layout.offload != "none" and not cluster.device.hbm_bw:  # a CPU: its memory is the host's
+        held += mem["host_gradients"] + (mem["offloaded"] if layout.offload == "host" else 0)
+    fits = held <= capacity
     overflow = "" if fits else (
-        f"needs {mem['total'] / GB:.1f} GB > {capacity / GB:.1f} GB usable; largest: "
+        f"needs {held / GB:.1f} GB > {capacity / GB:.1f} GB usable; largest: "
         + ", ".join(f"{k} {v / GB:.1f}" for k, v in sorted(
             ((k, v) for k, v in mem.items() if k != "total"), key=lambda kv: -kv[1])[:2]))
     whole = dataclasses.replace(opts, vocab_parallel=False)
@@ -336,10 +348,31 @@ def layouts(model, cluster, batch, fixed=None, schedule="gpipe"):
                                 yield planned(batch, dp, tp, pp, mb, zero, rc, schedule, sp)
 
 
+def offloaded(model, cluster, batch, fixed=None, schedule="gpipe"):
+    """The layouts that offload (`tfdist.parallel.zero.offload`): ZeRO 1-3 of an unsplit model
+    (also over one device, where ZeRO-3 keeps the master weights off it), to host memory or to
+    disk."""
+    g = cluster.count
+    for mb in ([fixed["microbatch"]] if fixed and "microbatch" in fixed else
+               _powers_of_two(batch // g)):
+        for zero in (1, 2, 3):
+            if batch % (g * mb) or (fixed or {}).get("zero", zero) != zero:
+                continue
+            for kind in ("host", "disk"):
+                lay = planned(batch, g, 1, 1, mb, zero, False, schedule)
+                yield dataclasses.replace(lay, offload=kind)
+
+
 def search(model, cluster, batch, fixed=None, opts=Options()):
-    """All candidate layouts evaluated; the feasible ones first, fastest first."""
+    """All candidate layouts evaluated; the feasible ones first, fastest first. When none fits
+    and offload is priced (the measured rates in `opts`), the offloaded layouts are added: the
+    planner chooses offload when nothing else fits."""
     plans = [evaluate(model, cluster, lay, opts)
              for lay in layouts(model, cluster, batch, fixed, opts.schedule)]
+    split = (fixed or {}).get("pp", 1) > 1 or (fixed or {}).get("tp", 1) > 1
+    if not any(p.fits for p in plans) and opts.cpu_adam_rate and not split:
+        plans += [evaluate(model, cluster, lay, opts)
+                  for lay in offloaded(model, cluster, batch, fixed, opts.schedule)]
     # equal speeds (compute is linear in the microbatch): fewer, larger microbatches, then less
     # memory
     return sorted(plans, key=lambda p: (not p.fits, -float(f"{p.tokens_per_sec:.4g}"),

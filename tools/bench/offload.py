@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-_WHAT = flags.DEFINE_enum("what", "overhead", ["xl", "overhead"], "Which bench.")
+_WHAT = flags.DEFINE_enum("what", "overhead", ["xl", "overhead", "plan"], "Which bench (plan: "
+                          "the planner's figures of offload-xl.json again, from its runs).")
 _CAP = flags.DEFINE_integer("cap_gib", 20, "--what=xl: the memory cgroup's limit, GiB.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Training steps per run.")
 _SEQ = flags.DEFINE_integer("seq", 256, "--what=xl: tokens per sequence (model.block_size).")
@@ -116,22 +117,37 @@ def xl_flags(offload):
 
 
 def planned_xl():
-    """The planner's figures for the run: memory by part, bytes per update, seconds."""
+    """The planner's figures for the run (`tfdist.plan`): memory by part, bytes per update, and
+    the step's seconds: the passes' compute (the planner's CPU model: a core's fraction of peak
+    fitted on gpt_mini, both cores of the one process, ZeRO-3 recomputing each unit's forward
+    in its backward) or the weights' reads, whichever is longer (prefetch overlaps them), plus
+    the CPU step (its reads, update and writes overlapped)."""
+    import dataclasses
+
     from tfdist.config import gpt2_config
-    from tfdist.parallel.layout import Layout
     from tfdist.plan import machine
     from tfdist.plan import model as plan
     c = gpt2_config(n_layer=48, n_head=25, n_embd=1600)
     c.model.block_size = _SEQ.value
+    c.model.vocab_size = 50257
     sizes = plan.model_from_config(c, "gpt2-xl")
-    layout = Layout.planned(1, 1, zero=3)
-    layout = Layout(**{**layout.__dict__, "offload": "disk"})
+    layout = dataclasses.replace(plan.planned(1, 1, microbatch=1, zero=3, recompute=True),
+                                 offload="disk")
     rates = machine.offload_rates(RESULTS)
-    opts = plan.Options(precision="float32", **rates)
-    parts = plan.memory(sizes, layout, opts)
-    read, written, seconds = plan.offload_io(sizes, layout, opts)
+    host = machine.host(RESULTS, plan.model_from_config(
+        __import__("configs.gpt_mini", fromlist=["x"]).get_config(), "gpt_mini"))
+    opts = plan.Options(precision="float32", efficiency=host.unloaded,
+                        core_share=host.dev.per_node / host.contention, **rates)
+    parts = plan.memory(sizes, dataclasses.replace(layout, recompute=False), opts)
+    io = plan.offload_io(sizes, layout, opts)
+    compute = plan.step_time(sizes, plan.Cluster(host.dev, 1), layout, opts)["compute"]
+    step = max(compute, io["passes_read_s"]) + io["update_s"] if io["update_s"] else None
+    resident = parts["total"] + parts["host_gradients"]
     return {"params": sizes.params, "memory": {k: round(v) for k, v in parts.items()},
-            "read_bytes": read, "written_bytes": written, "offload_s": seconds, "rates": rates}
+            "resident_bytes": resident, "read_bytes": io["read"],
+            "written_bytes": io["written"], "compute_s": compute, "update_s": io["update_s"],
+            "passes_read_s": io["passes_read_s"], "step_s": step, "rates": rates,
+            "efficiency": host.unloaded, "core_share": opts.core_share}
 
 
 def xl():
@@ -146,11 +162,7 @@ def xl():
     plan = planned_xl()
     result = {"model": "gpt2_xl (configs/gpt2_xl.py), float32", "batch": 1, "seq": _SEQ.value,
               "steps": _STEPS.value, "cap_gib": _CAP.value, "runs": rows, "planned": plan}
-    d = rows["disk"]
-    if d.get("read_bytes"):
-        result["planned_over_measured"] = {
-            "read": plan["read_bytes"] / d["read_bytes"],
-            "written": plan["written_bytes"] / d["written_bytes"]}
+    compare(result)
     print(json.dumps(result, indent=1))
     with open(os.path.join(RESULTS, "offload-xl.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -161,6 +173,7 @@ def overhead():
                 "disk": {"zero.offload": "disk"},
                 "disk, prefetch off": {"zero.offload": "disk", "zero.offload_prefetch": False}}
     common = {"zero.stage": 3, "train.batch_size": 4, "train.steps": _STEPS.value * 2,
+              "train.warmup_steps": 1,
               "train.steps_per_epoch": _STEPS.value * 2, "train.eval_steps": 1,
               "zero.offload_dir": os.path.join(_WORK.value, "store")}
     times = {k: [] for k in variants}
@@ -184,10 +197,34 @@ def overhead():
         json.dump(result, f, indent=1)
 
 
+def compare(result):
+    """The planner's figures over the measured ones of the disk run, into `result`."""
+    d, plan = result["runs"]["disk"], result["planned"]
+    if d.get("read_bytes"):
+        result["planned_over_measured"] = {
+            "read": plan["read_bytes"] / d["read_bytes"],
+            "written": plan["written_bytes"] / d["written_bytes"],
+            "step": plan["step_s"] / d["step_s"] if plan["step_s"] else None,
+            "cpu_step": plan["update_s"] / d["cpu_step_s"] if plan["update_s"] else None,
+            "peak_rss": plan["resident_bytes"] / d["peak_rss_bytes"]}
+    return result
+
+
+def replan():
+    path = os.path.join(RESULTS, "offload-xl.json")
+    with open(path) as f:
+        result = json.load(f)
+    result["planned"] = planned_xl()
+    compare(result)
+    print(json.dumps(result["planned_over_measured"], indent=1))
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main(argv):
     del argv
     os.makedirs(_WORK.value, exist_ok=True)
-    xl() if _WHAT.value == "xl" else overhead()
+    {"xl": xl, "overhead": overhead, "plan": replan}[_WHAT.value]()
 
 
 if __name__ == "__main__":

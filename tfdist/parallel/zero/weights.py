@@ -278,6 +278,8 @@ class ShardedWeights(ShardedGradients):
         replica alone."""
         p, c = unit.partition, self.collectives
         tensors = dict(zip(p.of[c.rank], mine))
+        if c.size == 1:  # one replica: its share is the unit (no flat buffer, no copies)
+            return [tf.convert_to_tensor(tensors[i]) for i in range(len(unit.variables))]
         # (ragged: unpadded shares, each ending with the anchor's value, so that none is empty)
         flat = p.flat(tensors, c.rank, pad, ragged=c.ragged)
         lengths = [p.length(r, c.ragged) for r in range(c.size)]
@@ -300,6 +302,9 @@ class ShardedWeights(ShardedGradients):
         p, c = unit.partition, self.collectives
         dense = [tf.fill(v.shape, pad) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(grads, unit.variables)]
+        if c.size == 1:  # one replica: its share is the unit's gradients as they are
+            mine = [tf.cast(dense[i], unit.variables[i].dtype) for i in p.of[0]]
+            return mine, tf.reduce_sum(tf.reshape(mine[0], [-1])[:1]) * pad
         buffer = tf.concat([p.flat(dense, r, pad) for r in range(c.size)], 0)
         if c.size > 1 and "reduce_scatter" not in self.skip:
             mine = c.reduce_scatter(buffer, self._name(tag, unit))
