@@ -186,6 +186,19 @@ def test_bad_offload_configs_are_one_line(tmp_path, flags, needle):
                               "--config.backup.enabled=False", *flags, check=False), needle)
 
 
+@pytest.mark.horovod
+def test_an_unwritable_offload_dir_stops_the_run_in_one_line(tmp_path):
+    """`tfdist train` (one Horovod rank, ZeRO-1) with zero.offload_dir under a file: one line,
+    exit 2, before any step."""
+    (tmp_path / "file").write_text("")
+    p = tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path / 'run'}",
+               "--strategy=horovod", "--config.backup.enabled=False", "--config.zero.stage=1",
+               "--config.zero.offload=disk", f"--config.zero.offload_dir={tmp_path / 'file'}",
+               check=False)
+    assert_usage_error(p, "cannot be written")
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
 def test_a_users_offload_without_zero_is_one_line():
     import tfdist.strategies
     with pytest.raises(UsageError, match="needs ZeRO: pass zero=3"):

@@ -439,7 +439,8 @@ def expected_memory(c, layout, sizes):
     if layout.offload != "none":
         host = states["host_gradients"]
         off = (f"; off the device: {layout.offload} {states['offloaded'] / 2**30:,.2f} GiB"
-               + (f", host memory {host / 2**30:,.2f} GiB (ZeRO-3's gradients)" if host else ""))
+               + (f", host memory {host / 2**30:,.2f} GiB (ZeRO-3's gradients)" if host else "")
+               + f"; the CPU step holds up to {states['update_peak'] / 2**30:,.2f} GiB")
     return (f"memory expected per process (before TensorFlow's own): {text}; "
             f"{total / 2**30:,.2f} GiB on the device{off}")
 

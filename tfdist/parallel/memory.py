@@ -72,8 +72,9 @@ def memory(model, layout, opts=None):
     """Bytes per device, by part, for the largest stage. Offloaded (`layout.offload`: host or
     disk, tfdist.parallel.zero.offload) the optimizer state, and under ZeRO-3 the master weights,
     leave the device for the store ("offloaded", in host memory or on disk; not in the total),
-    under ZeRO-3 the gradients for host memory ("host_gradients"; not in the total either), and
-    "buffers" holds the CPU step's sub-groups in flight (host memory)."""
+    under ZeRO-3 the gradients for host memory ("host_gradients"; not in the total either),
+    "buffers" holds the CPU step's sub-groups in flight (host memory), and "update_peak" is what
+    the CPU step holds at once in host memory (not in the total)."""
     opts = opts or Defaults()
     pb, gb, ob = STATE_BYTES[opts.precision]
     n = stage_params(model, layout.pp, layout.tp, opts.vocab_parallel)
@@ -88,8 +89,10 @@ def memory(model, layout, opts=None):
             off["weights"], parts["weights"] = parts["weights"], 0.0
             # (handed to host memory unit by unit in the backward pass)
             off["gradients"], parts["gradients"] = parts["gradients"], 0.0
-        # three sub-groups in flight, each its state read and its stand-ins' copy
-        parts["buffers"] = 3 * 2 * min(opts.offload_subgroup, n / d) * 12
+        # three sub-groups in flight (one read ahead, one updated, one written behind), each its
+        # 12 bytes per parameter (weight, two moments) up to four times: the buffer read, the
+        # stand-ins' TF copy, the updated value, the buffer written
+        parts["buffers"] = 3 * 4 * min(opts.offload_subgroup, n / d) * 12
     if getattr(model, "params_override", 0) and not model.n_layer:
         return {**parts, "activations": 0.0, "total": sum(parts.values())}
     if z >= 3:
@@ -114,6 +117,9 @@ def memory(model, layout, opts=None):
     if off:  # off the device
         parts["host_gradients"] = off.pop("gradients", 0.0)
         parts["offloaded"] = sum(off.values())
+        # the CPU step's peak in host memory: the update's gradients taken out of host memory and
+        # their clipped copy (the step clips in its graph), and the sub-groups in flight
+        parts["update_peak"] = 2 * (parts["host_gradients"] or n * gb / d) + parts["buffers"]
     return parts
 
 

@@ -255,7 +255,10 @@ def step_time(model, cluster, layout, opts=Options()):
             raise ValueError("an offloaded layout is priced with the disk's and the CPU step's "
                              "measured rates (Options.disk_read_bw, ...: make bench-disk)")
         update = io["update_s"]
-        pipeline = max(pipeline, io["passes_read_s"] or 0.0)  # (read ahead while computing)
+        # the weights' reads: ahead while a device computes; on a CPU the cores that compute
+        # also do the reads' work (as comm_cpu_bw's copies): not hidden
+        reads = io["passes_read_s"] or 0.0
+        pipeline = max(pipeline, reads) if dev.hbm_bw else pipeline + reads
     total = pipeline + dp + update
     parts = {"compute": m * compute, "memory": m * elementwise + update,
              "network": m * (tp_comm + p2p) + dp, "bubble": bubble}

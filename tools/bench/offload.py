@@ -118,10 +118,10 @@ def xl_flags(offload):
 
 def planned_xl():
     """The planner's figures for the run (`tfdist.plan`): memory by part, bytes per update, and
-    the step's seconds: the passes' compute (the planner's CPU model: a core's fraction of peak
-    fitted on gpt_mini, both cores of the one process, ZeRO-3 recomputing each unit's forward
-    in its backward) or the weights' reads, whichever is longer (prefetch overlaps them), plus
-    the CPU step (its reads, update and writes overlapped)."""
+    the step's seconds (`step_time`): the passes' compute (the planner's CPU model: a core's
+    fraction of peak fitted on gpt_mini, both cores of the one process, ZeRO-3 recomputing each
+    unit's forward in its backward) plus the weights' reads (on a CPU the cores that compute do
+    the reads' work too), plus the CPU step (its reads, update and writes overlapped)."""
     import dataclasses
 
     from tfdist.config import gpt2_config
@@ -141,8 +141,10 @@ def planned_xl():
     parts = plan.memory(sizes, dataclasses.replace(layout, recompute=False), opts)
     io = plan.offload_io(sizes, layout, opts)
     compute = plan.step_time(sizes, plan.Cluster(host.dev, 1), layout, opts)["compute"]
-    step = max(compute, io["passes_read_s"]) + io["update_s"] if io["update_s"] else None
-    resident = parts["total"] + parts["host_gradients"]
+    step = plan.step_time(sizes, plan.Cluster(host.dev, 1), layout, opts)["total"]
+    # a process's peak: the passes (the device's parts and the gradients gathering in host
+    # memory) or the CPU step (its own peak), whichever holds more; one host here
+    resident = max(parts["total"] + parts["host_gradients"], parts["update_peak"])
     return {"params": sizes.params, "memory": {k: round(v) for k, v in parts.items()},
             "resident_bytes": resident, "read_bytes": io["read"],
             "written_bytes": io["written"], "compute_s": compute, "update_s": io["update_s"],

@@ -132,10 +132,13 @@ class Offload:
         # strategy's scope (under multi_worker_mirrored a variable made inside it would be
         # mirrored, initialised by a broadcast that the other workers, whose sub-groups differ,
         # never join).
+        # (On the host's CPU: a GPU's memory is what offload frees; untested here.)
+        def groups():
+            with tf.device("CPU:0"):
+                return [self._group(optimizer, indices) for indices in
+                        _cut([count(v.shape) for v in self.variables], self.subgroup)]
         with concurrent.futures.ThreadPoolExecutor(1) as thread:
-            self.groups = thread.submit(lambda: [
-                self._group(optimizer, indices) for indices in
-                _cut([count(v.shape) for v in self.variables], self.subgroup)]).result()
+            self.groups = thread.submit(groups).result()
 
     def _place(self, variables):
         if not self.variables:
@@ -170,8 +173,7 @@ class Offload:
             return slot
         copy.add_variable_from_reference = recording
         try:
-            with tf.device("CPU:0"):
-                copy.build(standins)
+            copy.build(standins)
         finally:
             del copy.add_variable_from_reference
         slots = []
