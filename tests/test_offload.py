@@ -56,6 +56,36 @@ def test_a_directory_of_other_files_is_refused_and_kept(tmp_path):
     assert (tmp_path / "mine.txt").read_text() == "keep me"
 
 
+def test_a_store_in_use_is_refused_and_a_dead_ones_emptied(tmp_path):
+    """A live store holds its directory's lock: a second one is refused (nothing deleted); once
+    it is closed, or its process is gone (a killed run), the next store empties it."""
+    live = Store("disk", str(tmp_path / "s"))
+    live.put("a", np.ones(3, "float32"))
+    with pytest.raises(UsageError, match="in use by another run"):
+        Store("disk", str(tmp_path / "s"))
+    assert np.array_equal(live.get("a"), np.ones(3, "float32"))
+    code = ("import sys, numpy as np; sys.path.insert(0, %r)\n"
+            "from tfdist.parallel.zero.store import Store\n"
+            "s = Store('disk', %r); s.put('b', np.ones(2)); import os; os._exit(0)"
+            % (ROOT, str(tmp_path / "dead")))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert (tmp_path / "dead" / "b.bin").exists()  # (left by the process that ended)
+    again = Store("disk", str(tmp_path / "dead"))
+    assert not (tmp_path / "dead" / "b.bin").exists()
+    again.close()
+    live.close()
+
+
+def test_a_short_or_failed_write_is_one_line(tmp_path, monkeypatch):
+    store = Store("disk", str(tmp_path / "s"))
+    monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: 100)
+    with pytest.raises(UsageError, match="No space left on device") as e:
+        store.put("a", np.ones(5000, "float32"))
+    assert "\n" not in str(e.value) and store.failure is not None
+    monkeypatch.undo()
+    store.close()
+
+
 def test_an_unwritable_directory_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UsageError, match="cannot be written") as e:
@@ -281,14 +311,17 @@ def test_a_run_killed_mid_offloaded_step_resumes_from_its_backup(tmp_path, data_
                      "--kill-in-offload", KILL_IN, "--kill-worker", "1", check=False)
     assert p.returncode != 0
     steps_run = [line for line in open(tmp_path / "executed_steps.txt")]
-    assert len(steps_run) == 2 * 5, steps_run  # (both ranks, steps 1-5: 6 never ended)
+    # (both ranks ran steps 1-5; rank 0, whose update needs no collective, may end step 6)
+    assert 2 * 5 <= len(steps_run) <= 2 * 5 + 1, steps_run
     p = driver_group(tmp_path, options(data_dir, **{"zero.offload": resume}), "--hash-weights")
     assert "at step 5 of 10" in p.stdout, p.stdout[-3000:]
     got, want = losses(tmp_path), losses(resident3)
     assert len(got) == 10 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
     hashes = [open(tmp_path / f"weight_hashes-w{r}.txt").read().split() for r in (0, 1)]
     assert hashes[0] == hashes[1]
-    assert not (tmp_path / "offload" / "rank-0").exists()  # (removed at the end of the run)
+    if resume == "disk":  # (both ranks' stores, the killed one's too, removed at the end)
+        left = list((tmp_path / "offload").iterdir())
+        assert not left, left
 
 
 @pytest.mark.slow

@@ -432,7 +432,7 @@ def expected_memory(c, layout, sizes):
     if c.train.precision != "float32":
         states["activations"] = memory.memory(sizes, layout)["activations"]
     parts = [(k, states[k]) for k in ("weights", "gathered", "gradients", "optimizer",
-                                      "activations", "buffers") if k in states]
+                                      "activations") if k in states]
     text = ", ".join(f"{k} {v / 2**30:,.2f} GiB" for k, v in parts)
     total = sum(v for _, v in parts)
     off = ""
@@ -440,7 +440,8 @@ def expected_memory(c, layout, sizes):
         host = states["host_gradients"]
         off = (f"; off the device: {layout.offload} {states['offloaded'] / 2**30:,.2f} GiB"
                + (f", host memory {host / 2**30:,.2f} GiB (ZeRO-3's gradients)" if host else "")
-               + f"; the CPU step holds up to {states['update_peak'] / 2**30:,.2f} GiB")
+               + f"; the CPU step holds up to {states['update_peak'] / 2**30:,.2f} GiB "
+               f"(buffers {states['buffers'] / 2**30:,.2f} GiB)")
     return (f"memory expected per process (before TensorFlow's own): {text}; "
             f"{total / 2**30:,.2f} GiB on the device{off}")
 

@@ -10,7 +10,7 @@ and `tfdist train` states it at start (`tfdist.train.expected_memory`).
 CPU step's rate with its state on the disk, which shares the cores with its reads and writes).
 
 Example (GPT-2 XL's shape, ZeRO-3 over 1 replica with disk offload: nothing of the model's state
-stays on the device but the gathered units and the CPU step's buffers):
+stays on the device but the gathered units):
 
     >>> from tfdist.models.arithmetic import Transformer
     >>> from tfdist.parallel.layout import Layout
@@ -73,8 +73,8 @@ def memory(model, layout, opts=None):
     disk, tfdist.parallel.zero.offload) the optimizer state, and under ZeRO-3 the master weights,
     leave the device for the store ("offloaded", in host memory or on disk; not in the total),
     under ZeRO-3 the gradients for host memory ("host_gradients"; not in the total either),
-    "buffers" holds the CPU step's sub-groups in flight (host memory), and "update_peak" is what
-    the CPU step holds at once in host memory (not in the total)."""
+    "buffers" holds the CPU step's sub-groups in flight (host memory; not in the total), and
+    "update_peak" is what the CPU step holds at once in host memory (not in the total)."""
     opts = opts or Defaults()
     pb, gb, ob = STATE_BYTES[opts.precision]
     n = stage_params(model, layout.pp, layout.tp, opts.vocab_parallel)
@@ -82,7 +82,7 @@ def memory(model, layout, opts=None):
     parts = {"weights": n * pb / (d if z >= 3 else 1),
              "gradients": n * gb / (d if z >= 2 else 1),
              "optimizer": n * ob / (d if z >= 1 else 1)}
-    off = {}
+    off, buffers = {}, 0.0
     if layout.offload != "none" and z:
         off["optimizer"], parts["optimizer"] = parts["optimizer"], 0.0
         if z >= 3:
@@ -92,7 +92,7 @@ def memory(model, layout, opts=None):
         # three sub-groups in flight (one read ahead, one updated, one written behind), each its
         # 12 bytes per parameter (weight, two moments) up to four times: the buffer read, the
         # stand-ins' TF copy, the updated value, the buffer written
-        parts["buffers"] = 3 * 4 * min(opts.offload_subgroup, n / d) * 12
+        buffers = 3 * 4 * min(opts.offload_subgroup, n / d) * 12
     if getattr(model, "params_override", 0) and not model.n_layer:
         return {**parts, "activations": 0.0, "total": sum(parts.values())}
     if z >= 3:
@@ -115,6 +115,7 @@ def memory(model, layout, opts=None):
     parts["activations"] = acts + logits
     parts["total"] = sum(parts.values())
     if off:  # off the device
+        parts["buffers"] = buffers  # (host memory)
         parts["host_gradients"] = off.pop("gradients", 0.0)
         parts["offloaded"] = sum(off.values())
         # the CPU step's peak in host memory: the update's gradients taken out of host memory and

@@ -293,7 +293,8 @@ def evaluate(model, cluster, layout, opts=Options()):
     capacity = cluster.device.memory * opts.usable_memory
     held = mem["total"]
     if layout.offload != "none" and not cluster.device.hbm_bw:  # a CPU: its memory is the host's
-        held += mem["host_gradients"] + (mem["offloaded"] if layout.offload == "host" else 0)
+        held = max(held + mem["host_gradients"], mem["update_peak"]) + (
+            mem["offloaded"] if layout.offload == "host" else 0)
     fits = held <= capacity
     overflow = "" if fits else (
         f"needs {held / GB:.1f} GB > {capacity / GB:.1f} GB usable; largest: "

@@ -158,14 +158,14 @@ class KerasProgram:
             _updating(model.optimizer).gradient_accumulation_steps = None  # tfdist's step sums
             layout = Layout(dp=self.num_replicas, zero=self.user_zero if model in _SHARDED else 0,
                             accumulate=accumulate)
-            offload = self._offload() if model in _SHARDED else None
+            offload = self._offload(model) if model in _SHARDED else None
             with self.scope():
                 skip = self.user_skip_nonfinite if model in _CHECKED else 0
                 _step_class()(model, self, layout, skip_nonfinite=skip,
                               offload=offload).install()
             if zero.of(model) is not None:
                 if loaded is not None:
-                    whole.copy_by_name(model.optimizer, loaded)
+                    whole.copy_by_name(model.optimizer, loaded, zero.of(model))
                 # (TFDIST_ZERO_SAVE=shard: each process's shard shown, the behaviour before; a
                 # companion test's)
                 shard = os.environ.get("TFDIST_ZERO_SAVE") == "shard"
@@ -181,22 +181,30 @@ class KerasProgram:
                                  f"save_freq='epoch'")
         return _whole_for_callbacks(shown)
 
-    def _offload(self):
-        """A new ZeRO-Offload of a user's model (`user_offload`), closed (its files removed) when
-        the process exits; None without offload."""
+    def _offload(self, model):
+        """A new ZeRO-Offload of a user's `model` (`user_offload`), closed (its files removed,
+        and the directory it made) when the model is collected or the process exits; None
+        without offload."""
         if self.user_offload is None:
             return None
-        import atexit
-
         from tfdist.parallel.zero import offload
         kind, base = self.user_offload
-        where = None
+        where, ours = None, None
         if kind == "disk":
-            base = base or os.path.join(tempfile.gettempdir(), f"tfdist-offload-{os.getpid()}")
-            where = offload.directory(base, self.worker_index)
-            where = f"{where}-model-{next(_OFFLOADS)}"
+            ours = None if base else os.path.join(tempfile.gettempdir(),
+                                                  f"tfdist-offload-{os.getpid()}")
+            where = f"{offload.directory(base or ours, self.worker_index)}-model-" \
+                    f"{next(_OFFLOADS)}"
         store = offload.Offload(kind, where)
-        atexit.register(store.close)
+
+        def close():
+            store.close()
+            if ours:  # (the directory this process made, once empty)
+                try:
+                    os.rmdir(ours)
+                except OSError:
+                    pass
+        weakref.finalize(model, close)  # (at exit too, if the model is alive then)
         return store
 
     def keras_call(self, method, model, upstream, arguments):

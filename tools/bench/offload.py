@@ -143,7 +143,7 @@ def planned_xl():
     compute = plan.step_time(sizes, plan.Cluster(host.dev, 1), layout, opts)["compute"]
     step = plan.step_time(sizes, plan.Cluster(host.dev, 1), layout, opts)["total"]
     # a process's peak: the passes (the device's parts and the gradients gathering in host
-    # memory) or the CPU step (its own peak), whichever holds more; one host here
+    # memory) or the CPU step (its own peak, buffers included), whichever holds more; one host
     resident = max(parts["total"] + parts["host_gradients"], parts["update_peak"])
     return {"params": sizes.params, "memory": {k: round(v) for k, v in parts.items()},
             "resident_bytes": resident, "read_bytes": io["read"],

@@ -239,9 +239,9 @@ class Offload:
     def _update(self, group, iterations, learning_rate, grads, weights):
         """Sub-group `group` updated: {store key or index: new value}."""
         present = [(i, s) for i, s in zip(group.indices, group.standins) if i in grads]
-        for slot, key in group.slots:
+        for slot, key in group.slots:  # (a variable without a gradient: its slots unchanged)
             compat.fill_storage(slot, self.store.get(key))
-        for i, s in zip(group.indices, group.standins):
+        for i, s in present:
             compat.fill_storage(s, self.store.get(_weight_key(i)) if self.master else weights[i])
         opt = group.optimizer
         opt.iterations.assign(iterations)
@@ -249,7 +249,7 @@ class Offload:
             opt.learning_rate = learning_rate
         opt.apply([grads[i] for i, _ in present], [s for _, s in present])
         out = {key: compat.storage(slot).numpy() for slot, key in group.slots}
-        for i, s in zip(group.indices, group.standins):
+        for i, s in present:
             value = compat.storage(s).numpy()
             out[_weight_key(i) if self.master else i] = value
         for slot, _ in group.slots:
@@ -341,7 +341,8 @@ class Offload:
 
     def take_gradients(self):
         """[(gradient, variable)] of this update, the mean over its batches, taken out of host
-        memory (ZeRO-3)."""
+        memory (ZeRO-3): every owned variable's, as the resident ZeRO-3's reduce-scatter gives
+        every unit variable one (zeros where it had none)."""
         order = list(range(len(self.variables)))
 
         def run():
@@ -381,14 +382,15 @@ class Offload:
 
     @property
     def buffer_bytes(self):
-        """Host memory the step holds at most beyond the store: three sub-groups' values (one
-        read ahead, one updated, one being written), each twice (the read or written copy, and
-        the stand-ins' TF copy)."""
+        """Host memory the step holds at most beyond the store and the gradients: three
+        sub-groups (one read ahead, one updated, one being written), each its state and weights
+        up to four times (the buffer read, the stand-ins' TF copy, the updated value, the buffer
+        written): `tfdist.parallel.memory`'s "buffers"."""
         largest = 0
         for g in self.groups:
-            size = sum(self.store.nbytes_of(k) for k in self._keys(g))
-            largest = max(largest, size)
-        return 3 * 2 * largest
+            weights = sum(4 * count(self.variables[i].shape) for i in g.indices)
+            largest = max(largest, weights + sum(self.store.nbytes_of(k) for k in g.slot_keys))
+        return 3 * 4 * largest
 
     def describe(self):
         where = "host memory" if self.kind == "host" else f"files in {self.store.directory}"

@@ -61,8 +61,7 @@ class Store:
         self._direct = True
         self.failure = None  # the StoreError of a write that failed
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "tfdist-offload")
-        if kind == "disk":
-            _prepare(directory)
+        self._mark = _prepare(directory) if kind == "disk" else None  # (held: the store's lock)
 
     # -- what the offloaded step calls ---------------------------------------------------------
     def put(self, name, array):
@@ -75,6 +74,10 @@ class Store:
         `name`."""
         array = np.asarray(array)
         self._wait_write(name)
+        with self._lock:  # (a read ahead of the old value: done, then forgotten)
+            stale = self._reads.pop(name, None)
+        if stale is not None:
+            stale.exception()
         with self._lock:
             self._meta[name] = (array.shape, array.dtype)
         if self.kind == "host":
@@ -110,12 +113,12 @@ class Store:
 
     def drop_prefetched(self, keep=()):
         """Forgets the reads in flight but those of `keep` (what they read is about to change,
-        or will not be asked for)."""
+        or will not be asked for); their errors too (a read asked for again raises its own)."""
         with self._lock:
             reads = [f for name, f in self._reads.items() if name not in keep]
             self._reads = {name: f for name, f in self._reads.items() if name in keep}
         for future in reads:
-            future.result()
+            future.exception()
 
     def wait(self, names):
         """Returns once the writes of `names` are done (StoreError when one failed)."""
@@ -153,6 +156,8 @@ class Store:
             self._pool.shutdown(wait=True)
             self._arrays.clear()
             if self.kind == "disk":
+                if self._mark is not None:
+                    self._mark.close()  # (its lock)
                 shutil.rmtree(self.directory, ignore_errors=True)
 
     # -- files ---------------------------------------------------------------------------------
@@ -171,33 +176,49 @@ class Store:
 
     def _read_after_write(self, name):
         self._check(name)
-        self._wait_write(name)
+        with self._lock:  # (waited for, not taken: its writer still sees how it ended)
+            write = self._writes.get(name)
+        if write is not None:
+            write.result()
         shape, dtype = self._meta[name]
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        buffer = mmap.mmap(-1, max(_BLOCK, _padded(size)))  # (page-aligned: O_DIRECT's)
-        fd = self._open(name, os.O_RDONLY)
         try:
-            got = os.preadv(fd, [buffer], 0)
-        finally:
-            os.close(fd)
+            buffer = mmap.mmap(-1, max(_BLOCK, _padded(size)))  # (page-aligned: O_DIRECT's)
+            fd = self._open(name, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [buffer], 0)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self.failure = StoreError(
+                f"could not read the offloaded {name} from {self.directory} "
+                f"({os.strerror(e.errno) if e.errno else e}); the offload directory must stay as "
+                f"the run left it: run the same command to resume from the newest backup")
+            raise self.failure from None
         if got < size:
-            raise StoreError(f"offload file {self._path(name)} is short ({got} of {size} bytes); "
-                             f"the offload directory was changed during the run")
+            self.failure = StoreError(
+                f"offload file {self._path(name)} is short ({got} of {size} bytes); the offload "
+                f"directory was changed during the run: run the same command to resume from the "
+                f"newest backup")
+            raise self.failure
         with self._lock:
-            self.bytes_read += got
+            self.bytes_read += size
         return np.frombuffer(buffer, dtype, int(np.prod(shape))).reshape(shape)
 
     def _write_file(self, name, array):
         size = array.nbytes
-        buffer = mmap.mmap(-1, max(_BLOCK, _padded(size)))
-        np.frombuffer(buffer, np.uint8, size)[:] = np.ascontiguousarray(array).view(np.uint8) \
-            .reshape(-1)
+        buffer = None
         try:
+            buffer = mmap.mmap(-1, max(_BLOCK, _padded(size)))
+            np.frombuffer(buffer, np.uint8, size)[:] = \
+                np.ascontiguousarray(array).view(np.uint8).reshape(-1)
             fd = self._open(name, os.O_WRONLY | os.O_CREAT)
             try:
                 written = os.pwritev(fd, [buffer], 0)
             finally:
                 os.close(fd)
+            if written < len(buffer):  # (a full disk may write part of it)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as e:
             self.failure = StoreError(
                 f"could not write the offloaded {name} to {self.directory} "
@@ -206,9 +227,10 @@ class Store:
                 f"newest backup")
             raise self.failure from None
         finally:
-            buffer.close()
+            if buffer is not None:
+                buffer.close()
         with self._lock:
-            self.bytes_written += written
+            self.bytes_written += size
 
     def _open(self, name, flags):
         path = self._path(name)
@@ -231,18 +253,30 @@ _MARK = ".tfdist-offload"  # the file that makes a directory a store's (which it
 
 def _prepare(directory):
     """`directory` made, or emptied when a killed run's store left it (its state comes from
-    the backup), and writable; a one-line UsageError otherwise."""
+    the backup), and writable; a one-line UsageError otherwise. Returns the open marker file,
+    whose lock (flock) says a live store uses the directory: a second store is refused."""
+    import fcntl
     if not directory:
         raise UsageError("zero.offload=disk needs a directory: set --config.zero.offload_dir")
+    mark = os.path.join(directory, _MARK)
     if os.path.isdir(directory) and os.listdir(directory):
-        if not os.path.exists(os.path.join(directory, _MARK)):
+        if not os.path.exists(mark):
             raise UsageError(f"{directory} holds files that are not an offload store's; give "
                              f"zero.offload_dir a directory of its own (nothing was deleted)")
+        with open(mark, "rb") as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise UsageError(f"the offload store {directory} is in use by another run; give "
+                                 f"each run a zero.offload_dir of its own") from None
         shutil.rmtree(directory)
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, _MARK), "wb") as f:
-            f.write(b"tfdist offload store: removed at the end of the run\n")
+        f = open(mark, "wb")
+        f.write(b"tfdist offload store: removed at the end of the run\n")
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return f
     except OSError as e:
         raise UsageError(f"zero.offload_dir {directory} cannot be written "
                          f"({os.strerror(e.errno) if e.errno else e}); give a writable "

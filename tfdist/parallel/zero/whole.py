@@ -123,12 +123,7 @@ class WholeOptimizer:
     def give_back(self):
         """This replica's own slots, and the rest, from the whole optimizer (what a restore may
         have set): local."""
-        copy_by_name(self.shard, self.optimizer)
-        offload = getattr(self.sharded, "offload", None)
-        if offload is not None:  # (its slots: in the store)
-            whole = _by_name(self.optimizer)
-            for name, stored in offload.named_slots().items():
-                stored.restore(whole[name].value)
+        copy_by_name(self.shard, self.optimizer, self.sharded)
 
 
 def _value(v):
@@ -145,14 +140,18 @@ def _owners(sharded):
     return {id(p.variables[i]): r for r, indices in enumerate(p.of) for i in indices}
 
 
-def copy_by_name(optimizer, source):
+def copy_by_name(optimizer, source, sharded=None):
     """`optimizer`'s variables (a shard, built), each from `source`'s of its name (an optimizer
     built whole: the shown one, or a file's): its own slots, its step and its learning rate;
-    local."""
+    and the slots `sharded`'s offload stores (`tfdist.parallel.zero.offload`); local."""
     source = _by_name(source)
     for v in optimizer.variables:
         if v.name in source:
             v.assign(source[v.name].value)
+    offload = getattr(sharded, "offload", None)
+    for name, stored in (offload.named_slots() if offload is not None else {}).items():
+        if name in source:
+            stored.restore(source[name].value)
 
 
 class Shown:
