@@ -64,10 +64,10 @@ def test_a_store_in_use_is_refused_and_a_dead_ones_emptied(tmp_path):
     with pytest.raises(UsageError, match="in use by another run"):
         Store("disk", str(tmp_path / "s"))
     assert np.array_equal(live.get("a"), np.ones(3, "float32"))
-    code = ("import sys, numpy as np; sys.path.insert(0, %r)\n"
-            "from tfdist.parallel.zero.store import Store\n"
-            "s = Store('disk', %r); s.put('b', np.ones(2)); import os; os._exit(0)"
-            % (ROOT, str(tmp_path / "dead")))
+    code = (f"import sys, numpy as np; sys.path.insert(0, {ROOT!r})\n"
+            f"from tfdist.parallel.zero.store import Store\n"
+            f"s = Store('disk', {str(tmp_path / 'dead')!r}); s.put('b', np.ones(2)); "
+            f"import os; os._exit(0)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert (tmp_path / "dead" / "b.bin").exists()  # (left by the process that ended)
     again = Store("disk", str(tmp_path / "dead"))
