@@ -6,8 +6,8 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-sample bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
-        chaos-ps chaos-horovod chaos-zero chaos-preempt chaos-partition chaos-elastic chaos-ray \
+        bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-disk bench-offload bench-offload-xl bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
+        chaos-ps chaos-horovod chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray \
         bench-node-loss plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
@@ -132,6 +132,12 @@ chaos-zero: $(HOROVOD)
 	$(BIN)/python tools/faults/chaos.py --strategy=horovod --zero=3
 	$(BIN)/python tools/faults/chaos.py --zero=3
 
+# ZeRO-3 with disk offload over 2 Horovod ranks: SIGKILL inside an offloaded optimizer step, its
+# store's files half written, 5 trials; each resumes from its newest backup, bitwise.
+chaos-offload: $(HOROVOD)
+	$(BIN)/python tools/faults/chaos.py --strategy=horovod --zero=3 --offload=disk \
+		--fault=kill_in_offload
+
 # Asynchronous backups: the chief SIGKILLed while a background write is in flight (seen from its
 # files), 5 trials under MWMS and under Horovod: resumed from the backup before, bitwise equal.
 chaos-write: $(HOROVOD)
@@ -208,6 +214,20 @@ bench-accumulation: $(STAMP)
 # root), a 57 M-parameter GPT: which ZeRO stages train.
 bench-zero-cap: $(HOROVOD)
 	$(BIN)/python tools/bench/zero.py --model=wide --cap_mib=1600 --batch=1 --steps=3
+
+# ZeRO-Offload's prices here: the disk through the offload store, the CPU AdamW's rate
+# (bench_results/disk.json, read by tfdist plan).
+bench-disk: $(STAMP)
+	$(BIN)/python tools/bench/disk.py
+
+# gpt_mini, ZeRO-3: disk offload against resident, and with prefetch off (bench_results/offload.json).
+bench-offload: $(HOROVOD)
+	$(BIN)/python tools/bench/offload.py --what=overhead
+
+# GPT-2 XL (1.56 B) trains 5 steps with disk offload in a 20 GiB memory cgroup (root; ~30 min),
+# and is killed for memory without it (bench_results/offload-xl.json).
+bench-offload-xl: $(HOROVOD)
+	$(BIN)/python tools/bench/offload.py --what=xl
 
 # allreduce bus bandwidth, 1-64 MiB: Horovod/Gloo (and fp16) vs TF's collective ring, 2 processes.
 bench-allreduce: $(HOROVOD)

@@ -166,9 +166,15 @@ def _tensor():
 
 def _zero():
     """ZeRO (tfdist/parallel/zero/): 1 shards the optimizer states over the data-parallel
-    replicas, 2 also the gradients, 3 also the weights; 0 keeps them whole on every replica."""
+    replicas, 2 also the gradients, 3 also the weights; 0 keeps them whole on every replica.
+    `offload` (tfdist/parallel/zero/offload.py): host or disk holds each replica's optimizer
+    state (stage 3: and its master weights) off the device, stepped on the CPU."""
     s = ml_collections.ConfigDict()
     s.stage = 0
+    s.offload = "none"  # none, host or disk
+    s.offload_dir = ""  # disk: "" means <workdir>/offload (one directory per replica in it)
+    s.offload_subgroup = 1 << 25  # parameters per sub-group of the CPU step
+    s.offload_prefetch = True  # read the next sub-group (unit) ahead, write the last behind
     return s
 
 
@@ -286,6 +292,9 @@ _RULES = {
     "tensor.parallel": (lambda v: isinstance(v, int) and 1 <= v <= 64, "an integer in [1, 64]"),
     "tensor.sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
     "zero.stage": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
+    "zero.offload": (lambda v: v in ("none", "host", "disk"), "none, host or disk"),
+    "zero.offload_subgroup": (lambda v: isinstance(v, int) and v >= 1 << 10,
+                              "an integer >= 1024 (parameters per sub-group)"),
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0,
                            "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
@@ -350,6 +359,10 @@ def validate(c):
     if m.arch == "llama" and (m.n_embd // m.n_head) % 2:
         raise UsageError(f"model.arch=llama rotates pairs of dimensions: the head width "
                          f"n_embd / n_head ({m.n_embd // m.n_head}) must be even")
+    if c.zero.offload != "none" and not c.zero.stage:
+        raise UsageError(f"zero.offload={c.zero.offload} needs ZeRO: set zero.stage to 1 or 2 "
+                         f"(the optimizer state off the device) or 3 (also the weights), under "
+                         f"horovod or multi_worker_mirrored")
     if t.min_learning_rate > t.learning_rate:
         raise UsageError("train.min_learning_rate must not exceed train.learning_rate")
     if t.warmup_steps >= t.steps:

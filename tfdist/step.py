@@ -64,14 +64,15 @@ class TrainStep:
     `tfdist.parallel.layout.Layout`: its accumulation, ZeRO stage, split). `clipnorm`: the bound
     of the gradients' global norm (0: none). `reduce(grads_and_vars)`: the reduction without ZeRO
     (default: the strategy's). `collectives`: ZeRO's (default: the strategy's). `zero_options`:
-    the ZeRO stage's (`tfdist.parallel.zero.make`; a fault test's `skip`). Create it inside
+    the ZeRO stage's (`tfdist.parallel.zero.make`; a fault test's `skip`); `offload`: its
+    `tfdist.parallel.zero.offload.Offload` (ZeRO-Offload), or None. Create it inside
     `strategy.scope()`: it builds the optimizer (and its accumulators). `install()` makes it the
     model's. `skip_nonfinite` = K > 0: an update whose loss or gradients are not finite on any
     replica is skipped on every replica, and K in a row end the run (`NonFiniteSteps`); 0: off
     (a mixed_float16 run's loss-scale optimizer skips such steps on its own)."""
 
     def __init__(self, model, strategy, layout, clipnorm=0.0, reduce=None, collectives=None,
-                 zero_options=None, skip_nonfinite=0):
+                 zero_options=None, skip_nonfinite=0, offload=None):
         self.model, self.layout, self.strategy = model, layout, strategy
         self.clipnorm = clipnorm
         self.optimizer = optimizer = strategy.prepared(model.optimizer)
@@ -82,7 +83,8 @@ class TrainStep:
         if layout.zero and collectives is None:
             collectives = strategy.zero_collectives()
         self.zero = zero.make(layout.zero, model, collectives,
-                              reduce or strategy.reduce_gradients, **(zero_options or {}))
+                              reduce or strategy.reduce_gradients, offload=offload,
+                              **(zero_options or {}))
         self.zero.build(optimizer)  # (under ZeRO: this replica's slots only)
         self.window = layout.accumulate  # batches per update
         self.position = 0  # batches of the current window taken so far (on the host)
@@ -278,7 +280,7 @@ class TrainStep:
             scale = optimizer.scale_loss(tf.constant(1.0))
         grads = gradients.clip(grads, self.clipnorm, self.zero.norm_sum, scale)
         # 5. The update (its own all-reduce off: `compat.reduce_nothing_in_apply`).
-        optimizer.apply(grads, [v for _, v in grads_and_vars])
+        self.zero.apply(optimizer, grads, [v for _, v in grads_and_vars])
         # 6. What follows it (ZeRO-1, 2: each replica's updated variables to every replica).
         self.zero.after_update()
 

@@ -103,6 +103,9 @@ class Hooks:
         """Called with the run's `tfdist.callbacks.BackupAndRestore` once it is made (before its
         first save)."""
 
+    def on_offload(self, offload):
+        """Called with the run's `tfdist.parallel.zero.offload.Offload` once it is made."""
+
 
 @dataclasses.dataclass
 class Run:
@@ -120,6 +123,7 @@ class Run:
     start: int = 0  # the step it starts (or resumed) at
     rollbacks: list = dataclasses.field(default_factory=list)  # loss spikes' (callbacks.spike)
     undone: int = 0  # steps run, then undone by a rollback
+    offload: object = None  # ZeRO-Offload's store of this process (tfdist.parallel.zero.offload)
     notes: list = dataclasses.field(default_factory=list)  # said once the inputs are checked
 
     @property
@@ -150,6 +154,7 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     c = config_lib.validate(huggingface.apply_init_from(c))  # (its shape, from its config.json)
     run = Run(c, workdir, hooks or Hooks())
     with contextlib.ExitStack() as held:  # the workdir's lock, the preemption signal handlers
+        held.callback(lambda: run.offload and run.offload.close())
         _start(run)
         _resume(run, held, overwrite)
         _say_what_runs(run)
@@ -164,13 +169,16 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
             run.log.set_model(run.model)
             run.log.on_train_end()
         while run.start < t.steps:
-            strategy.fit(run.model, _windows(run, "train"), epochs=t.steps // t.steps_per_epoch,
-                         steps_per_epoch=t.steps_per_epoch, initial_step=run.start,
-                         callbacks=callbacks, validation_data=_windows(run, "val"),
-                         validation_steps=t.eval_steps,
-                         verbose=verbose if strategy.is_chief else 0,  # one progress per cluster
-                         progress_every=t.log_every_steps,
-                         strategy_callbacks=run.hooks.strategy_callbacks(strategy.callbacks()))
+            with _offload_errors(run):
+                strategy.fit(run.model, _windows(run, "train"),
+                             epochs=t.steps // t.steps_per_epoch,
+                             steps_per_epoch=t.steps_per_epoch, initial_step=run.start,
+                             callbacks=callbacks, validation_data=_windows(run, "val"),
+                             validation_steps=t.eval_steps,
+                             verbose=verbose if strategy.is_chief else 0,  # one progress
+                             progress_every=t.log_every_steps,
+                             strategy_callbacks=run.hooks.strategy_callbacks(
+                                 strategy.callbacks()))
             if watch is None or watch.spike is None:
                 break
             _roll_back(run, watch)
@@ -244,9 +252,36 @@ def _start(run):
         run.model = model = layout.build_model(c.model, devices)
         model.compile(optimizer=make_optimizer(t, t.steps), loss=loss_fn(),
                       jit_compile=t.jit_compile, steps_per_execution=t.steps_per_execution)
+        run.offload = _offload(c, run.workdir, strategy)
+        if run.offload is not None:
+            hooks.on_offload(run.offload)
         TrainStep(model, strategy, layout, clipnorm=t.grad_clip,
                   reduce=hooks.reduction(strategy), zero_options=hooks.zero_options,
-                  skip_nonfinite=t.skip_nonfinite).install()
+                  skip_nonfinite=t.skip_nonfinite, offload=run.offload).install()
+
+
+def _offload(c, workdir, strategy):
+    """This process's ZeRO-Offload (zero.offload), or None: its files in a directory of its own
+    under zero.offload_dir (default <workdir>/offload)."""
+    z = c.zero
+    if z.offload == "none":
+        return None
+    base = z.offload_dir or os.path.join(workdir, "offload")
+    where = zero.offload.directory(base, strategy.worker_index) if z.offload == "disk" else None
+    return zero.offload.Offload(z.offload, where, subgroup=z.offload_subgroup,
+                                prefetch=z.offload_prefetch)
+
+
+@contextlib.contextmanager
+def _offload_errors(run):
+    """An offload store that failed during a step (a full disk): its one line, not TF's."""
+    try:
+        yield
+    except tf.errors.OpError:
+        failure = run.offload and run.offload.store.failure
+        if failure:
+            raise failure from None
+        raise
 
 
 def _windows(run, split):
@@ -314,6 +349,9 @@ def _say_what_runs(run):
     if layout.zero:
         say(f"tfdist: {zero.of(model).describe()}")
     say(f"tfdist: model {model.num_params():,} parameters; {run.data.describe()}")
+    sizes = getattr(model, "arch_sizes", None)  # (a GPT's, or a pipeline's)
+    if sizes is not None:
+        say(f"tfdist: {expected_memory(c, layout, sizes)}")
     for note in run.notes:
         say(f"tfdist: {note}")
     device = "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
@@ -356,6 +394,8 @@ def _finish(run):
             say(f"tfdist: {_memory_line(row, layout)}")
     if c.backup.enabled:
         say(f"tfdist: {run.backup.describe()}")
+    if run.offload is not None:
+        say(f"tfdist: {run.offload.summary()}")
     last_eval = (log.history["evals"] or [{}])[-1]
     result = {"steps_run": log.step - run.start + run.undone, "final_step": log.step,
               "val_loss": last_eval.get("loss"),
@@ -379,6 +419,31 @@ def _finish(run):
             + f"peak RSS {peak_rss_mib():,.0f} MiB, {result['tokens_per_sec']:,.0f} tokens/s; "
             f"model saved to {run.workdir}/model.keras")
     return result
+
+
+def expected_memory(c, layout, sizes):
+    """One line: the bytes a process of the run expects to hold, by part (the planner's model,
+    `tfdist.parallel.memory`, of the model's `sizes`: Keras keeps float32 weights, gradients and
+    Adam moments under either precision; activations at the run's precision), and what offload
+    holds off it."""
+    from tfdist.parallel import memory
+    states = memory.memory(sizes, layout, memory.Defaults(
+        precision="float32", offload_subgroup=c.zero.offload_subgroup))
+    if c.train.precision != "float32":
+        states["activations"] = memory.memory(sizes, layout)["activations"]
+    parts = [(k, states[k]) for k in ("weights", "gathered", "gradients", "optimizer",
+                                      "activations") if k in states]
+    text = ", ".join(f"{k} {v / 2**30:,.2f} GiB" for k, v in parts)
+    total = sum(v for _, v in parts)
+    off = ""
+    if layout.offload != "none":
+        host = states["host_gradients"]
+        off = (f"; off the device: {layout.offload} {states['offloaded'] / 2**30:,.2f} GiB"
+               + (f", host memory {host / 2**30:,.2f} GiB (ZeRO-3's gradients)" if host else "")
+               + f"; the CPU step holds up to {states['update_peak'] / 2**30:,.2f} GiB "
+               f"(buffers {states['buffers'] / 2**30:,.2f} GiB)")
+    return (f"memory expected per process (before TensorFlow's own): {text}; "
+            f"{total / 2**30:,.2f} GiB on the device{off}")
 
 
 def _memory_line(row, layout):

@@ -8,6 +8,8 @@ train on. `--model=shared` trains a small functional model that calls one layer 
         python launchers/examples/keras_hub_gpt2.py --strategy=horovod --zero=3
     tfdist launch --workers 2 -- \\
         python launchers/examples/keras_hub_gpt2.py --strategy=multi_worker_mirrored --zero=3
+    tfdist launch --strategy=horovod --workers 2 -- python launchers/examples/keras_hub_gpt2.py \\
+        --strategy=horovod --zero=3 --offload=disk --offload_dir=/tmp/offload
 
 keras-hub is an extra: `make test` installs it beside tfdist's pins with `pip install --no-deps
 keras-hub regex` (its metadata asks for tensorflow-text, whose wheel needs the full `tensorflow`
@@ -31,6 +33,11 @@ from absl import app, flags, logging
 
 _STRATEGY = flags.DEFINE_string("strategy", "single", "A tfdist strategy name.")
 _ZERO = flags.DEFINE_integer("zero", 0, "3: each weight stored on one process only (ZeRO-3).")
+_OFFLOAD = flags.DEFINE_enum("offload", "none", ["none", "host", "disk"],
+                             "With --zero=3: where each process keeps its master weights and "
+                             "optimizer state (ZeRO-Offload).")
+_OFFLOAD_DIR = flags.DEFINE_string("offload_dir", "", "--offload=disk: the directory of its "
+                                   "files (default: the system's temporary directory).")
 _MODEL = flags.DEFINE_enum("model", "gpt2", ["gpt2", "shared"], "What to train.")
 _EPOCHS = flags.DEFINE_integer("epochs", 3, "Epochs of 8 steps.")
 _SAVE_AT = flags.DEFINE_integer("save_at", 2, "The epoch after which the model is saved (0: not "
@@ -88,7 +95,8 @@ def main(argv):
 
     import tfdist.strategies
 
-    strategy = tfdist.strategies.get(_STRATEGY.value, zero=_ZERO.value)
+    strategy = tfdist.strategies.get(_STRATEGY.value, zero=_ZERO.value, offload=_OFFLOAD.value,
+                                     offload_dir=_OFFLOAD_DIR.value)
     out, name = _OUT.value, _MODEL.value
     saved = os.path.join(out, "saved.keras")
     os.makedirs(out, exist_ok=True)

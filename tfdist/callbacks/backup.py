@@ -120,7 +120,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             return getattr(v, "shards", [v])
         held = {k: v for k, v in state.weights(model).items()
                 if not owner or all(compat.has_storage(s) for s in parts(v))}
-        self._shard_weights = {k: v for k, v in held.items() if id(parts(v)[0]) in owner}
+        # ZeRO-Offload: the stored slots (ZeRO-3: weights), shown as variables under their names
+        offload = getattr(sharded, "offload", None)
+        stored = offload.state() if offload is not None else {}
+        held.update({k: stored[id(v)] for k, v in state.weights(model).items() if id(v) in stored})
+        stored_ids = {id(x) for x in stored.values()}
+        self._shard_weights = {k: v for k, v in held.items()
+                               if id(v) in stored_ids or id(parts(v)[0]) in owner}
         self._parts = dict(weights={k: v for k, v in held.items() if k not in self._shard_weights},
                            step=self.step, epoch=self.epoch,
                            rng=[v.value for v in model.variables if "seed_generator" in v.path])
@@ -128,6 +134,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._opt = state.optimizer_state(
             model.optimizer, model, sharded.trainables if sharded else model.trainable_weights)
         self._slots, rest = shards.split_slots(sharded, self._opt)
+        for g in offload.groups if offload is not None else ():
+            names = state.optimizer_state(g.optimizer, model, [offload.variables[i]
+                                                               for i in g.indices])
+            self._slots.update({k: stored[id(v)] for k, v in names.items() if id(v) in stored})
+        self._opt.update(self._slots)
         self._ckpt = tf.train.Checkpoint(optimizer=rest, **self._parts)
         # What a save writes: the checkpoint's parts, and this replica's ZeRO shard.
         self._state = dict(optimizer=rest, parts=self._parts, slots=self._slots,

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.data.store import write_atomic
+from tfdist.errors import UsageError
 from tfdist.runtime import progress
 
 
@@ -207,8 +208,15 @@ class TrainingLog(keras.callbacks.Callback):
 
     def flush(self):
         if self.is_chief:
-            tf.io.gfile.makedirs(self.workdir)
-            write_json_atomic(self.metrics_path, self.history)
+            try:
+                tf.io.gfile.makedirs(self.workdir)
+                write_json_atomic(self.metrics_path, self.history)
+            except (OSError, tf.errors.OpError) as e:  # a full disk: one line, the run stops
+                why = getattr(e, "strerror", None) or str(getattr(e, "message", e)).split(
+                    "; ")[-1].splitlines()[0]
+                raise UsageError(f"could not write {self.metrics_path} ({why}); free space "
+                                 f"there, then run the same command to resume from the newest "
+                                 f"backup") from None
         if self._writer:
             self._writer.flush()
 

@@ -39,7 +39,13 @@ import sys
 from tfdist import cli
 from tfdist.errors import UsageError
 from tfdist.plan.benchmarks import measured
-from tfdist.plan.machine import cpu_device, fit_to_one_process, precision_efficiency, read_bench
+from tfdist.plan.machine import (
+    cpu_device,
+    fit_to_one_process,
+    offload_rates,
+    precision_efficiency,
+    read_bench,
+)
 from tfdist.plan.model import (
     GB,
     Cluster,
@@ -245,8 +251,11 @@ def main(argv):
     eff = eff or calibrated()
     if F.bucket_mb <= 0:
         raise UsageError(f"--bucket_mb={F.bucket_mb:g} must be a gradient bucket size in MiB > 0")
+    # (a CPU here: ZeRO-Offload priced at the disk's and the CPU step's measured rates, when
+    # `make bench-disk` has run; the planner then offers offload where nothing else fits)
+    rates = offload_rates(F.bench_dir) if F.device == CPU else {}
     opts = Options(precision=precision, schedule=F.schedule, efficiency=eff, overlap=F.overlap,
-                   bucket_bytes=F.bucket_mb * 2 ** 20)
+                   bucket_bytes=F.bucket_mb * 2 ** 20, **rates)
     fixed = {k: F[k].value for k in ("dp", "tp", "pp", "microbatch", "zero")
              if F[k].value is not None}
     if F.recompute != "search":

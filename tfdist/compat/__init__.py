@@ -32,6 +32,7 @@ from tfdist.compat.optimizers import (  # noqa: F401
     set_gradient_reduction,
     set_learning_rate_schedule,
     update_on_variable_device,
+    uses_weight_decay,
 )
 from tfdist.compat.routing import keras_method, route_keras  # noqa: F401
 from tfdist.compat.runtime import (  # noqa: F401
@@ -55,7 +56,10 @@ from tfdist.compat.trainer import (  # noqa: F401
     train_step_losses,
 )
 from tfdist.compat.variables import (  # noqa: F401
+    empty_storage,
+    fill_storage,
     has_storage,
+    make_stageable,
     release_storage,
     restore_storage,
     storage,

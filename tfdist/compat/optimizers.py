@@ -3,6 +3,7 @@ Each function names its row of the patch table (`tfdist/compat/table.py`)."""
 import tensorflow as tf
 
 from tfdist.compat.table import using
+from tfdist.errors import UsageError
 
 
 def set_gradient_reduction(optimizer, all_reduce=None, correct=None):
@@ -106,3 +107,22 @@ def local_variables(strategy):
     return tf.variable_creator_scope(lambda next_creator, **kwargs: next_creator(
         **{**kwargs, "colocate_with": device}))
 
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether `optimizer` decays `variable`'s weight ("weight_decay_choice": Keras 3 decides by
+    the lists and patterns given to `exclude_from_weight_decay`, and has no public query)."""
+    if optimizer.weight_decay is None:
+        return False
+    if not using("weight_decay_choice"):  # (switched off: every variable decays)
+        return True
+    if variable._value is not None:
+        return optimizer._use_weight_decay(variable)
+    # (a weight without storage, ZeRO-3's offloaded: its name decides; a list of variables
+    # given to exclude_from_weight_decay is kept by their storage's ids, which it lacks)
+    if getattr(optimizer, "_exclude_from_weight_decay", None):
+        raise UsageError(f"the optimizer's exclude_from_weight_decay(var_list=...) cannot be "
+                         f"told for {variable.path}, whose storage is offloaded (ZeRO-3); "
+                         f"exclude by var_names instead")
+    pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+    return not (pattern is not None and pattern.search(variable.name))

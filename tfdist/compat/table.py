@@ -233,6 +233,24 @@ PATCHES = {
         "only; the TF backend has no way to hold a variable's value elsewhere)",
         "ZeRO-3 could not shard the weights: every replica would hold all of them",
         "tests/test_zero3.py::test_each_replica_holds_one_nth_of_the_weights", "0203941a8bfd"),
+    "staged_storage": Patch(
+        ("make_stageable", "fill_storage", "empty_storage"),
+        ("keras.src.backend.tensorflow.core:Variable._initialize",
+         "keras.src.backend.common.variables:Variable"),
+        "keras-team/keras#18473 (open: the TF backend has no way to hold a variable's value "
+        "elsewhere, so none to bring a value in for one update and out again)",
+        "ZeRO-Offload's step would hold every optimizer slot in memory",
+        "tests/test_offload.py::test_a_subgroup_holds_values_only_while_it_is_updated",
+        "0203941a8bfd"),
+    "weight_decay_choice": Patch(
+        ("uses_weight_decay",),
+        ("keras.src.optimizers.base_optimizer:BaseOptimizer._use_weight_decay",),
+        "none found: Keras 3 keeps which variables `exclude_from_weight_decay` excludes in private "
+        "attributes and has no public query",
+        "ZeRO-Offload's sub-group optimizers would decay the biases and norms that the run's "
+        "optimizer excludes",
+        "tests/test_offload.py::test_offload_keeps_the_weight_decay_exclusions",
+        "5176588e0ea0"),
 }
 
 

@@ -36,3 +36,30 @@ def restore_storage(variable, value):
     using("parameter_storage")
     variable._initializer = None
     variable._initialize(value)
+
+
+def make_stageable(variable):
+    """Gives `variable` a storage of any shape, empty now ("staged_storage"): ZeRO-Offload's
+    step fills it with a sub-group's values (`fill_storage`), updates it, and empties it
+    (`empty_storage`), so that a variable holds its value only while it is updated. The TF
+    variable stays the same object, so that Keras's optimizer, which knows each variable by its
+    TF variable's id, keeps knowing it."""
+    import tensorflow as tf
+    if not using("staged_storage"):  # (switched off: the value stays whole, in memory)
+        return
+    old = variable._value
+    variable._value = tf.Variable(tf.zeros([0], old.dtype), shape=tf.TensorShape(None),
+                                  trainable=old.trainable, name=old.name.split(":")[0])
+
+
+def fill_storage(variable, value):
+    if using("staged_storage"):
+        variable._value.assign(value)
+    else:
+        variable.assign(value)
+
+
+def empty_storage(variable):
+    import tensorflow as tf
+    if using("staged_storage"):
+        variable._value.assign(tf.zeros([0], variable._value.dtype))

@@ -50,6 +50,7 @@ class Layout:
     microbatches: int = 1  # pieces of each replica's batch, run by the pipeline schedule
     accumulate: int = 1  # batches per optimizer update (gradient accumulation)
     zero: int = 0  # ZeRO stage: 1 optimizer state, 2 also the gradients, sharded over the dp
+    offload: str = "none"  # ZeRO-Offload: the optimizer state (ZeRO-3: weights) in host or disk
     recompute: bool = False  # a stage's activations computed again in the backward pass
     schedule: str = "gpipe"
     batch: int = 0  # global sequences per step (train.batch_size); 0: not given
@@ -69,7 +70,8 @@ class Layout:
         layout = cls(
             dp=replicas, tp=c.tensor.parallel, sp=c.tensor.sequence_parallel,
             seq=c.model.block_size, pp=p.stages, microbatches=p.microbatches,
-            accumulate=c.train.grad_accum_steps, zero=c.zero.stage, recompute=p.recompute,
+            accumulate=c.train.grad_accum_steps, zero=c.zero.stage, offload=c.zero.offload,
+            recompute=p.recompute,
             schedule=p.schedule, batch=c.train.batch_size,
             layers_per_stage=tuple(int(x) for x in p.layers_per_stage.split(",") if x.strip()),
             devices=tuple(d.strip() for d in p.devices.split(",") if d.strip()),
@@ -184,6 +186,9 @@ class Layout:
             raise UsageError(f"strategy {name} cannot shard the optimizer "
                              f"(zero.stage={self.zero}); use horovod or multi_worker_mirrored, "
                              f"or set zero.stage=0")
+        if self.offload != "none" and self.split:
+            raise UsageError(f"zero.offload={self.offload} runs on a model that is not split: set "
+                             f"pipeline.stages=1 and tensor.parallel=1, or zero.offload=none")
         if self.zero and self.overlap == "on":
             raise UsageError(f"strategy.overlap=on cannot be combined with zero.stage={self.zero} "
                              f"under {name}: ZeRO reduce-scatters every gradient at once after "
@@ -231,7 +236,8 @@ class Layout:
                 ("pipeline.schedule", self.schedule, "gpipe"),
                 ("pipeline.recompute", self.recompute, False),
                 ("train.grad_accum_steps", self.accumulate, 1),
-                ("zero.stage", self.zero, 0)):
+                ("zero.stage", self.zero, 0),
+                ("zero.offload", self.offload, "none")):
             if value != default:
                 out[key] = value
         k = self.accumulate
@@ -278,12 +284,14 @@ class Layout:
             text += f", {self.microbatches} microbatch(es) of {self.microbatch or '?'} sequence(s)"
         if self.accumulate > 1:
             text += f", {self.accumulate} batches per update"
-        return text + (f", ZeRO-{self.zero}" if self.zero else "")
+        offload = f" offloaded to {self.offload}" if self.offload != "none" else ""
+        return text + (f", ZeRO-{self.zero}{offload}" if self.zero else "")
 
     def __str__(self):  # the planner's table
         mb = self.batch // (self.dp * self.microbatches) if self.dp else 0
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={mb} zero={self.zero}"
-                f"{' sp' if self.sp else ''}{' recompute' if self.recompute else ''}")
+                f"{' sp' if self.sp else ''}{' recompute' if self.recompute else ''}"
+                f"{' offload=' + self.offload if self.offload != 'none' else ''}")
 
     # -- devices and the model (TensorFlow from here) ---------------------------------------------
     def split_cpu(self):

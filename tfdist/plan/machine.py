@@ -23,7 +23,7 @@ BENCH_HINT = {"bench.json": "make bench", "scaling.json": "make bench-scaling",
               "allreduce.json": "make bench-allreduce",
               "pipeline.json": "make bench-pipeline", "scaling-ps.json": "make bench-scaling-ps",
               "tensor.json": "make bench-model-parallel", "zero.json": "make bench-zero",
-              "peer.json": "make bench-peer"}
+              "peer.json": "make bench-peer", "disk.json": "make bench-disk"}
 FP32 = Options(precision="float32")
 RING = "tf ring (MWMS)"  # TF's collectives and its parameter server both move tensors over gRPC
 # The allreduce*.json column that measured a bench's collective, by the bench's `strategy` label
@@ -47,6 +47,18 @@ def read_bench(bench_dir, name):
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot read {path} ({e}); "
                          f"re-run `{BENCH_HINT.get(name, 'the bench')}`") from None
+
+
+def offload_rates(bench_dir):
+    """The Options fields that price ZeRO-Offload here (`make bench-disk`: the disk's read and
+    write bandwidth through the offload store, and the CPU AdamW's parameters per second with
+    its state in memory and on the disk), or {} when it has not been run."""
+    d = read_bench(bench_dir, "disk.json")
+    if not d:
+        return {}
+    return {"disk_read_bw": d["read_GBps"] * GB, "disk_write_bw": d["write_GBps"] * GB,
+            "cpu_adam_rate": d["adam_Mparams_per_s"] * 1e6,
+            "cpu_adam_disk_rate": d.get("adam_disk_Mparams_per_s", 0.0) * 1e6}
 
 
 def allreduce_bandwidth(bench_dir, implementation=RING):

@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 from tfdist.models import arithmetic
+from tfdist.parallel import memory as memory_model
 from tfdist.parallel.layout import Layout
 
 GB = 1e9
@@ -142,72 +143,24 @@ class Options:
     # engines move the bytes (GPUs, TPUs).
     core_share: float = 1.0
     comm_cpu_bw: float = 0.0
+    # ZeRO-Offload (tfdist.parallel.zero.offload): parameters per sub-group of the CPU step, and
+    # the disk's bandwidths (bytes/s, make bench-disk) and the CPU optimizer's rate (parameters
+    # per second) that price it; 0: not measured (an offloaded layout is then not priced).
+    offload_subgroup: float = 2 ** 25
+    disk_read_bw: float = 0.0
+    disk_write_bw: float = 0.0
+    cpu_adam_rate: float = 0.0
+    cpu_adam_disk_rate: float = 0.0  # (with its state on the disk: the reads and writes on the
+    # same cores)
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory per device.
-
-# Model-state bytes per parameter: (weights, gradients, optimizer states). Mixed precision is the
-# ZeRO paper's: fp16 weights and gradients, and fp32 master weights + Adam's two moments (K = 12).
-STATE_BYTES = arithmetic.STATE_BYTES  # {"mixed": (2, 2, 12), "float32": (4, 4, 8)}
-
-
-def stage_params(model, pp, tp=1, vocab_parallel=True):
-    """Parameters of the largest pipeline stage (blocks split as evenly as possible; the
-    embedding on the first stage, the untied head and final norm on the last), per device of its
-    `tp` tensor-parallel ones: the blocks split over them, the embedding and head too when
-    `vocab_parallel` (else whole on one of them)."""
-    layers = math.ceil(model.n_layer / pp) * model.layer_params() / tp
-    if model.params_override:
-        return model.params_override / pp / tp
-    v = tp if vocab_parallel else 1
-    emb = model.embedding_params() / v
-    if pp == 1:
-        return layers + emb
-    head = model.head_params() / v  # the last stage holds the head (a copy, if tied)
-    return layers + max(emb - (0 if model.tied_embeddings else head), head)
-
-
-def activation_bytes_per_layer(model, layout, tokens, precision):
-    """Bytes one transformer layer keeps for its backward pass, for `tokens` tokens of one
-    microbatch, split over the layout's tensor-parallel ranks: Korthikanti et al. 2022
-    (arXiv:2205.05198) eq. 2, s b h (34 + 5 a s / h) at 2 bytes per value, of which 24 + 5as/h
-    are split by tensor parallelism, and all of it with sequence parallelism (eq. 4, `layout.sp`);
-    generalised to grouped-query attention, gated MLPs, no dropout and FlashAttention
-    (tfdist.models.arithmetic.Transformer.activation_bytes_per_layer)."""
-    return model.activation_bytes_per_layer(tokens, precision, layout.tp, sp=layout.sp)
-
-
-def memory(model, layout, opts=Options()):
-    """Bytes per device, by part, for the largest stage."""
-    pb, gb, ob = STATE_BYTES[opts.precision]
-    n = stage_params(model, layout.pp, layout.tp, opts.vocab_parallel)
-    d, z = layout.dp, layout.zero
-    parts = {"weights": n * pb / (d if z >= 3 else 1),
-             "gradients": n * gb / (d if z >= 2 else 1),
-             "optimizer": n * ob / (d if z >= 1 else 1)}
-    if model.params_override and not model.n_layer:
-        return {**parts, "activations": 0.0, "total": sum(parts.values())}
-    if z >= 3:
-        # gathered whole while they run: a layer's weights, and the next one's (prefetch,
-        # tfdist.parallel.zero.weights; the embedding's unit is smaller than two layers for every
-        # model here)
-        parts["gathered"] = 2 * model.layer_params() / layout.tp * pb
-    tokens = layout.microbatch * model.seq_len
-    m = layout.passes
-    in_flight = (min(m, layout.pp) if opts.schedule == "1f1b" else m) if layout.pp > 1 else 1
-    layers = math.ceil(model.n_layer / layout.pp)
-    layer = activation_bytes_per_layer(model, layout, tokens, opts.precision)
-    if layout.recompute:  # each layer keeps its input; one layer's full set while recomputing
-        kept = model.activation_bytes_per_layer(tokens, opts.precision, recompute=True)
-        acts = layers * in_flight * kept + layer
-    else:
-        acts = layers * in_flight * layer
-    logits = model.logits_bytes(tokens, layout.tp if opts.vocab_parallel else 1) * \
-        (in_flight if opts.schedule == "gpipe" else 1)
-    parts["activations"] = acts + logits
-    parts["total"] = sum(parts.values())
-    return parts
+# Memory per device: tfdist.parallel.memory's (the model `tfdist train` states at start, too).
+STATE_BYTES = memory_model.STATE_BYTES
+stage_params = memory_model.stage_params
+activation_bytes_per_layer = memory_model.activation_bytes_per_layer
+memory = memory_model.memory
+offload_io = memory_model.offload_io
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,6 +249,16 @@ def step_time(model, cluster, layout, opts=Options()):
                                        opts.bucket_bytes)
     held = n / (layout.dp if layout.zero >= 1 else 1)
     update = held * 28 / dev.hbm_bw if dev.hbm_bw else 0.0
+    if layout.offload != "none":  # the CPU step by sub-groups; ZeRO-3's weights read in passes
+        io = offload_io(model, layout, opts)
+        if io["update_s"] is None:
+            raise ValueError("an offloaded layout is priced with the disk's and the CPU step's "
+                             "measured rates (Options.disk_read_bw, ...: make bench-disk)")
+        update = io["update_s"]
+        # the weights' reads: ahead while a device computes; on a CPU the cores that compute
+        # also do the reads' work (as comm_cpu_bw's copies): not hidden
+        reads = io["passes_read_s"] or 0.0
+        pipeline = max(pipeline, reads) if dev.hbm_bw else pipeline + reads
     total = pipeline + dp + update
     parts = {"compute": m * compute, "memory": m * elementwise + update,
              "network": m * (tp_comm + p2p) + dp, "bubble": bubble}
@@ -328,9 +291,13 @@ def evaluate(model, cluster, layout, opts=Options()):
     hw = (model.model_flops_per_token()
           + (model.n_layer * model.layer_flops() if layout.recompute else 0)) * tokens
     capacity = cluster.device.memory * opts.usable_memory
-    fits = mem["total"] <= capacity
+    held = mem["total"]
+    if layout.offload != "none" and not cluster.device.hbm_bw:  # a CPU: its memory is the host's
+        held = max(held + mem["host_gradients"], mem["update_peak"]) + (
+            mem["offloaded"] if layout.offload == "host" else 0)
+    fits = held <= capacity
     overflow = "" if fits else (
-        f"needs {mem['total'] / GB:.1f} GB > {capacity / GB:.1f} GB usable; largest: "
+        f"needs {held / GB:.1f} GB > {capacity / GB:.1f} GB usable; largest: "
         + ", ".join(f"{k} {v / GB:.1f}" for k, v in sorted(
             ((k, v) for k, v in mem.items() if k != "total"), key=lambda kv: -kv[1])[:2]))
     whole = dataclasses.replace(opts, vocab_parallel=False)
@@ -385,10 +352,31 @@ def layouts(model, cluster, batch, fixed=None, schedule="gpipe"):
                                 yield planned(batch, dp, tp, pp, mb, zero, rc, schedule, sp)
 
 
+def offloaded(model, cluster, batch, fixed=None, schedule="gpipe"):
+    """The layouts that offload (`tfdist.parallel.zero.offload`): ZeRO 1-3 of an unsplit model
+    (also over one device, where ZeRO-3 keeps the master weights off it), to host memory or to
+    disk."""
+    g = cluster.count
+    for mb in ([fixed["microbatch"]] if fixed and "microbatch" in fixed else
+               _powers_of_two(batch // g)):
+        for zero in (1, 2, 3):
+            if batch % (g * mb) or (fixed or {}).get("zero", zero) != zero:
+                continue
+            for kind in ("host", "disk"):
+                lay = planned(batch, g, 1, 1, mb, zero, False, schedule)
+                yield dataclasses.replace(lay, offload=kind)
+
+
 def search(model, cluster, batch, fixed=None, opts=Options()):
-    """All candidate layouts evaluated; the feasible ones first, fastest first."""
+    """All candidate layouts evaluated; the feasible ones first, fastest first. When none fits
+    and offload is priced (the measured rates in `opts`), the offloaded layouts are added: the
+    planner chooses offload when nothing else fits."""
     plans = [evaluate(model, cluster, lay, opts)
              for lay in layouts(model, cluster, batch, fixed, opts.schedule)]
+    split = (fixed or {}).get("pp", 1) > 1 or (fixed or {}).get("tp", 1) > 1
+    if not any(p.fits for p in plans) and opts.cpu_adam_rate and not split:
+        plans += [evaluate(model, cluster, lay, opts)
+                  for lay in offloaded(model, cluster, batch, fixed, opts.schedule)]
     # equal speeds (compute is linear in the microbatch): fewer, larger microbatches, then less
     # memory
     return sorted(plans, key=lambda p: (not p.fits, -float(f"{p.tokens_per_sec:.4g}"),

@@ -67,10 +67,13 @@ def get_class(name):
     return getattr(importlib.import_module(module), cls)
 
 
-def get(name, zero=0, skip_nonfinite=0, **options):
+def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", **options):
     """Builds the plugin `name` with its options (checked against the plugin's rules).
     `zero=3`: a user's model compiled in its scope has its weights sharded over the replicas
-    (ZeRO-3, tfdist/parallel/zero/weights.py; horovod, multi_worker_mirrored).
+    (ZeRO-3, tfdist/parallel/zero/weights.py; horovod, multi_worker_mirrored); with
+    `offload="host"` or `"disk"` its master weights and optimizer state are held there
+    (tfdist/parallel/zero/offload.py; disk: files under `offload_dir`, default the system's
+    temporary directory, removed when the process exits).
     `skip_nonfinite=K`: such a model's updates whose loss or gradients are not finite are
     skipped, and K in a row stop `fit` (tfdist/runtime/nonfinite.py; not parameter_server)."""
     cls = get_class(name)
@@ -83,8 +86,15 @@ def get(name, zero=0, skip_nonfinite=0, **options):
         raise UsageError(f"skip_nonfinite={skip_nonfinite!r} under strategy {name}: give an "
                          f"integer K >= 0 (the skipped updates in a row that stop fit), under a "
                          f"strategy whose replicas update together (not parameter_server)")
+    if offload not in ("none", "host", "disk"):
+        raise UsageError(f"offload={offload!r}: choose none, host or disk")
+    if offload != "none" and not zero:
+        raise UsageError(f"offload={offload!r} needs ZeRO: pass zero=3 as well (a user's model "
+                         f"offloads its master weights and optimizer state under ZeRO-3, under "
+                         f"horovod or multi_worker_mirrored)")
     plugin = cls(**options)
     plugin.user_zero = zero
+    plugin.user_offload = None if offload == "none" else (offload, offload_dir)
     plugin.user_skip_nonfinite = skip_nonfinite
     return plugin
 

@@ -19,6 +19,7 @@ Example (a model compiled in a plugin's scope is that plugin's):
 """
 import contextlib
 import importlib
+import itertools
 import os
 import shutil
 import sys
@@ -33,6 +34,7 @@ _ACTIVE = threading.local()  # .stack: the plugins whose scope() is entered, inn
 _OWNERS = weakref.WeakKeyDictionary()  # model -> the plugin it was compiled under
 _BY_TF_STRATEGY = weakref.WeakValueDictionary()  # id(tf.distribute strategy) -> plugin
 _PROCESS_WIDE = []  # a plugin that owns every model of its process (Horovod)
+_OFFLOADS = itertools.count()  # (each offloaded model's store its own directory)
 _SHARDED = weakref.WeakSet()  # models compiled in the scope of a plugin with user_zero (ZeRO-3)
 _CHECKED = weakref.WeakSet()  # models whose non-finite updates tfdist's step skips
 _ACCUMULATING = weakref.WeakKeyDictionary()  # model -> its optimizer's accumulation steps, where
@@ -95,6 +97,9 @@ class KerasProgram:
 
     #: ZeRO stage of a user's compiled models (`tfdist.strategies.get(name, zero=3)`); 0: none.
     user_zero = 0
+    #: ZeRO-Offload of their state (`get(name, zero=3, offload="host"|"disk", offload_dir=D)`):
+    #: (kind, directory), or None.
+    user_offload = None
     #: K > 0: a user's model compiled in the scope skips updates whose loss or gradients are
     #: not finite (`tfdist.strategies.get(name, skip_nonfinite=K)`, `tfdist.runtime.nonfinite`)
     user_skip_nonfinite = 0
@@ -153,12 +158,14 @@ class KerasProgram:
             _updating(model.optimizer).gradient_accumulation_steps = None  # tfdist's step sums
             layout = Layout(dp=self.num_replicas, zero=self.user_zero if model in _SHARDED else 0,
                             accumulate=accumulate)
+            offload = self._offload(model) if model in _SHARDED else None
             with self.scope():
                 skip = self.user_skip_nonfinite if model in _CHECKED else 0
-                _step_class()(model, self, layout, skip_nonfinite=skip).install()
+                _step_class()(model, self, layout, skip_nonfinite=skip,
+                              offload=offload).install()
             if zero.of(model) is not None:
                 if loaded is not None:
-                    whole.copy_by_name(model.optimizer, loaded)
+                    whole.copy_by_name(model.optimizer, loaded, zero.of(model))
                 # (TFDIST_ZERO_SAVE=shard: each process's shard shown, the behaviour before; a
                 # companion test's)
                 shard = os.environ.get("TFDIST_ZERO_SAVE") == "shard"
@@ -173,6 +180,32 @@ class KerasProgram:
                                  f"sharded model is whole at epoch ends only; use "
                                  f"save_freq='epoch'")
         return _whole_for_callbacks(shown)
+
+    def _offload(self, model):
+        """A new ZeRO-Offload of a user's `model` (`user_offload`), closed (its files removed,
+        and the directory it made) when the model is collected or the process exits; None
+        without offload."""
+        if self.user_offload is None:
+            return None
+        from tfdist.parallel.zero import offload
+        kind, base = self.user_offload
+        where, ours = None, None
+        if kind == "disk":
+            ours = None if base else os.path.join(tempfile.gettempdir(),
+                                                  f"tfdist-offload-{os.getpid()}")
+            where = f"{offload.directory(base or ours, self.worker_index)}-model-" \
+                    f"{next(_OFFLOADS)}"
+        store = offload.Offload(kind, where)
+
+        def close():
+            store.close()
+            if ours:  # (the directory this process made, once empty)
+                try:
+                    os.rmdir(ours)
+                except OSError:
+                    pass
+        weakref.finalize(model, close)  # (at exit too, if the model is alive then)
+        return store
 
     def keras_call(self, method, model, upstream, arguments):
         """`model.<method>(**arguments)` of a model compiled under this plugin: Keras's own

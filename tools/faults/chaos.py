@@ -11,6 +11,8 @@
     python tools/faults/chaos.py --zero=1              # ZeRO-1 under multi_worker_mirrored
                                                        # (chaos-zero-mwms.json)
     python tools/faults/chaos.py [--strategy=horovod] --zero=3  # ZeRO-3 (chaos-zero3[-mwms].json)
+    python tools/faults/chaos.py --strategy=horovod --zero=3 --offload=disk \
+        --fault=kill_in_offload                        # chaos-offload.json
 
 multi_worker_mirrored and horovod (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
@@ -30,6 +32,13 @@ closure whose worker died: at least once), and no gap between two progress repor
 --fault=kill_in_write (asynchronous backups): the chief is SIGKILLed while a background write
 is in flight, seen from its files; the run must resume from the backup before it
 (`write_trials`; chaos-write-<strategy>.json).
+
+--fault=kill_in_offload (with --offload=host|disk): a worker is SIGKILLed during the offloaded
+optimizer step of a random update U, once the writes of a random sub-group of it have started
+(its store's files half written). The restarted group resumes from the backup of step U - 1 (its
+store is rebuilt from there); a trial passes when the launcher exits 0 after one restart, the
+run resumed at step U - 1, and the final weights are bitwise the reference's (the killed step's
+work done again).
 
 --fault=sigterm (preemption; also --strategy=single): the worker gets SIGTERM while the step
 runs. Every process backs up that step and exits 75 (tfdist/runtime/preemption.py); the launcher
@@ -106,7 +115,10 @@ def main():
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                     help="ZeRO stage, synchronous strategies (each replica backs up its optimizer "
                          "shard; stage 3: and its weights)")
-    ap.add_argument("--fault", default="kill", choices=["kill", "sigterm", "kill_in_write"],
+    ap.add_argument("--offload", default="none", choices=["none", "host", "disk"],
+                    help="ZeRO-Offload of the replicas' state (with --zero)")
+    ap.add_argument("--fault", default="kill",
+                    choices=["kill", "sigterm", "kill_in_write", "kill_in_offload"],
                     help="kill: SIGKILL after a step; sigterm: preemption during a step (the run "
                          "backs up that step and exits 75)")
     ap.add_argument("--out", default=None, help="default bench_results/chaos.json (chaos-ps.json, "
@@ -116,7 +128,11 @@ def main():
     if args.strategy == "parameter_server":
         return ps_trials(args) if args.fault == "kill" else ps_preempt_trials(args)
     mwms = args.strategy == "multi_worker_mirrored"
+    if (args.fault == "kill_in_offload") != (args.offload != "none") or \
+            (args.offload != "none" and not args.zero):
+        ap.error("--fault=kill_in_offload goes with --offload=host|disk, which needs --zero")
     args.out = args.out or os.path.join(ROOT, "bench_results", (
+        "chaos-offload.json" if args.fault == "kill_in_offload" else
         f"chaos-sigterm-{args.strategy}.json" if args.fault == "sigterm" else
         f"chaos-write-{args.strategy}.json" if args.fault == "kill_in_write" else
         (f"chaos-zero{'3' * (args.zero == 3)}-mwms.json" if args.zero else "chaos.json") if mwms
@@ -131,6 +147,8 @@ def main():
         overrides["backup.every_steps"] = 0
     if args.fault == "kill_in_write":  # slow writes (tools/faults/faulty_train.py --slow-write)
         overrides["backup.every_steps"] = 5
+    if args.offload != "none":  # (sub-groups of 10,000 parameters: several per update)
+        overrides.update({"zero.offload": args.offload, "zero.offload_subgroup": 10000})
     if args.strategy == "single":
         args.workers = 1
     if args.data_dir:
@@ -150,6 +168,8 @@ def main():
     rows = []
     if args.fault == "kill_in_write":
         return report(args, *write_trials(args, overrides, plan, tmp, reference, rng))
+    if args.fault == "kill_in_offload":
+        return report(args, *offload_trials(args, overrides, tmp, reference, rng))
     for trial in range(args.trials):
         worker = trial % args.workers  # chief, then others
         step = rng.randint(1, args.steps - 1)
@@ -237,6 +257,41 @@ def write_trials(args, overrides, plan, tmp, reference, rng):
     table = [head] + [(r["trial"], r["write_in_flight"], r["committed_before"], r["exit"],
                        r["restarts"], r["every_step_logged_once"], r["max_abs_weight_diff"],
                        r["seconds"], "yes" if r["ok"] else "NO") for r in rows]
+    return table, rows
+
+
+def offload_trials(args, overrides, tmp, reference, rng):
+    """SIGKILL inside an offloaded optimizer step (module doc); (table, rows)."""
+    rows = []
+    for trial in range(args.trials):
+        worker = trial % args.workers
+        update, group = rng.randint(2, args.steps - 1), rng.randint(0, 3)
+        d = os.path.join(tmp, f"trial{trial}")
+        p, seconds = launch(d, overrides, args.workers, "--kill-in-offload", f"{update}:{group}",
+                            "--kill-worker", str(worker))
+        restarts = p.stdout.count("tfdist launch: started") - 1
+        diff = None
+        if p.returncode == 0:
+            diff = max(float(abs(a - b).max()) for a, b in zip(final_weights(d), reference))
+        resumed = f"resuming from {d}/backup at step {update - 1} of {args.steps}" in p.stdout
+        executed = steps_by_worker(d)
+        ok = p.returncode == 0 and restarts == 1 and resumed and diff == 0.0
+        rows.append({"trial": trial, "fault": args.fault, "killed_worker": worker,
+                     "kill_in_update": update, "kill_after_subgroup_writes": group,
+                     "exit": p.returncode, "restarts": restarts,
+                     "resumed_at": update - 1 if resumed else None, "executed_steps": executed,
+                     "planned_steps": args.steps, "max_abs_weight_diff": diff,
+                     "seconds": round(seconds, 1), "ok": ok})
+        if not ok:
+            print(p.stdout[-3000:], p.stderr[-2000:], sep="\n")
+        print(f"trial {trial}: {'ok' if ok else 'FAILED'}", flush=True)
+    head = ("trial", "killed", "in update", "after sub-group", "exit", "restarts",
+            "resumed at", "executed (per worker)", "max |dw|", "s", "ok")
+    table = [head] + [(r["trial"], f"w{r['killed_worker']}", r["kill_in_update"],
+                       r["kill_after_subgroup_writes"], r["exit"], r["restarts"], r["resumed_at"],
+                       "/".join(str(r["executed_steps"].get(w, 0)) for w in range(args.workers)),
+                       r["max_abs_weight_diff"], r["seconds"], "yes" if r["ok"] else "NO")
+                      for r in rows]
     return table, rows
 
 

@@ -48,6 +48,10 @@ really ran, across restarts.
   runs (at its start), as a scheduler preempting it would. Worker --kill-worker, first attempt.
 --corrupt FROM:TO: the training batches of data positions FROM..TO-1 (0-based; the step, moved
   on by any loss spike's skips) hold their windows' tokens shuffled: a stretch of bad data.
+--kill-in-offload U:G: SIGKILL during the offloaded optimizer step of update U, once the writes of
+  its sub-group G have started (the store's files half written), in the first attempt only.
+--fill-disk-at-step K: after step K (its backup on disk), fill the workdir's file system with
+  WORKDIR/filler until it is full (in the first attempt only): a disk that fills during a run.
 --hold-at-end FILE: the chief, once training has returned, writes WORKDIR/ended and waits (at
   most 300 s) until FILE exists before it exits: a test cuts a worker off in between.
 """
@@ -72,6 +76,18 @@ def own_addresses():
     import psutil
     return sorted(a.address for addresses in psutil.net_if_addrs().values() for a in addresses
                   if a.family == socket.AF_INET and not a.address.startswith("127."))
+
+
+def fill(path):
+    """Writes zeros into `path` until its file system is full."""
+    block = bytes(1 << 20)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
 
 
 def main():
@@ -99,6 +115,8 @@ def main():
     ap.add_argument("--signal", default="TERM")
     ap.add_argument("--hold-at-end", default="")
     ap.add_argument("--corrupt", default="")
+    ap.add_argument("--kill-in-offload", default="")
+    ap.add_argument("--fill-disk-at-step", type=int, default=0)
     args = ap.parse_args()
 
     import importlib
@@ -154,6 +172,15 @@ def main():
             backup.freeze = not args.skip_freeze
             backups.append(backup)
 
+        def on_offload(self, offload):
+            if args.kill_in_offload and first_attempt and worker == args.kill_worker:
+                update, group = map(int, args.kill_in_offload.split(":"))
+
+                def kill(u, g):
+                    if (u, g) == (update, group):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                offload.after_group = kill
+
         def save_checkpoint(self, manager, step):
             saves[0] += 1
             if saves[0] == args.kill_in_save:  # the data files, not the index: then die
@@ -205,6 +232,10 @@ def main():
                     f.write(f"{self.n} {digest.hexdigest()}\n")
             if kill_here and self.n == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.fill_disk_at_step == self.n and first_attempt and worker == 0:
+                if backups:
+                    backups[0].wait()
+                fill(os.path.join(args.workdir, "filler"))
 
     contexts = []  # (Windows, InputContext) of the training pipeline
     saves = [0]  # saves so far

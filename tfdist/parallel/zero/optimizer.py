@@ -51,14 +51,17 @@ class ShardedOptimizer(Stage):
     """ZeRO stage 1 of `model` over `collectives`' replicas (a
     `tfdist.parallel.zero.collectives.Collectives`): each replica holds the optimizer's slots of
     the variables it owns. `skip`: collectives to leave out, "all_gather" or "reduce_scatter"
-    (a companion test's: the replicas then drift apart)."""
+    (a companion test's: the replicas then drift apart). `offload`: a
+    `tfdist.parallel.zero.offload.Offload` that holds the slots off the device instead, and
+    steps them on the CPU."""
 
     stage = 1
 
-    def __init__(self, model, collectives, skip=()):
+    def __init__(self, model, collectives, skip=(), offload=None):
         super().__init__(model, reduce=None)
         self.collectives = collectives
         self.skip = frozenset(skip)
+        self.offload = offload
         self.partition = None  # (once built)
         self.owned = set()  # ids of the variables this replica updates
         self.slots = set()  # ids of this replica's slot variables: its shard of the state
@@ -77,6 +80,10 @@ class ShardedOptimizer(Stage):
         c = self.collectives
         p = self.partition = Partition(self.trainables, c.size, self.owners())
         self.owned = {id(p.variables[i]) for i in p.of[c.rank]}
+        if self.offload is not None:  # the slots in its store: none on the device
+            optimizer.build([])
+            self.offload.build(optimizer, [v for v in self.trainables if id(v) in self.owned])
+            return
         with self._own_slots_only(optimizer):
             optimizer.build(self.trainables)
 
@@ -93,7 +100,7 @@ class ShardedOptimizer(Stage):
             del optimizer.add_variable_from_reference  # Keras's own again
 
     def own_slot(self, optimizer, variable, name, initializer="zeros"):
-        if id(variable) not in self.owned:
+        if id(variable) not in self.owned or self.offload is not None:
             return None
         with self.collectives.slot_scope():
             slot = type(optimizer).add_variable_from_reference(
@@ -119,6 +126,12 @@ class ShardedOptimizer(Stage):
             mine = c.reduce_scatter(buffer)
         return [(g, p.variables[i]) for i, g in p.unflat(mine, c.rank) if grads[i] is not None]
 
+    def apply(self, optimizer, grads, variables):
+        if self.offload is None:
+            return optimizer.apply(grads, variables)
+        for v, value in zip(variables, self.offload.apply(optimizer, grads, variables)):
+            self.collectives.assign(v, value)
+
     def after_update(self):
         """Every replica's updated variables to every replica."""
         p, c = self.partition, self.collectives
@@ -140,7 +153,7 @@ class ShardedOptimizer(Stage):
             return f"ZeRO-{self.stage} (not built yet)"
         return (f"ZeRO-{self.stage} over {c.size} replica(s): this replica owns "
                 f"{len(p.of[c.rank])} of {len(p.variables)} variables ({p.loads[c.rank]:,} of "
-                f"{sum(p.sizes):,} parameters); imbalance {p.imbalance:.2f}")
+                f"{sum(p.sizes):,} parameters); imbalance {p.imbalance:.2f}" + _offloaded(self))
 
 
 class ShardedGradients(ShardedOptimizer):
@@ -158,6 +171,10 @@ class ShardedGradients(ShardedOptimizer):
 
     def accumulates(self, variable):
         return id(variable) in self.owned  # (its share, reduce-scattered batch by batch)
+
+
+def _offloaded(stage):
+    return f"; {stage.offload.describe()}" if stage.offload is not None else ""
 
 
 def _handle(v):

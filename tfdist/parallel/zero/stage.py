@@ -9,6 +9,7 @@ declares; each stage answers in its own way:
     batch_gradients(gv)   what this replica keeps of one batch's gradients
     update_gradients(gv)  the gradients of one update, reduced over the replicas
     norm_sum              sums a squared norm over the replicas, where each holds a share
+    apply(opt, g, v)      the optimizer's update (offloaded: on the CPU, by sub-groups)
     after_update()        what follows the optimizer's update
 
 `Stage` itself is stage 0: every replica holds every weight, slot and gradient, the strategy
@@ -70,6 +71,11 @@ class Stage:
         of an update), reduced over the replicas: what the optimizer applies here."""
         return self.reduce([(gradients.dense_if_smaller(g, v), v) for g, v in grads_and_vars])
 
+    def apply(self, optimizer, grads, variables):
+        """The optimizer's update of `variables` by `grads` (offloaded: on the CPU, sub-group by
+        sub-group, `tfdist.parallel.zero.offload`)."""
+        optimizer.apply(grads, variables)
+
     def after_update(self):
         """Runs after the optimizer's update (stages 1 and 2: the all-gather)."""
         return None  # (a body: AutoGraph cannot convert a function of a docstring alone)
@@ -77,6 +83,8 @@ class Stage:
     # -- what the rest of tfdist asks (backups, broadcasts, the log) ---------------------------
     #: ids of this replica's optimizer slots that no other replica has (its backup shard)
     slots = frozenset()
+    #: ZeRO-Offload of this replica's state (a `tfdist.parallel.zero.offload.Offload`), or None
+    offload = None
 
     def full_values(self):
         """The model's weights (`model.weights`' order), whole, as numpy arrays (ZeRO-3 gathers

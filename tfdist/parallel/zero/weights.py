@@ -110,8 +110,11 @@ class ShardedWeights(ShardedGradients):
 
     stage = 3
 
-    def __init__(self, model, collectives, skip=(), regather=True, nested=True):
-        super().__init__(model, collectives, skip)
+    def __init__(self, model, collectives, skip=(), regather=True, nested=True, offload=None):
+        super().__init__(model, collectives, skip, offload=offload)
+        if offload is not None and not regather:
+            raise UsageError("ZeRO-3 with zero.offload gathers each unit again in its backward "
+                             "pass (regather=True): the forward's weights are not kept")
         c = collectives
         self.regather = regather
         self.nested = nested
@@ -153,6 +156,8 @@ class ShardedWeights(ShardedGradients):
         return self.owner
 
     def sources(self):
+        if self.offload is not None:  # (the owned gradients go to host memory in backward)
+            return [self.anchor]
         return self.owned_variables + [self.anchor]
 
     def batch_gradients(self, grads_and_vars):
@@ -164,7 +169,14 @@ class ShardedWeights(ShardedGradients):
         grads_and_vars = list(grads_and_vars)
         anchor_gradient, _ = grads_and_vars[-1]
         self.sink.assign(anchor_gradient)
+        if self.offload is not None:  # (the batch's gradients are in host memory)
+            self.offload.count_batch(anchor_gradient)
         return [(g, v) for g, v in grads_and_vars[:-1] if g is not None and id(v) in self.owned]
+
+    def update_gradients(self, grads_and_vars):
+        if self.offload is not None:  # the mean of the batches' gradients, from host memory
+            return self.offload.take_gradients()
+        return super().update_gradients(grads_and_vars)
 
     def after_update(self):
         """Nothing: the weights are gathered where they are used."""
@@ -174,10 +186,16 @@ class ShardedWeights(ShardedGradients):
 
     # -- storage -------------------------------------------------------------------------------
     def release(self):
-        """Drops the storage of every variable another replica owns."""
+        """Drops the storage of every variable another replica owns (offloaded: of every
+        variable; the owned ones' values go to the offload's store first)."""
+        if self.offload is not None:
+            self.offload.keep_weights(self.owned_variables)
         for v in self.variables:
             if self.owner[id(v)] != self.collectives.rank:
                 compat.release_storage(v)
+            elif self.offload is not None:
+                compat.release_storage(v, f"the weight {v.path} is offloaded (zero.offload): "
+                                          f"read it after `materialize()`")
 
     def full_values(self):
         """The model's weights (`model.weights`' order), whole, as numpy arrays: a collective
@@ -191,7 +209,7 @@ class ShardedWeights(ShardedGradients):
                 pad, out = self.anchor.read_value(), []
                 for u in self.units:
                     with tf.control_dependencies(out[-1][:1] if out else []):
-                        out.append(self._gathered(u, self._mine(u), "all", pad))
+                        out.append(self._gathered(u, self._mine(u, record=False), "all", pad))
                 return out
             self._gather_all = gather_all
         full = {}
@@ -221,7 +239,8 @@ class ShardedWeights(ShardedGradients):
         return (f"ZeRO-3 over {c.size} replica(s): this replica holds {len(held)} of "
                 f"{len(self.units)} units, {len(self.owned_variables)} of {len(self.variables)} "
                 f"variables ({self.load[c.rank]:,} of {sum(self.load):,} parameters); largest "
-                f"unit {self.largest_unit:,} parameters; imbalance {self.imbalance:.2f}")
+                f"unit {self.largest_unit:,} parameters; imbalance {self.imbalance:.2f}"
+                + (f"; {self.offload.describe()}" if self.offload is not None else ""))
 
     @property
     def largest_unit(self):
@@ -233,10 +252,23 @@ class ShardedWeights(ShardedGradients):
         return max(self.load) / max(1.0, sum(self.load) / len(self.load))
 
     # -- the collectives -----------------------------------------------------------------------
-    def _mine(self, unit):
-        """This replica's variables of `unit`, read from their storage (not Keras's scope)."""
-        return [tf.convert_to_tensor(compat.storage(unit.variables[i]))
-                for i in unit.partition.of[self.collectives.rank]]
+    def _owned(self, unit):
+        return [unit.variables[i] for i in unit.partition.of[self.collectives.rank]]
+
+    def _mine(self, unit, record=True):
+        """This replica's variables of `unit`, read from their storage (not Keras's scope), or
+        from the offload's store (`record`: a read of the step, whose order it learns)."""
+        if self.offload is not None:
+            return self.offload.read_weights(self._owned(unit), record)
+        return [tf.convert_to_tensor(compat.storage(v)) for v in self._owned(unit)]
+
+    def _to_owners(self, unit, d_mine, d_anchor, pad):
+        """The owned share of a unit's gradients: returned, or under offload handed to host
+        memory (the anchor's gradient then waits for it)."""
+        if self.offload is None:
+            return d_mine, d_anchor
+        token = self.offload.push_gradients(self._owned(unit), d_mine)
+        return [None] * len(d_mine), d_anchor + token * pad
 
     def _gathered(self, unit, mine, tag, pad):
         """Every variable of `unit`, full: this replica's `mine` and the others' all-gathered.
@@ -246,6 +278,8 @@ class ShardedWeights(ShardedGradients):
         replica alone."""
         p, c = unit.partition, self.collectives
         tensors = dict(zip(p.of[c.rank], mine))
+        if c.size == 1:  # one replica: its share is the unit (no flat buffer, no copies)
+            return [tf.convert_to_tensor(tensors[i]) for i in range(len(unit.variables))]
         # (ragged: unpadded shares, each ending with the anchor's value, so that none is empty)
         flat = p.flat(tensors, c.rank, pad, ragged=c.ragged)
         lengths = [p.length(r, c.ragged) for r in range(c.size)]
@@ -268,6 +302,9 @@ class ShardedWeights(ShardedGradients):
         p, c = unit.partition, self.collectives
         dense = [tf.fill(v.shape, pad) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(grads, unit.variables)]
+        if c.size == 1:  # one replica: its share is the unit's gradients as they are
+            mine = [tf.cast(dense[i], unit.variables[i].dtype) for i in p.of[0]]
+            return mine, tf.reduce_sum(tf.reshape(mine[0], [-1])[:1]) * pad
         buffer = tf.concat([p.flat(dense, r, pad) for r in range(c.size)], 0)
         if c.size > 1 and "reduce_scatter" not in self.skip:
             mine = c.reduce_scatter(buffer, self._name(tag, unit))
@@ -306,7 +343,8 @@ class ShardedWeights(ShardedGradients):
             full = self._gathered(unit, list(mine), "read", anchor)
 
             def grad(*d_full):
-                d_mine, d_anchor = self._reduce_scatter(unit, list(d_full), "read_grad", anchor)
+                d_mine, d_anchor = self._to_owners(unit, *self._reduce_scatter(
+                    unit, list(d_full), "read_grad", anchor), anchor)
                 return [d_anchor] + d_mine
             return full, grad
         return list(gather(self.anchor.read_value(), *mine))
@@ -383,8 +421,9 @@ class ShardedWeights(ShardedGradients):
                 updates = [(v, scope.updated[id(v)]) for v, _ in state if id(v) in scope.updated]
 
                 def grad(*d_out):
-                    with self._after(unit, list(d_out)):
-                        full = self._gathered(unit, mine_, "bwd", pad)
+                    with self._after(unit, list(d_out)):  # (offloaded: read again from the store)
+                        again = self._mine(unit) if self.offload is not None else mine_
+                        full = self._gathered(unit, again, "bwd", pad)
                     with tf.GradientTape() as tape:
                         watched = [x for x in ins if x.dtype.is_floating] + full
                         tape.watch(watched)
@@ -392,7 +431,8 @@ class ShardedWeights(ShardedGradients):
                     grads = tape.gradient(tf.nest.flatten(again), list(ins) + full,
                                           output_gradients=list(d_out),
                                           unconnected_gradients=tf.UnconnectedGradients.NONE)
-                    d_mine, d_anchor = self._reduce_scatter(unit, grads[n_in:], "grad", pad)
+                    d_mine, d_anchor = self._to_owners(unit, *self._reduce_scatter(
+                        unit, grads[n_in:], "grad", pad), pad)
                     d_ins = [g if x.dtype.is_floating else None for g, x in zip(grads[:n_in], ins)]
                     return d_ins + [d_anchor] + d_mine
                 # Norm statistics, RNG states: applied (or recorded by the model's scope, which

@@ -65,8 +65,13 @@ def copy_of(optimizer, variables, scope):
     return fresh, reference
 
 
-def _by_name(optimizer):
-    return {v.name: v for v in optimizer.variables}
+def _by_name(optimizer, sharded=None):
+    """{name: variable} of `optimizer`'s, and (`sharded`'s offloaded) of the stored slots."""
+    out = {v.name: v for v in optimizer.variables}
+    offload = getattr(sharded, "offload", None)
+    if offload is not None:
+        out.update(offload.named_slots())
+    return out
 
 
 class WholeOptimizer:
@@ -79,7 +84,7 @@ class WholeOptimizer:
         self.optimizer, self.reference = copy_of(optimizer, sharded.model.trainable_variables,
                                                  sharded.collectives.slot_scope)
         owner = _owners(sharded)
-        mine = _by_name(optimizer)
+        mine = _by_name(optimizer, sharded)
         self.slots = [v for v in self.optimizer.variables if v.name in self.reference]
         self.owner = [owner[id(self.reference[s.name])] for s in self.slots]
         rank = sharded.collectives.rank
@@ -91,7 +96,7 @@ class WholeOptimizer:
     def gather(self):
         """Every slot from its owner, and the rest (the step, the learning rate) from this
         replica's optimizer: a collective (every replica calls it)."""
-        c, mine = self.sharded.collectives, _by_name(self.shard)
+        c, mine = self.sharded.collectives, _by_name(self.shard, self.sharded)
         sizes = [int(np.prod(s.shape)) for s in self.slots]
         lengths = [sum(n for n, r in zip(sizes, self.owner) if r == q) for q in range(c.size)]
         longest = max(lengths + [1])
@@ -100,7 +105,7 @@ class WholeOptimizer:
 
             @tf.function
             def exchange():
-                flat = [tf.reshape(tf.cast(v.value, tf.float32), [-1]) for v in own]
+                flat = [tf.reshape(tf.cast(_value(v), tf.float32), [-1]) for v in own]
                 flat = tf.concat(flat + [tf.zeros([longest - lengths[c.rank]], tf.float32)], 0)
                 # (a name per model: TF resolves a collective's shape once per key)
                 name = f"tfdist_zero_whole_optimizer_{getattr(self.sharded, 'serial', 0)}"
@@ -113,12 +118,17 @@ class WholeOptimizer:
             start[r] += n
         for name, v in _by_name(self.optimizer).items():
             if name not in self.reference and name in mine:
-                v.assign(mine[name].value)
+                v.assign(_value(mine[name]))
 
     def give_back(self):
         """This replica's own slots, and the rest, from the whole optimizer (what a restore may
         have set): local."""
-        copy_by_name(self.shard, self.optimizer)
+        copy_by_name(self.shard, self.optimizer, self.sharded)
+
+
+def _value(v):
+    """A variable's value, or an offloaded slot's (`tfdist.parallel.zero.offload.Offloaded`)."""
+    return v.value() if callable(v.value) else v.value
 
 
 def _owners(sharded):
@@ -130,14 +140,18 @@ def _owners(sharded):
     return {id(p.variables[i]): r for r, indices in enumerate(p.of) for i in indices}
 
 
-def copy_by_name(optimizer, source):
+def copy_by_name(optimizer, source, sharded=None):
     """`optimizer`'s variables (a shard, built), each from `source`'s of its name (an optimizer
     built whole: the shown one, or a file's): its own slots, its step and its learning rate;
-    local."""
+    and the slots `sharded`'s offload stores (`tfdist.parallel.zero.offload`); local."""
     source = _by_name(source)
     for v in optimizer.variables:
         if v.name in source:
             v.assign(source[v.name].value)
+    offload = getattr(sharded, "offload", None)
+    for name, stored in (offload.named_slots() if offload is not None else {}).items():
+        if name in source:
+            stored.restore(source[name].value)
 
 
 class Shown:
