@@ -22,7 +22,7 @@ Example:
     >>> store.put("m/w", np.arange(3, dtype="float32"))
     >>> store.prefetch(["m/w"])
     >>> store.get("m/w").tolist(), store.bytes_written
-    ([0.0, 1.0, 2.0], 4096)
+    ([0.0, 1.0, 2.0], 12)
     >>> store.close()
 """
 import concurrent.futures
