@@ -13,13 +13,17 @@ See `tfdist/launch/local.py` for what it does, and its exit status.
 """
 import os
 import shutil
+import subprocess
 import sys
+import threading
 
 from absl import flags
 
 from tfdist import cli, strategies
 from tfdist.errors import UsageError
+from tfdist.launch.hosts import Host
 from tfdist.launch.local import DEFAULT_PORT, Supervisor, loopback_shim
+from tfdist.launch.warm import Agent
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Number of worker processes.")
 _STRATEGY = flags.DEFINE_string("strategy", "multi_worker_mirrored",
@@ -39,6 +43,9 @@ _HOSTS = flags.DEFINE_list("hosts", None, "Hosts (names or addresses) to run the
                            "all here, on 127.0.0.1.")
 _PORT = flags.DEFINE_integer("port", DEFAULT_PORT,
                              "With --hosts: the first port of the tasks on each host.")
+_COLD = flags.DEFINE_bool("cold", False, "Start every process fresh (it imports TensorFlow, "
+                          "Keras and tfdist itself) instead of as a fork of its host's warm agent, "
+                          "which has imported them once (tfdist/launch/agent.py).")
 _LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write each process's output to "
                                "<worker_logs>/<name>.log (w0, w1, ..., c0, ps0).")
 
@@ -100,50 +107,49 @@ def _train_argv(args, strategy):
     return [sys.executable, "-m", "tfdist", "train", *args, f"--strategy={strategy}"]
 
 
-def _prepared(rest, strategy, env, elastic):
+def _prepared(rest, strategy, env, elastic, agent=None):
     """`tfdist train` flags `rest`, checked and prepared once (`_prepare`; its failure ends the
     launcher with its status); returns the workers' flags (without --overwrite: the prepare step
     applied it)."""
     if any(a.startswith("--strategy") for a in rest):
         raise UsageError("give the strategy to tfdist launch (--strategy=...), not after --")
-    cli.quiet_tensorflow_import()  # once here: the prepare step's fork has it, and is quick
     sizes = ",".join(map(str, range(elastic[0], elastic[1] + 1))) if elastic else ""
-    code = _prepare([*rest, f"--strategy={strategy}"], {**env, "TFDIST_ELASTIC_SIZES": sizes})
+    code = _prepare([*rest, f"--strategy={strategy}"], {**env, "TFDIST_ELASTIC_SIZES": sizes},
+                    agent)
     if code:
         sys.exit(2 if code == 2 else 1)
     return [a for a in rest if a != "--overwrite" and not a.startswith("--overwrite=")]
 
 
-def _prepare(args, env):
+def _prepare(args, env, agent=None):
     """`tfdist train <args> --prepare_only` (the config checked, the dataset prepared, the workdir
-    readied) once, before any worker starts; its exit status. It runs in a fork of this process,
-    which has TensorFlow imported already (a new process would import it again: 3 to 7 s) but
-    not started (no op has run), so the fork starts TF's runtime afresh. In the fork the
-    launcher's flags give way to `tfdist train`'s, parsed from `args`."""
+    readied) once, before any worker starts; its exit status. It runs in a fork of this
+    machine's warm agent (`agent`, which the workers' starts use next), else in a process of its
+    own. Its output is passed on as it is."""
+    argv = [sys.executable, "-m", "tfdist", "train", *args, "--prepare_only"]
     sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.environ.clear()
-            os.environ.update(env)
-            for flag in list(flags.FLAGS.flags_by_module_dict().get(__name__, [])):
-                delattr(flags.FLAGS, flag.name)  # (absl's own and tfdist.cli's stay)
-            sys.argv = ["tfdist train", *args, "--prepare_only"]
-            from tfdist.cli import train
-            train.run(sys.argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:  # a crash is reported as a process would report it
-            import traceback
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if agent is None:
+        return subprocess.run(argv, env=env).returncode
+    p = agent.spawn(argv, env, os.getcwd(), "prepare", separate=True)
+    copies = [threading.Thread(target=_copy, args=(fd, stream), daemon=True)
+              for fd, stream in ((p.stdout_fd, sys.stdout), (p.stderr_fd, sys.stderr))]
+    for t in copies:
+        t.start()
+    code = p.wait()
+    for t in copies:
+        t.join(timeout=10)
+    return code
+
+
+def _copy(fd, stream):
+    """Copies what `fd` gives to `stream` until it closes."""
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        stream.buffer.write(chunk)
+        stream.flush()
+    os.close(fd)
 
 
 def main(argv):
@@ -174,39 +180,42 @@ def main(argv):
     if (hosts or elastic) and not 1 <= _PORT.value <= 65535 - 64:
         raise UsageError(f"--port must be between 1 and {65535 - 64}, got {_PORT.value}")
     env = dict(os.environ)
-    # With --hosts each task binds its own host's address; horovodrun across hosts binds its own
-    # servers (the ranks' Gloo sockets: the interface the hosts share), so it runs without.
-    if _BIND.value == "loopback" and not (hosts and spec.wrapper):
+    if _BIND.value == "loopback":  # (with --hosts each task binds its own host's address)
         env["LD_PRELOAD"] = " ".join(filter(None, [loopback_shim(), env.get("LD_PRELOAD")]))
-
-    if rest[0].startswith("-"):  # tfdist train flags
-        argv = _train_argv(_prepared(rest, strategy, env, elastic), strategy)
-    else:  # any program
-        if not (shutil.which(rest[0]) or os.path.isfile(rest[0])):
-            raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after -- "
-                             f"start with -, e.g. --config=...)")
-        argv = rest
+    # This machine's agent (the prepare step's, then its workers'): on its address among the
+    # hosts, or 127.0.0.1; it imports TensorFlow while the launcher goes on.
+    here = next((h for h in (Host(name) for name in hosts or []) if h.local), None)
+    agent = Agent({**env, "PYTHONUNBUFFERED": "1"}, host=here,
+                  address=here.address if here else "127.0.0.1", warm=not _COLD.value)
+    agents = {agent.address: agent}
+    try:
+        if rest[0].startswith("-"):  # tfdist train flags
+            argv = _train_argv(_prepared(rest, strategy, env, elastic, agent), strategy)
+        else:  # any program
+            if not (shutil.which(rest[0]) or os.path.isfile(rest[0])):
+                raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after "
+                                 f"-- start with -, e.g. --config=...)")
+            argv = rest
+    except BaseException:
+        agent.close()
+        raise
     server_argv = ([sys.executable, "-m", spec.server_module, strategy]
                    if spec.server_module and not rest[0].startswith("-") else None)
 
     common = dict(max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value, env=env,
-                  log_dir=_LOG_DIR.value, port=_PORT.value)
+                  log_dir=_LOG_DIR.value, port=_PORT.value, warm=not _COLD.value, agents=agents,
+                  rendezvous=spec.rendezvous() if spec.rendezvous else None)
     if elastic:
         from tfdist.launch.elastic import ElasticSupervisor, Membership
         membership = Membership(hosts=hosts, discovery=_DISCOVERY.value, max_workers=elastic[1],
                                 port=_PORT.value)
         code = ElasticSupervisor(argv, membership, workers=n, min_workers=elastic[0],
                                  rejoin_timeout=_REJOIN.value, interval=_INTERVAL.value,
-                                 wrapper=spec.wrapper, **common).run()
+                                 **common).run()
         sys.exit(code)
-    if spec.wrapper:  # one process (e.g. horovodrun) that starts and stops the ranks itself
-        argv = spec.wrapper(n, argv, hosts)
-        roles = [("worker", 0)]
-    else:
-        roles = [(role, i) for role, count in _role_counts(spec, n) for i in range(count)]
+    roles = [(role, i) for role, count in _role_counts(spec, n) for i in range(count)]
     code = Supervisor(argv, roles, restart_alone=spec.restart_alone, servers=spec.servers,
-                      tf_config=not spec.wrapper, server_argv=server_argv,
-                      hosts=None if spec.wrapper else hosts, **common).run()
+                      server_argv=server_argv, hosts=hosts, **common).run()
     sys.exit(code)
 
 
@@ -261,7 +270,7 @@ def _workdir_in(args):
 
 
 def run(argv=None):
-    cli.run(main, argv or sys.argv, tensorflow=False)  # (imported for the prepare step only)
+    cli.run(main, argv or sys.argv, tensorflow=False)  # (the agents import it, not the launcher)
 
 
 if __name__ == "__main__":

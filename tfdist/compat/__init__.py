@@ -39,6 +39,7 @@ from tfdist.compat.runtime import (  # noqa: F401
     Tensors,
     pending_closures,
     slurm_tasks_per_node,
+    tf_runtime_started,
     xspace,
 )
 from tfdist.compat.table import PATCHES, PINNED, TESTED, disable, fingerprint, using  # noqa: F401

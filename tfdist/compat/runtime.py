@@ -45,3 +45,13 @@ class Tensors(tf.__internal__.tracking.Trackable):
 
     def _restore_from_tensors(self, restored_tensors):
         return self.restore(restored_tensors["VARIABLE_VALUE"])
+
+
+def tf_runtime_started():
+    """Whether TensorFlow's runtime has started in this process: its eager context initialised
+    (thread pools, devices, servers) ("runtime_started"). TF has no public query: tf.config's
+    setters raise only when asked to change something once it has."""
+    using("runtime_started")
+    from tensorflow.python.eager import context
+    ctx = context.context_safe()
+    return ctx is not None and bool(ctx._initialized)

@@ -251,6 +251,15 @@ PATCHES = {
         "optimizer excludes",
         "tests/test_offload.py::test_offload_keeps_the_weight_decay_exclusions",
         "5176588e0ea0"),
+    "runtime_started": Patch(
+        ("tf_runtime_started",),
+        ("tensorflow.python.eager.context:Context.ensure_initialized",),
+        "none found: TF has no public way to ask whether its runtime has started (tf.config's "
+        "setters raise only when asked to change something once it has)",
+        "tfdist launch's warm agent could fork a worker from a process whose TF runtime had "
+        "started (its thread pools' locks held by threads the fork does not have)",
+        "tests/test_warm.py::test_a_process_whose_runtime_started_forks_no_worker",
+        "ef0bea55722a"),
 }
 
 

@@ -39,7 +39,6 @@ The launcher itself is the job's one controller, as horovodrun's driver is: losi
 the job (resume it with the same command, from the newest backup).
 """
 import itertools
-import os
 import re
 import signal
 import socket
@@ -49,7 +48,7 @@ import time
 
 from tfdist.errors import EXIT_PREEMPTED, UsageError
 from tfdist.launch.hosts import Host
-from tfdist.launch.local import RESIZE, Supervisor, descendants
+from tfdist.launch.local import RESIZE, Supervisor
 
 _LINE = re.compile(r"^([A-Za-z0-9._-]+)(?::(\d+))?$")
 
@@ -156,17 +155,15 @@ class Membership:
 
 class ElasticSupervisor(Supervisor):
     """A `Supervisor` whose group has between `min_workers` and `max_workers` workers, placed on
-    the slots `membership` offers (see the module doc). `program` is what each worker runs;
-    `wrapper(n, program, hosts)`, if given, the one process that starts n ranks (horovodrun)."""
+    the slots `membership` offers (see the module doc). `program` is what each worker runs (a
+    Horovod rank, with `rendezvous`)."""
 
     def __init__(self, program, membership, *, workers, min_workers, rejoin_timeout, interval,
-                 wrapper=None, **kwargs):
-        super().__init__(program, [("worker", 0)], tf_config=wrapper is None, **kwargs)
+                 **kwargs):
+        super().__init__(program, [("worker", 0)], **kwargs)
         self.program = program
         self.membership = membership
-        self.wrapper = wrapper
         membership.say = self.say
-        self.base_env = dict(self.env)
         self.start_workers = workers
         self.min_workers = min_workers
         self.rejoin_timeout = rejoin_timeout
@@ -189,17 +186,7 @@ class ElasticSupervisor(Supervisor):
         remote = [h for h in self.workers if not self.membership.host(h).local]
         self.n = n
         self.hosts = [self.membership.host(h) for h in self.workers] if remote else None
-        if self.wrapper:
-            self.argv = self.wrapper(n, self.program, self.workers if remote else None)
-            # horovodrun across hosts binds its own servers (on the interface the hosts share),
-            # so the loopback bind shim is for a group on this machine only (as in cli.py)
-            preload = self.base_env.get("LD_PRELOAD", "").split()
-            self.env["LD_PRELOAD"] = " ".join(x for x in preload
-                                              if not (remote and "loopback_bind" in x))
-            self.roles = [("worker", 0)]
-            self.hosts = None
-        else:
-            self.roles = [("worker", i) for i in range(n)]
+        self.roles = [("worker", i) for i in range(n)]
         self.say(f"elastic: {n} worker(s) on {self.membership.describe(self.workers)} "
                  f"(between {self.min_workers} and {self.membership.max_workers})")
         self._grow.clear()
@@ -237,29 +224,17 @@ class ElasticSupervisor(Supervisor):
 
     def _stop_to_resize(self, procs):
         """SIGUSR1 to the processes: they back up the step in progress and exit 75."""
-        ranks = None
         grown = self._offered
         self.say(f"elastic: {self.membership.describe(grown)} offered; stopping the group after "
                  f"its step in progress to grow from {self.n} to {len(grown)} worker(s)")
-        if self.wrapper:  # the ranks on this machine (horovodrun forwards no signal)
-            ranks = [pid for pid in descendants(procs["worker", 0].pid) if _is_rank(pid)]
-            for pid in ranks:
-                _kill(pid, signal.SIGUSR1)
-            if ranks:
-                self._wait_all(procs.values(), self.preemption_grace)
-            else:
-                self.say("elastic: no rank runs on this machine to signal; the group restarts "
-                         "from its newest backup")
-            self.stop_tasks(list(procs.values()))
-        else:
-            self.stop_tasks(list(procs.values()), grace=self.preemption_grace, sig=signal.SIGUSR1)
-        code = self.own_status(procs[self.roles[0]].returncode)
+        self.stop_tasks(list(procs.values()), grace=self.preemption_grace, sig=signal.SIGUSR1)
+        code = procs[self.roles[0]].returncode
         if code == 0:
             return None  # it finished meanwhile
         # A process not yet (or no longer) training dies of the signal: a restart costs nothing
         # then (tfdist train's restarted group finds a finished run and exits 0).
         by_signal = code in (-signal.SIGUSR1, 128 + signal.SIGUSR1)
-        if code != EXIT_PREEMPTED and not by_signal and not (self.wrapper and not ranks):
+        if code != EXIT_PREEMPTED and not by_signal:
             return self.roles[0], code
         self.resized += 1
         self.say(f"elastic: the group stopped (exit {code}: "
@@ -268,14 +243,6 @@ class ElasticSupervisor(Supervisor):
                  + f"); growing to {len(grown)} worker(s)")
         self.workers = grown
         return RESIZE
-
-    def _wait_all(self, procs, timeout):
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                return
 
     def _shrink(self, failure):
         group = list(self.workers)
@@ -299,18 +266,3 @@ class ElasticSupervisor(Supervisor):
                  f"restart)")
         self.workers = offer
         return True
-
-
-def _is_rank(pid):
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return b"\0HOROVOD_RANK=" in b"\0" + f.read()
-    except OSError:
-        return False
-
-
-def _kill(pid, sig):
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        pass

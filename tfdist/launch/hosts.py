@@ -9,9 +9,7 @@ Example:
 """
 import os
 import shlex
-import signal
 import socket
-import subprocess
 
 from tfdist.errors import UsageError
 
@@ -25,14 +23,15 @@ def passed_on(name, base):
 
 
 class Host:
-    """A host of `tfdist launch --hosts`: a name or address. Tasks on this machine are started
-    directly; on another host with `ssh HOST 'cd <cwd> && exec env VARS... ARGV'` (key-based,
-    no prompt: BatchMode), which needs the same paths there (a shared filesystem, as
-    horovodrun and mpirun assume). The remote shell first prints its pid, so that stopping the
-    task signals the task itself (`ssh HOST kill -SIG PID`), as a local stop would; closing an
-    ssh session alone would leave it running."""
+    """A host of `tfdist launch --hosts`: a name or address. Its agent (`tfdist.launch.agent`,
+    which starts its tasks) runs here when the host is this machine, else through `ssh HOST 'cd
+    <cwd> && exec env VARS... ARGV'` (key-based, no prompt: BatchMode), which needs the same
+    paths there (a shared filesystem, as horovodrun and mpirun assume). Its tasks are stopped
+    through their agent; an ssh connection that stops answering ends within about
+    3 x ALIVE_INTERVAL seconds (ssh's ServerAlive), and the host counts as lost."""
 
-    SSH_TIMEOUT = 10  # seconds for ssh to connect, and for a remote kill to return
+    SSH_TIMEOUT = 10  # seconds for ssh to connect, and for an agent to answer a stop
+    ALIVE_INTERVAL = 2  # seconds between ssh's keepalives to a host's agent
 
     def __init__(self, name):
         self.name = name
@@ -50,32 +49,12 @@ class Host:
         finally:
             probe.close()
 
-    def ssh(self, argv, env):
-        script = (f"echo $$ && cd {shlex.quote(os.getcwd())} && exec env "
+    def remote(self, argv, env):
+        """The command that runs `argv` on this host with the variables `env`, in this
+        directory."""
+        script = (f"cd {shlex.quote(os.getcwd())} && exec env "
                   + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items())) + " "
                   + shlex.join(argv))
-        return self._ssh(script)
-
-    def _ssh(self, command):
         return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.SSH_TIMEOUT}",
-                self.name, command]
-
-    def kill(self, pid, sig):
-        try:
-            subprocess.run(self._ssh(f"kill -{signal.Signals(sig).name[3:]} {int(pid)}"),
-                           stdin=subprocess.DEVNULL, capture_output=True, timeout=self.SSH_TIMEOUT)
-        except (subprocess.TimeoutExpired, OSError, ValueError):
-            pass
-
-
-def send(p, sig):
-    """`sig` to the task of Popen `p`: the process itself, or its remote pid through ssh."""
-    remote = getattr(p, "tfdist_remote", None)
-    if remote and remote[1]:
-        remote[0].kill(remote[1][0], sig)
-    elif remote and sig == signal.SIGKILL:  # pid not yet known: end the ssh client
-        p.kill()
-    elif not remote:
-        p.send_signal(sig)
-
-
+                "-o", f"ServerAliveInterval={self.ALIVE_INTERVAL}", "-o", "ServerAliveCountMax=3",
+                self.name, script]

@@ -48,6 +48,7 @@ Listening only on 127.0.0.1: `tfdist.launch.bind`.
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -58,9 +59,11 @@ import time
 
 from tfdist.errors import EXIT_PREEMPTED
 from tfdist.launch.bind import loopback_shim  # noqa: F401  (tfdist.launch.local's, for callers)
-from tfdist.launch.hosts import DEFAULT_PORT, Host, passed_on, send
+from tfdist.launch.hosts import DEFAULT_PORT, Host, passed_on
 from tfdist.launch.output import Output
+from tfdist.launch.warm import READY_TIMEOUT, Agent, AgentLost
 from tfdist.runtime import cluster as cluster_lib
+from tfdist.runtime import process
 
 MAX_BACKOFF = 60.0
 RESIZE = "resize"  # what `Supervisor._wait` returns when an elastic group is to be resized
@@ -106,15 +109,31 @@ def descendants(pid):
 
 
 def task_of(pid):
-    """(type, index) of the TF_CONFIG task process `pid` runs as, or None. With `children`,
-    this finds a launcher's worker or ps process, e.g. to pause or kill it in a chaos test."""
+    """(type, index) of the task process `pid` runs as, or None: from its title, `tfdist-<task>`
+    (a warm one: a fork has no environment block of its own to read;
+    `tfdist.runtime.process.set_title`; a Horovod rank `tfdist-r<i>` is ("worker", i)), or its
+    TF_CONFIG (a process started cold). With `descendants`, this finds a launcher's worker or ps
+    process, e.g. to pause or kill it in a chaos test."""
     try:
+        m = _TASK_NAME.match(process.title_of(pid))
+        if m:
+            return _ROLE_OF[m.group(1)], int(m.group(2))
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
         task = json.loads(env[b"TF_CONFIG"])["task"]
         return task["type"], task["index"]
     except (OSError, KeyError, ValueError):
         return None
+
+
+_ROLE_OF = {"c": "chief", "w": "worker", "ps": "ps", "r": "worker"}
+_TASK_NAME = re.compile(r"^tfdist-(c|w|ps|r)(\d+)$")
+
+
+def task_name(role, index, ranks=False):
+    """The short name of a task (its output's prefix, and its process name): c0, w1, ps0; a
+    Horovod rank r1."""
+    return f"{'r' if ranks else {'chief': 'c', 'worker': 'w'}.get(role, role)}{index}"
 
 
 def describe_exit(code):
@@ -127,15 +146,19 @@ def describe_exit(code):
 
 
 class Supervisor:
-    """Starts `argv` as the tasks `roles` ([(role, index), ...], the first the chief) with
-    TF_CONFIG on fresh 127.0.0.1 ports, and restarts on failure (the strategy plugin's `Launch`
-    says how).
+    """Starts `argv` as the tasks `roles` ([(role, index), ...], the first the chief), each
+    with its place in the cluster (TF_CONFIG on fresh 127.0.0.1 ports, or on `hosts`; or, with
+    `rendezvous`, Horovod's rank variables), and restarts on failure (the strategy plugin's
+    `Launch` says how).
 
-    A dead task of a role in `restart_alone` is restarted alone, at its address, and rejoins;
-    any other failure restarts the whole group. The run is done when the chief exits 0; tasks
-    still running then are stopped: at once for `servers`, which never exit by themselves,
-    else after FINISH_GRACE seconds. `server_argv`, if given, is what the `servers` run instead
-    of `argv` (a user's own program then runs on the other tasks only).
+    Every process is started by the warm agent of its host (`tfdist.launch.agent`, one per
+    host, kept for the whole run): a fork of a process that has imported TensorFlow, Keras and
+    tfdist, or, with `warm=False`, a fresh process (an exec). A dead task of a role in
+    `restart_alone` is restarted alone, at its address, and rejoins; any other failure restarts
+    the whole group. The run is done when the chief exits 0; tasks still running then are
+    stopped: at once for `servers`, which never exit by themselves, else after FINISH_GRACE
+    seconds. `server_argv`, if given, is what the `servers` run instead of `argv` (a user's own
+    program then runs on the other tasks only).
 
     Example (any program that reads TF_CONFIG):
 
@@ -149,10 +172,11 @@ class Supervisor:
 
     def __init__(self, argv, roles, *, restart_alone=(), servers=(), max_restarts=3, backoff=2.0,
                  env=None, log_dir=None, output=None, tf_config=True, server_argv=None,
-                 hosts=None, port=DEFAULT_PORT):
+                 hosts=None, port=DEFAULT_PORT, rendezvous=None, warm=True, agents=None):
         self.argv = argv
         self.roles = list(roles)
-        self.tf_config = tf_config
+        self.tf_config = tf_config and rendezvous is None
+        self.rendezvous = rendezvous  # Horovod's: each task's rank variables (no TF_CONFIG)
         self.hosts = [Host(h) for h in hosts] if hosts else None
         self.port = port
         self.server_argv = server_argv
@@ -164,16 +188,50 @@ class Supervisor:
         self.env = dict(os.environ if env is None else env)
         self.log_dir = log_dir
         self.out = output or Output()
+        self.warm = warm
+        self.agents = dict(agents or {})  # a host's address -> its Agent (warm.py)
         self.stop_signal = None
         self.wake = threading.Event()
         self.restarts = 0
         self.preemptions = 0  # group restarts after a worker's exit 75: not counted in restarts
         self.resized = 0  # group restarts at another size (tfdist.launch.elastic): neither
         self.exit_dir = None  # where the processes record their own exit status (run)
+        self.placed = {}
 
     def say(self, message):
         self.out.line(f"tfdist launch: {message}")
 
+    # -- agents ----------------------------------------------------------------------------------
+    def agent(self, host):
+        """The agent of `host` (None: this machine, on 127.0.0.1), started on first use and
+        again after it was lost."""
+        key = host.address if host else "127.0.0.1"
+        agent = self.agents.get(key)
+        if agent is None or not agent.alive:
+            env = {**self.env, "PYTHONUNBUFFERED": "1"}
+            if host and not host.local:
+                env = {k: v for k, v in env.items() if passed_on(k, self.env)}
+            agent = self.agents[key] = Agent(env, host=host, address=key, warm=self.warm)
+        return agent
+
+    def _ready(self, hosts):
+        """Waits until the agents of `hosts` have started (in parallel). Returns the hosts whose
+        agent did not: lost."""
+        agents = {id(h): self.agent(h) for h in hosts}
+        lost = []
+        for h in hosts:
+            try:
+                agents[id(h)].ready()
+            except AgentLost:
+                lost.append(h)
+        return lost
+
+    def close_agents(self):
+        for agent in self.agents.values():
+            agent.close()
+        self.agents = {}
+
+    # -- the group -------------------------------------------------------------------------------
     def _cluster(self):
         cluster = {}
         self.placed = {}
@@ -191,35 +249,36 @@ class Supervisor:
             cluster.setdefault(role, []).append(f"127.0.0.1:{next(ports)}")
         return cluster
 
-    def _spawn(self, cluster, role, index):
-        name = f"{'c' if role == 'chief' else 'w' if role == 'worker' else 'ps'}{index}"
+    def _rank_env(self):
+        """{(role, index): Horovod's variables} for the group (`rendezvous`), its server
+        started."""
+        hosts = [self.placed.get(k) for k in self.roles]
+        addresses = [h.address if h else "127.0.0.1" for h in hosts]
+        interfaces = [(self.agent(h).info or {}).get("interfaces", {}).get(a, "lo")
+                      for h, a in zip(hosts, addresses)]
+        envs = self.rendezvous.start(addresses, interfaces, here=rendezvous_address(hosts))
+        return dict(zip(self.roles, envs))
+
+    def _spawn(self, cluster, role, index, extra=None):
+        name = task_name(role, index, ranks=self.rendezvous is not None)
         env = {**self.env, "PYTHONUNBUFFERED": "1",
                "TFDIST_RESTART_COUNT": str(self.restarts + self.preemptions + self.resized),
-               cluster_lib.EXIT_DIR: self.exit_dir}
+               cluster_lib.EXIT_DIR: self.exit_dir, **(extra or {})}
         if self.tf_config:
             env["TF_CONFIG"] = json.dumps({"cluster": cluster,
                                            "task": {"type": role, "index": index}})
-        else:  # one process that starts the others itself (horovodrun)
-            name = "hvd"
         host = self.placed.get((role, index))
         argv = self.server_argv if self.server_argv and role in self.servers else self.argv
         if host:  # its gRPC server on the host's address only (the bind shim, if preloaded)
             env["TFDIST_BIND_ADDRESS"] = host.address
         if host and not host.local:
-            argv = host.ssh(argv, {k: v for k, v in env.items() if passed_on(k, self.env)})
-        read_fd, write_fd = os.pipe()
-        try:
-            p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=write_fd,
-                                 stderr=write_fd, start_new_session=True)
-        finally:
-            os.close(write_fd)
-        p.tfdist_remote = (host, []) if host and not host.local else None
+            env = {k: v for k, v in env.items() if passed_on(k, self.env)}
+        p = self.agent(host).spawn(argv, env, os.getcwd(), name)
         log = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             log = open(os.path.join(self.log_dir, f"{name}.log"), "a")
-        header = p.tfdist_remote[1].append if p.tfdist_remote else None  # the remote pid
-        t = threading.Thread(target=self.out.pump, args=(read_fd, f"[{name}] ", log, header),
+        t = threading.Thread(target=self.out.pump, args=(p.stdout_fd, f"[{name}] ", log),
                              daemon=True)
         t.start()
         return p, (t, log)
@@ -228,37 +287,57 @@ class Supervisor:
         for name in os.listdir(self.exit_dir):  # the last group's statuses
             os.remove(os.path.join(self.exit_dir, name))
         cluster = self._cluster()
+        hosts = list({id(h): h for h in (self.placed.get(k) for k in self.roles)}.values())
+        self._ready(hosts)
+        extra = self._rank_env() if self.rendezvous else {}
         procs = {}
         pumps = []
         for role, index in self.roles:
-            procs[role, index], pump = self._spawn(cluster, role, index)
+            procs[role, index], pump = self._spawn(cluster, role, index, extra.get((role, index)))
             pumps.append(pump)
-        where = "; ".join(f"{r}: {', '.join(a)}" for r, a in cluster.items())
-        if not self.tf_config:
-            self.say(f"started {' '.join(self.argv[:5])} ... (pid {procs['worker', 0].pid})")
+        for p in procs.values():
+            p.started.wait(READY_TIMEOUT)
+        pids = ", ".join(str(p.pid) for p in procs.values())
+        how = self._how(procs.values())
+        if self.rendezvous:
+            where = ", ".join(f"{task_name(r, i, True)} {h.address if h else '127.0.0.1'}"
+                              for (r, i), h in ((k, self.placed.get(k)) for k in self.roles))
+            self.say(f"started {len(procs)} Horovod rank(s) {how} ({where}; pids {pids})")
             return cluster, procs, pumps
-        self.say(f"started {len(self.roles)} process(es) ({where}; pids "
-                 f"{', '.join(str(p.pid) for p in procs.values())})" if len(cluster) > 1 else
-                 f"started {self.n} worker(s) on {', '.join(cluster['worker'])} "
-                 f"(pids {', '.join(str(p.pid) for p in procs.values())})")
+        where = "; ".join(f"{r}: {', '.join(a)}" for r, a in cluster.items())
+        self.say(f"started {len(self.roles)} process(es) {how} ({where}; pids {pids})"
+                 if len(cluster) > 1 else
+                 f"started {self.n} worker(s) {how} on {', '.join(cluster['worker'])} "
+                 f"(pids {pids})")
         return cluster, procs, pumps
 
+    @staticmethod
+    def _how(procs):
+        """How processes started: "warm" (forks of a warm agent), "cold" (why), or a mix."""
+        hows = [p.how or "not" for p in procs]
+        if all(h == "warm" for h in hows):
+            return "warm"
+        whys = sorted({p.why for p in procs if p.why})
+        return f"cold ({'; '.join(whys)})" if all(h == "cold" for h in hows) else (
+            f"{hows.count('warm')} warm, {hows.count('cold')} cold ({'; '.join(whys)})")
+
     def stop_tasks(self, procs, grace=10.0, sig=signal.SIGTERM):
-        """`sig` to every process still running, SIGKILL after `grace` seconds. Ours, by PID (a
-        task on another host: its pid there, through ssh)."""
+        """`sig` to every process still running, SIGKILL after `grace` seconds. Ours, by PID,
+        through the agent of its host; an agent that does not answer then is ended (its host's
+        processes die with it)."""
         for p in procs:
             if p.poll() is None:
-                send(p, sig)
+                p.send_signal(sig)
         deadline = time.monotonic() + grace
         for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                send(p, signal.SIGKILL)
+                p.kill()
                 try:
                     p.wait(timeout=Host.SSH_TIMEOUT)
-                except subprocess.TimeoutExpired:  # the host is cut off: end our ssh client
-                    p.kill()
+                except subprocess.TimeoutExpired:  # its host is cut off: end our agent there
+                    p.agent.close(timeout=0)
                     p.wait()
 
     def _wait(self, cluster, procs, pumps):
@@ -284,7 +363,7 @@ class Supervisor:
                             self.say(f"{k[0]} {k[1]} {describe_exit(c)} "
                                      f"after the chief had finished")
                     return None
-            failed = [(k, self.own_status(c)) for k, c in codes.items() if c not in (None, 0)]
+            failed = [(k, c) for k, c in codes.items() if c not in (None, 0)]
             if chief_done is None and not failed and self._resize_wanted():
                 return RESIZE
             if failed and chief_done is None:
@@ -299,15 +378,6 @@ class Supervisor:
                 procs[role, index], pump = self._spawn(cluster, role, index)
                 pumps.append(pump)
             self.wake.wait(0.1)
-
-    def own_status(self, code):
-        """A failed process's status as its ranks gave it: horovodrun (and mpirun) exit 1 when
-        any rank fails, so a rank's 2 (bad input) or 75 (preempted), recorded in `exit_dir`
-        (`tfdist.runtime.cluster.report_exit`), stands for the whole group's."""
-        if self.tf_config:
-            return code  # each task is its own process here
-        exits = set(cluster_lib.reported_exits(self.exit_dir).values())
-        return next((c for c in (2, EXIT_PREEMPTED) if c in exits), code)
 
     # -- what an elastic launcher (tfdist.launch.elastic) changes; fixed membership here ---------
     def _place(self):
@@ -340,6 +410,9 @@ class Supervisor:
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
+            if self.rendezvous:
+                self.rendezvous.stop()
+            self.close_agents()
 
     def _run(self):
         while True:
@@ -358,7 +431,7 @@ class Supervisor:
                 t.join(timeout=5)
                 if log:
                     log.close()
-            if preempted and self.own_status(procs[self.roles[0]].returncode) == EXIT_PREEMPTED:
+            if preempted and procs[self.roles[0]].returncode == EXIT_PREEMPTED:
                 self.say(f"preempted ({signal.Signals(self.stop_signal).name}): the workers backed "
                          f"up their step; exit {EXIT_PREEMPTED} (run the same command to resume)")
                 return EXIT_PREEMPTED
@@ -367,8 +440,8 @@ class Supervisor:
                 return 128 + self.stop_signal
             if failure is None:
                 what = ("the chief finished" if self.roles[0][0] == "chief" else
-                        f"{self.n} worker(s) finished" if self.tf_config else
-                        f"{os.path.basename(self.argv[0])} finished")
+                        f"{self.n} worker(s) finished" if not self.rendezvous else
+                        f"{self.n} Horovod rank(s) finished")
                 self.say(f"done: {what}"
                          + (f" after {self.restarts} restart(s)" if self.restarts else ""))
                 return 0
@@ -401,3 +474,18 @@ class Supervisor:
             self.wake.wait(delay)
             if self.stop_signal:
                 return 128 + self.stop_signal
+
+
+def rendezvous_address(hosts):
+    """The address the tasks on `hosts` (None: this machine) reach this process at: 127.0.0.1
+    for a group here, else this machine's address among the hosts, else the one the kernel
+    routes to the first of them from."""
+    remote = [h for h in hosts if h is not None]
+    if not remote:
+        return "127.0.0.1"
+    mine = next((h.address for h in remote if h.local), None)
+    if mine:
+        return mine
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((remote[0].address, 9))  # (no packet is sent: the route is looked up)
+        return s.getsockname()[0]

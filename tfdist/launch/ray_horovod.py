@@ -18,6 +18,8 @@ import os
 
 from ray.train.backend import Backend, BackendConfig
 
+from tfdist.strategies.horovod import rank_env, slots
+
 
 @dataclasses.dataclass
 class HorovodGlooConfig(BackendConfig):
@@ -45,28 +47,9 @@ def _interface_of(address):
 
 
 def _set_env(variables):
-    """On a worker: `variables`, and the interface of its node's address (Gloo binds it)."""
+    """On a worker: `variables`, with the interface of its node's address (Gloo binds it)."""
     os.environ.update(variables)
     os.environ["HOROVOD_GLOO_IFACE"] = _interface_of(variables["HOROVOD_HOSTNAME"])
-
-
-def slots(addresses):
-    """Horovod's SlotInfo of each rank (in order), for the node address of each.
-
-    >>> [s.to_response_string() for s in slots(["a", "a", "b"])]
-    ['0,3,0,2,0,2', '1,3,1,2,0,1', '2,3,0,1,1,2']
-    """
-    from horovod.runner.common.util.hosts import SlotInfo
-    hosts = list(dict.fromkeys(addresses))
-    local = [addresses[:i].count(a) for i, a in enumerate(addresses)]
-    out = []
-    for rank, (address, local_rank) in enumerate(zip(addresses, local)):
-        # the cross group: the ranks with this local rank, one per host that has it
-        with_local = [h for h in hosts if addresses.count(h) > local_rank]
-        out.append(SlotInfo(hostname=address, rank=rank, local_rank=local_rank,
-                            cross_rank=with_local.index(address), size=len(addresses),
-                            local_size=addresses.count(address), cross_size=len(with_local)))
-    return out
 
 
 class _HorovodGlooBackend(Backend):
@@ -79,13 +62,8 @@ class _HorovodGlooBackend(Backend):
         port = self.server.start()
         self.server.init(plan)
         here = _node_address(backend_config.loopback)
-        ray.get([worker_group.execute_single_async(rank, _set_env, {
-            "HOROVOD_HOSTNAME": s.hostname, "HOROVOD_RANK": str(s.rank),
-            "HOROVOD_SIZE": str(s.size), "HOROVOD_LOCAL_RANK": str(s.local_rank),
-            "HOROVOD_LOCAL_SIZE": str(s.local_size), "HOROVOD_CROSS_RANK": str(s.cross_rank),
-            "HOROVOD_CROSS_SIZE": str(s.cross_size), "HOROVOD_GLOO_RENDEZVOUS_ADDR": here,
-            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port), "HOROVOD_CONTROLLER": "gloo",
-            "HOROVOD_CPU_OPERATIONS": "gloo"}) for rank, s in enumerate(plan)])
+        ray.get([worker_group.execute_single_async(rank, _set_env, rank_env(s, here, port, "lo"))
+                 for rank, s in enumerate(plan)])
 
     def on_shutdown(self, worker_group, backend_config):
         server = getattr(self, "server", None)

@@ -25,7 +25,7 @@ combine), `tfdist launch` and `tfdist plan` ask it instead of comparing names: `
 config keys with default, rule and help: they join the config schema), `recommended` config values,
 `uses_local_devices`, `supports_pipeline`, `supports_jit_compile`,
 `zero_collectives`, `collective_checkpoints`, `launch` (a `Launch`: roles, restart policy,
-server tasks, wrapper command) and `plan_command` (the planner's command line).
+server tasks, rendezvous) and `plan_command` (the planner's command line).
 
 Example (any registered strategy; see `tfdist.strategies.names()`):
 
@@ -56,9 +56,10 @@ class Launch:
     `roles`: the task types of its cluster, the first one the chief (its exit 0 ends the run).
     `restart_alone`: roles whose dead task is restarted alone; any other failure restarts the
     whole group (abort and restart, for synchronous training). `servers`: roles that serve until
-    stopped, stopped as soon as the chief is done. `wrapper(n, argv, hosts)`: the argv of one
-    process that starts the n ranks itself (horovodrun; no TF_CONFIG then), on `hosts` (None: this
-    one), or None. `server_module`: a module that serves (`python -m <it> <strategy>`:
+    stopped, stopped as soon as the chief is done. `rendezvous`: None for TF_CONFIG, else a
+    class whose instance gives each task its place instead (Horovod's rank variables:
+    `start(addresses, interfaces, here)` -> a dict of variables per task, `stop()`).
+    `server_module`: a module that serves (`python -m <it> <strategy>`:
     `tfdist.cli.serve`), run on the `servers` when the launched command is a user's own program,
     so that it runs on the chief only.
     `elastic`: None if the group can change size while the job runs (`tfdist.launch.elastic`),
@@ -72,7 +73,7 @@ class Launch:
     roles: tuple = ("worker",)
     restart_alone: tuple = ()
     servers: tuple = ()
-    wrapper: object = None
+    rendezvous: object = None
     server_module: str = None
     elastic: str = "it runs a fixed group"
     ray: str = "its processes are not Ray Train workers"

@@ -73,11 +73,11 @@ def _import_horovod():
 def horovodrun_argv(n, argv, hosts=None):
     """`horovodrun` for `n` ranks over Gloo: on this host, on the loopback interface only; or on
     `hosts`, round robin (horovodrun starts the others' ranks through ssh and finds the
-    interface the hosts share)."""
-    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    if not os.path.exists(exe):
-        exe = shutil.which("horovodrun")
-    if not exe:
+    interface the hosts share). It is Horovod's own launcher, run through
+    `tfdist.launch.horovodrun` (which answers its build check without importing TensorFlow);
+    `tfdist launch --strategy=horovod` starts the ranks itself instead (`Rendezvous`)."""
+    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "horovodrun")) and \
+            not shutil.which("horovodrun"):
         raise UsageError("--strategy=horovod needs horovodrun: install Horovod with `make horovod`")
     if hosts:
         slots = {}
@@ -86,7 +86,81 @@ def horovodrun_argv(n, argv, hosts=None):
         where = ["-H", ",".join(f"{h}:{c}" for h, c in slots.items())]
     else:
         where = ["-H", f"localhost:{n}", "--network-interfaces", "lo"]
-    return [exe, "-np", str(n), *where, "--gloo", *argv]
+    return [sys.executable, "-m", "tfdist.launch.horovodrun", "-np", str(n), *where, "--gloo",
+            *argv]
+
+
+def slots(addresses):
+    """Horovod's SlotInfo of each rank (in order), for the host address of each: what
+    horovodrun assigns (rank; local rank and size on its host; cross rank and size among the
+    ranks of that local rank).
+
+    >>> [s.to_response_string() for s in slots(["a", "a", "b"])]
+    ['0,3,0,2,0,2', '1,3,1,2,0,1', '2,3,0,1,1,2']
+    """
+    from horovod.runner.common.util.hosts import SlotInfo
+    hosts = list(dict.fromkeys(addresses))
+    local = [addresses[:i].count(a) for i, a in enumerate(addresses)]
+    out = []
+    for rank, (address, local_rank) in enumerate(zip(addresses, local)):
+        # the cross group: the ranks with this local rank, one per host that has it
+        with_local = [h for h in hosts if addresses.count(h) > local_rank]
+        out.append(SlotInfo(hostname=address, rank=rank, local_rank=local_rank,
+                            cross_rank=with_local.index(address), size=len(addresses),
+                            local_size=addresses.count(address), cross_size=len(with_local)))
+    return out
+
+
+def rank_env(slot, rendezvous, port, interface):
+    """The variables `horovodrun --gloo` gives a rank: its slot (`slots`), the rendezvous
+    server's address and port, Gloo as controller and CPU operations, and the network interface
+    of its host's address (Gloo binds it)."""
+    return {"HOROVOD_HOSTNAME": slot.hostname, "HOROVOD_RANK": str(slot.rank),
+            "HOROVOD_SIZE": str(slot.size), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+            "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous,
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port), "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": interface}
+
+
+class Rendezvous:
+    """Horovod's ranks as `tfdist launch` starts them, without horovodrun: Horovod's Gloo
+    rendezvous server (`horovod.runner.http.http_server.RendezvousServer`, what horovodrun
+    starts), told each group's plan, and each rank's variables (`rank_env`). Each rank is then a
+    task of tfdist's supervisor, started warm by its host's agent, its exit status its own.
+
+    >>> r = Rendezvous()
+    >>> env = r.start(["127.0.0.1", "127.0.0.1"], ["lo", "lo"], here="127.0.0.1")
+    >>> [e["HOROVOD_RANK"] for e in env], env[1]["HOROVOD_LOCAL_SIZE"]
+    (['0', '1'], '2')
+    >>> r.stop()
+    """
+
+    def __init__(self):
+        self.server = None
+
+    def start(self, addresses, interfaces, here):
+        """The variables of each rank of a group on `addresses` (a host's address per rank;
+        `interfaces`: the interface holding each), met at `here` (this machine's address as the
+        ranks reach it)."""
+        try:
+            from horovod.runner.http.http_server import RendezvousServer
+        except ImportError as e:
+            raise UsageError(f"strategy horovod needs Horovod ({e}); install it with `make "
+                             f"horovod` (builds Horovod 0.28.1 for this TensorFlow)") from None
+        plan = slots(addresses)
+        if self.server is None:
+            self.server = RendezvousServer()
+            self.port = self.server.start()
+        self.server.init(plan)  # (a new group: a new plan, the old one's state forgotten)
+        return [rank_env(s, here, self.port, i) for s, i in zip(plan, interfaces)]
+
+    def stop(self):
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
 
 
 class Horovod(Strategy):
@@ -101,9 +175,9 @@ class Horovod(Strategy):
                        "one of " + ", ".join(_LR_SCALING) + " (linear: lr x ranks)"),
         **buckets.OPTIONS,
     }
-    # One horovodrun, which starts and stops the ranks itself; any failure restarts it.
-    # On Ray, each rank a Ray Train worker, met through Horovod's Gloo rendezvous.
-    launch = Launch(wrapper=horovodrun_argv, elastic=None, ray=None, ray_backend="horovod_gloo")
+    # Each rank a task of tfdist launch, met through Horovod's Gloo rendezvous (any failure
+    # restarts the group); on Ray, each rank a Ray Train worker, met the same way.
+    launch = Launch(rendezvous=Rendezvous, elastic=None, ray=None, ray_backend="horovod_gloo")
     process_wide = True  # a rank's every model trains under it
 
     def __init__(self, compression="none", lr_scaling="none", bucket_mb=buckets.BUCKET_MB,

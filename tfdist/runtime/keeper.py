@@ -1,0 +1,280 @@
+"""A host's keeper: the newest in-memory snapshots of the training state, in a process of its own.
+
+`tfdist launch` starts one keeper on each host it uses (its warm agent forks it before importing
+TensorFlow: `tfdist/launch/agent.py`). Every training process sends its snapshot of each step
+to its own host's keeper, and, when its state is a shard that no other replica holds (ZeRO), a
+copy to the keeper of a peer on another host (Gemini, SOSP 2023). The keeper outlives the
+training processes of its host, which a failed group's restart stops, and dies with its host:
+a replacement takes the state from a surviving keeper's memory, not from disk
+(`tfdist.callbacks.memory`).
+
+A snapshot is `(owner, step)`: the rank whose state it is, and the step it was taken after; its
+`meta` (JSON: the group's size, whether it is a shard) and its files (name -> bytes: the backup
+files of that rank, as `tfdist.callbacks.BackupAndRestore` writes them). Per owner the keeper
+keeps the newest `KEEP` snapshots, and the newest whose step is a multiple of its `anchor` (the
+peer copies' interval), so that a full set at one step outlives the newer local ones.
+
+Protocol: TCP; each message is a 4-byte length, a JSON header, then the bytes its header counts.
+`put` (after `pending`, which `settle` waits for), `list`, `settle`, `get`, `trim`.
+
+Example (a keeper in this process, for the example; `start` forks one):
+
+    >>> from tfdist.runtime import keeper
+    >>> server = keeper.serve_in_thread("127.0.0.1")
+    >>> k = keeper.Client(server.address)
+    >>> k.put(0, 7, {"size": 1}, {"ckpt-7.index": b"abc"})
+    >>> [(h["owner"], h["step"]) for h in k.list()["held"]]
+    [(0, 7)]
+    >>> k.get(0, 7)["ckpt-7.index"]
+    b'abc'
+    >>> k.close(); server.shutdown()
+"""
+import json
+import os
+import socket
+import socketserver
+import struct
+import sys
+import threading
+import time
+
+from tfdist.runtime import process
+
+KEEP = 2  # snapshots kept per owner (and its newest at a multiple of its anchor)
+_HEADER = struct.Struct("!I")
+
+
+class KeeperError(Exception):
+    """A keeper could not be reached, or lost the connection, or lacks what was asked."""
+
+
+# -- the wire ------------------------------------------------------------------------------------
+def _recv_exact(sock, n):
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise KeeperError("the connection closed")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _send(sock, header, payload=()):
+    data = json.dumps(header).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+    for part in payload:
+        sock.sendall(part)
+
+
+def _recv(sock):
+    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    return json.loads(_recv_exact(sock, n))
+
+
+# -- the keeper ----------------------------------------------------------------------------------
+class Store:
+    """The snapshots, and the pushes announced but not yet complete."""
+
+    def __init__(self):
+        self.held = {}  # (owner, step) -> {"meta", "files", "at"}
+        self.pending = {}  # connection id -> (owner, step)
+        self.changed = threading.Condition()
+
+    def put(self, owner, step, meta, files):
+        with self.changed:
+            self.held[owner, step] = {"meta": meta, "files": files, "at": time.time()}
+            anchor = int(meta.get("anchor") or 0)
+            steps = sorted((s for o, s in self.held if o == owner), reverse=True)
+            keep = set(steps[:KEEP])
+            keep |= set([s for s in steps if anchor and s % anchor == 0][:1])
+            for s in steps:
+                if s not in keep:
+                    del self.held[owner, s]
+            self.changed.notify_all()
+
+    def listing(self):
+        with self.changed:
+            return {"held": [{"owner": o, "step": s, "meta": x["meta"],
+                              "bytes": sum(len(b) for b in x["files"].values())}
+                             for (o, s), x in sorted(self.held.items())],
+                    "pending": sorted(self.pending.values())}
+
+    def settle(self, timeout):
+        with self.changed:
+            self.changed.wait_for(lambda: not self.pending, timeout)
+        return self.listing()
+
+    def trim(self, after):
+        with self.changed:
+            for key in [k for k in self.held if k[1] > after]:
+                del self.held[key]
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self):
+        store, me = self.server.store, id(self)
+        try:
+            while True:
+                try:
+                    h = _recv(self.request)
+                except (KeeperError, OSError, ValueError):
+                    return
+                op = h.get("op")
+                if op == "pending":
+                    with store.changed:
+                        store.pending[me] = (h["owner"], h["step"])
+                    _send(self.request, {"ok": True})
+                elif op == "put":
+                    files = {name: _recv_exact(self.request, n) for name, n in h["files"]}
+                    with store.changed:
+                        store.pending.pop(me, None)
+                    store.put(h["owner"], h["step"], h["meta"], files)
+                    _send(self.request, {"ok": True})
+                elif op == "list":
+                    _send(self.request, store.listing())
+                elif op == "settle":
+                    _send(self.request, store.settle(float(h.get("timeout", 1.0))))
+                elif op == "trim":
+                    store.trim(int(h["after"]))
+                    _send(self.request, {"ok": True})
+                elif op == "get":
+                    with store.changed:
+                        snap = store.held.get((h["owner"], h["step"]))
+                    if snap is None:
+                        _send(self.request, {"error": f"no snapshot of rank {h['owner']} at "
+                                                      f"step {h['step']}"})
+                        continue
+                    names = [n for n in sorted(snap["files"])
+                             if h.get("names") is None or n in h["names"]]
+                    _send(self.request, {"meta": snap["meta"],
+                                         "files": [[n, len(snap["files"][n])] for n in names]},
+                          [snap["files"][n] for n in names])
+                else:
+                    _send(self.request, {"error": f"unknown op {op!r}"})
+        finally:
+            with store.changed:
+                if store.pending.pop(me, None) is not None:
+                    store.changed.notify_all()
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address):
+        super().__init__((address, 0), _Handler)
+        self.store = Store()
+        self.address = f"{address}:{self.server_address[1]}"
+
+
+def serve_in_thread(address):
+    """A keeper served by a thread of this process (tests, examples); `.shutdown()` ends it."""
+    server = _Server(address)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def start(address):
+    """Forks this host's keeper, listening on `address` (a free port). Returns (pid, "host:port").
+    The keeper imports nothing beyond the standard library, and dies with its parent."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setsid()
+            process.die_with_parent()
+            process.name_self("tfdist-keeper")
+            process.set_title(f"tfdist-keeper {address}")
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)
+            os.dup2(null, 1)
+            server = _Server(address)
+            os.write(w, server.address.encode())
+            os.close(w)
+            server.serve_forever()
+            code = 0
+        except BaseException as e:  # noqa: BLE001
+            print(f"tfdist: keeper at {address}: {e}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        where = f.read().decode()
+    return pid, where or None
+
+
+# -- the client ----------------------------------------------------------------------------------
+class Client:
+    """A connection to the keeper at "host:port". Each call waits at most `timeout` s (for the
+    whole of a `get`: `timeout` per MiB more, at least)."""
+
+    def __init__(self, address, timeout=10.0):
+        self.address = address
+        self.timeout = timeout
+        self._sock = None
+
+    def _connect(self):
+        if self._sock is None:
+            host, _, port = self.address.rpartition(":")
+            try:
+                self._sock = socket.create_connection((host, int(port)), timeout=self.timeout)
+            except OSError as e:
+                raise KeeperError(f"keeper {self.address} unreachable ({e})") from None
+        return self._sock
+
+    def _call(self, header, payload=(), timeout=None):
+        sock = self._connect()
+        try:
+            sock.settimeout(timeout or self.timeout)
+            _send(sock, header, payload)
+            reply = _recv(sock)
+        except (OSError, KeeperError, ValueError) as e:
+            self.close()
+            raise KeeperError(f"keeper {self.address}: {e}") from None
+        if "error" in reply:
+            raise KeeperError(f"keeper {self.address}: {reply['error']}")
+        return reply
+
+    def pending(self, owner, step):
+        self._call({"op": "pending", "owner": owner, "step": step})
+
+    def put(self, owner, step, meta, files):
+        names = sorted(files)
+        size = sum(len(files[n]) for n in names)
+        self._call({"op": "put", "owner": owner, "step": step, "meta": meta,
+                    "files": [[n, len(files[n])] for n in names]}, [files[n] for n in names],
+                   timeout=self.timeout + size / 2**20 * 0.1)
+
+    def list(self):
+        return self._call({"op": "list"})
+
+    def settle(self, timeout):
+        return self._call({"op": "settle", "timeout": timeout}, timeout=self.timeout + timeout)
+
+    def trim(self, after):
+        self._call({"op": "trim", "after": after})
+
+    def get(self, owner, step, names=None):
+        """{name: bytes} of the snapshot of `owner` at `step` (only `names`, if given)."""
+        sock = self._connect()
+        try:
+            sock.settimeout(self.timeout)
+            _send(sock, {"op": "get", "owner": owner, "step": step, "names": names})
+            reply = _recv(sock)
+            if "error" in reply:
+                raise KeeperError(f"keeper {self.address}: {reply['error']}")
+            return {name: _recv_exact(sock, n) for name, n in reply["files"]}
+        except (OSError, KeeperError, ValueError) as e:
+            self.close()
+            raise KeeperError(f"keeper {self.address}: {e}") from None
+
+    def close(self):
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
