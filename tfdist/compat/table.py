@@ -6,10 +6,12 @@ issue it works around (or, where none was found, why it is needed), what breaks 
 test that fails without it, and a fingerprint of its targets' source at the versions it was
 tested on (`TESTED`).
 
-On any other Keras or TensorFlow version, importing tfdist's patches says so in one line, and
+On any other Keras or TensorFlow version, the first use of a patch says so in one line, and
 compares each row's fingerprint with the installed targets': a row whose target changed is
 refused (`using` raises a one-line `UsageError` when a run needs it); one whose target is the
-same applies as tested. Nothing is applied silently on code it was not written for.
+same applies as tested. Nothing is applied silently on code it was not written for. A row whose
+targets are Horovod's is guarded by Horovod's version the same way (`TESTED_HOROVOD`), without
+importing Keras or TensorFlow.
 `TFDIST_DISABLE_PATCHES=<row>,...` (or `disable`) switches rows off, to show what each is for:
 run its test with it off.
 
@@ -33,6 +35,8 @@ from tfdist.errors import UsageError
 #: The versions every row was written and tested for.
 TESTED = {"keras": "3.15.1", "tensorflow": "2.21.0"}
 PINNED = TESTED  # (its earlier name)
+#: The Horovod version its rows (targets in `horovod.`) were written and tested for.
+TESTED_HOROVOD = "0.28.1"
 
 _K = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer"
 _OPT = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
@@ -260,12 +264,25 @@ PATCHES = {
         "started (its thread pools' locks held by threads the fork does not have)",
         "tests/test_warm.py::test_a_process_whose_runtime_started_forks_no_worker",
         "ef0bea55722a"),
+    "horovod_built_check": Patch(
+        ("horovod_built", "patch_horovodrun"),
+        ("horovod.common.util:_check_extension_lambda", "horovod.runner.launch:check_build"),
+        "none found: horovodrun learns how Horovod was built (gloo_built, mpi_built, ...) by "
+        "importing horovod.tensorflow, and with it all of TensorFlow, in a forked process, "
+        "once per question",
+        "every horovodrun costs a fresh TensorFlow import (2-3 s of CPU here) before any rank "
+        "starts; the suite ran 61 of them",
+        "tests/test_horovod.py::test_horovodrun_answers_its_build_check_without_tensorflow",
+        "045ba8252005"),
 }
 
 
 def source_link(target):
     """The upstream source file of `target` at the tested versions, as a URL."""
     module = target.partition(":")[0]
+    if module.startswith("horovod."):
+        return (f"https://github.com/horovod/horovod/blob/v{TESTED_HOROVOD}/"
+                f"{module.replace('.', '/')}.py")
     if module.startswith("keras."):
         return (f"https://github.com/keras-team/keras/blob/v{TESTED['keras']}/"
                 f"{module.replace('.', '/')}.py")
@@ -310,6 +327,11 @@ def fingerprint(targets):
     return h.hexdigest()[:12]
 
 
+def horovod_row(name):
+    """Whether row `name`'s targets are Horovod's (guarded by its version, not Keras's)."""
+    return all(t.startswith("horovod.") for t in PATCHES[name].targets)
+
+
 def installed():
     import keras
     import tensorflow as tf
@@ -344,6 +366,10 @@ def using(name):
     target changed on these versions (never applied on code it was not written for)."""
     if name not in PATCHES:
         raise ValueError(f"unknown patch {name!r}")
+    if horovod_row(name):
+        _guard_horovod()
+    else:
+        guard()
     if name in refused:
         raise UsageError(f"tfdist's patch {name} relies on upstream code that changed in the "
                          f"installed {', '.join(f'{k} {v}' for k, v in installed().items())} "
@@ -352,12 +378,37 @@ def using(name):
     return name not in disabled
 
 
+_guarded = set()  # the libraries whose versions were checked
+
+
+def guard():
+    """The version guard of the Keras and TensorFlow rows, once (at the first use of one)."""
+    if "keras" not in _guarded:
+        _guarded.add("keras")
+        _guard()
+
+
 def _guard():
     versions = installed()
     if versions == TESTED:
         return
-    refused.update(name for name, p in PATCHES.items() if fingerprint(p.targets) != p.fingerprint)
+    refused.update(name for name, p in PATCHES.items()
+                   if not horovod_row(name) and fingerprint(p.targets) != p.fingerprint)
     print(version_line(versions, sorted(refused)), file=sys.stderr, flush=True)
 
 
-_guard()
+def _guard_horovod():
+    if "horovod" in _guarded:
+        return
+    _guarded.add("horovod")
+    import horovod
+    if horovod.__version__ == TESTED_HOROVOD:
+        return
+    changed = [name for name, p in PATCHES.items()
+               if horovod_row(name) and fingerprint(p.targets) != p.fingerprint]
+    refused.update(changed)
+    print(f"tfdist: warning: horovod {horovod.__version__} (tfdist is tested with "
+          f"{TESTED_HOROVOD}): " + (f"the upstream code of patch(es) {', '.join(changed)} "
+                                     f"changed, so they are refused; see docs/upstream.md"
+                                     if changed else "the upstream code of its patches is "
+                                     "unchanged, so they apply"), file=sys.stderr, flush=True)
