@@ -187,6 +187,12 @@ def _backup():
     s.keep = 2
     s.delete_on_success = True
     s.asynchronous = True  # written in the background while training goes on
+    # In memory (tfdist/callbacks/memory.py), under tfdist launch: each process's state after
+    # every memory_every_steps steps in its host's keeper (0: none), and a ZeRO shard's copy in
+    # a peer host's keeper every peer_every_steps. A restarted group takes its state from
+    # there (a lost host's too: a spare's), and the disk backup remains for the rest.
+    s.memory_every_steps = 1
+    s.peer_every_steps = 1
     # Preemption (tfdist/runtime/preemption.py): on these signals the run finishes its step,
     # writes a backup within grace_secs and exits with status 75 ("resume me").
     s.preemption_signals = "TERM,USR1"
@@ -298,6 +304,10 @@ _RULES = {
     "backup.every_steps": (lambda v: isinstance(v, int) and v >= 0,
                            "an integer >= 0 (0: epoch ends only)"),
     "backup.keep": (_positive_int, "an integer > 0"),
+    "backup.memory_every_steps": (lambda v: isinstance(v, int) and v >= 0,
+                                  "an integer >= 0 (0: no snapshots in memory)"),
+    "backup.peer_every_steps": (_positive_int, "an integer > 0, a multiple of "
+                                               "backup.memory_every_steps"),
     "backup.asynchronous": (lambda v: isinstance(v, bool), "True or False"),
     "backup.preemption_signals": (
         lambda v: all(n.strip().upper() in _SIGNALS for n in v.split(",") if n.strip()),
@@ -363,6 +373,11 @@ def validate(c):
         raise UsageError(f"zero.offload={c.zero.offload} needs ZeRO: set zero.stage to 1 or 2 "
                          f"(the optimizer state off the device) or 3 (also the weights), under "
                          f"horovod or multi_worker_mirrored")
+    b = c.backup
+    if b.memory_every_steps and b.peer_every_steps % b.memory_every_steps:
+        raise UsageError(f"backup.peer_every_steps ({b.peer_every_steps}) must be a multiple of "
+                         f"backup.memory_every_steps ({b.memory_every_steps}): a peer's copy is "
+                         f"one of the snapshots")
     if t.min_learning_rate > t.learning_rate:
         raise UsageError("train.min_learning_rate must not exceed train.learning_rate")
     if t.warmup_steps >= t.steps:

@@ -47,7 +47,7 @@ from tfdist.models.state import plain_gpt
 from tfdist.optimizers import make_optimizer
 from tfdist.parallel import zero
 from tfdist.parallel.layout import Layout
-from tfdist.runtime import cpu
+from tfdist.runtime import cluster, cpu
 from tfdist.runtime.lock import WorkdirLock, prepare_workdir
 from tfdist.runtime.preemption import Preemption
 from tfdist.step import TrainStep
@@ -124,6 +124,9 @@ class Run:
     rollbacks: list = dataclasses.field(default_factory=list)  # loss spikes' (callbacks.spike)
     undone: int = 0  # steps run, then undone by a rollback
     offload: object = None  # ZeRO-Offload's store of this process (tfdist.parallel.zero.offload)
+    keepers: dict = None  # this process's keepers, when its state goes to memory too
+    memory: object = None  # its snapshots in memory (tfdist.callbacks.memory)
+    from_memory: tuple = None  # (the plan, the disk backup's step) of a resume from memory
     notes: list = dataclasses.field(default_factory=list)  # said once the inputs are checked
 
     @property
@@ -314,10 +317,13 @@ def _resume(run, held, overwrite):
             "store": data.manifest["source"], "fingerprint": data.fingerprint, "seed": c.seed,
             "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps}})
     run.hooks.on_backup(run.backup)  # (it holds the unsplit GPT's names: any layout restores it)
+    run.keepers = _keepers(c, strategy)
     # With --overwrite the chief deletes the old backup; the other workers must not read it
     # meanwhile. Every worker starts at step 0 then (the chief's deletion precedes its first step,
     # which no worker can finish without it).
-    run.start = run.backup.restore(run.model) if c.backup.enabled and not overwrite else 0
+    carried = []
+    if c.backup.enabled and not overwrite:
+        run.start, carried = _restore(run)
     if c.init_from and not run.start:  # (a resumed run has its own weights)
         huggingface.load_weights(run.model, huggingface.Checkpoint(c.init_from))
         run.notes.append(f"weights from the Hugging Face checkpoint in "
@@ -333,8 +339,44 @@ def _resume(run, held, overwrite):
         flush_every_steps=c.backup.every_steps if c.backup.enabled else 0,
         val_bytes_per_token=data.split("val").bytes_per_token,
         batch={"global_batch": t.batch_size, "replicas": strategy.num_replicas})
+    run.log.carry(carried)  # (the steps metrics.json had not reached, from memory)
     if strategy.is_chief:
         save_tokenizer(data, run.workdir)
+
+
+def _keepers(c, strategy):
+    """This process's keepers (`tfdist launch` gives them) when its state goes to memory: a
+    synchronous group (`Launch.recovery`), snapshots on (`backup.memory_every_steps`), no
+    offload (its state is on disk already). Else None."""
+    keepers = cluster.keepers()
+    spec = type(strategy).launch
+    if (keepers is None or not c.backup.enabled or not c.backup.memory_every_steps
+            or spec is None or spec.recovery is not None or c.zero.offload != "none"):
+        return None
+    return keepers
+
+
+def _restore(run):
+    """The step to resume at, and the step records that came with it: from the keepers' memory
+    when the launcher's plan (`tfdist.launch.recovery`) is at least as new as the newest disk
+    backup, else from disk."""
+    plan = cluster.recovery_plan() if run.keepers else None
+    disk = run.backup.newest_step()
+    if plan is None or plan["step"] < disk:
+        return run.backup.restore(run.model), []
+    rank, size = _rank(run)
+    step, carried = cb.memory.restore(run.backup, run.model, plan, rank=rank, size=size,
+                                      local=run.keepers["local"])
+    run.from_memory = (plan, disk)
+    return step, carried
+
+
+def _rank(run):
+    """(rank, size) of this process's state: its ZeRO shard's, or its worker's."""
+    sharded = zero.of(run.model)
+    if sharded is not None:
+        return sharded.collectives.rank, sharded.collectives.size
+    return run.strategy.worker_index, run.strategy.num_workers
 
 
 def _say_what_runs(run):
@@ -361,6 +403,13 @@ def _say_what_runs(run):
     if run.start == c.train.steps:  # killed after the last backup, before model.keras
         say(f"tfdist: the backup in {run.backup_dir} is at the final step {run.start}; training "
             f"is done, finishing the run")
+    elif run.from_memory:
+        plan, disk = run.from_memory
+        keepers = sorted({a for addresses in plan["sources"].values() for a in addresses})
+        say(f"tfdist: resuming from memory:{','.join(keepers)} at step {run.start} of "
+            f"{c.train.steps} (the keepers' snapshots"
+            + (", each replica's shard" if plan["sharded"] else "")
+            + f"; the newest disk backup is at step {disk})")
     elif run.start:
         say(f"tfdist: resuming from {run.backup_dir} at step {run.start} of {c.train.steps}")
 
@@ -369,7 +418,16 @@ def _callbacks(run, held, extra_callbacks):
     """tfdist's callbacks, in order: the log, the backup, the caller's, a profiled step, and the
     preemption handler last (the others see the step first)."""
     c, strategy, backup, log = run.config, run.strategy, run.backup, run.log
-    callbacks = [log] + ([backup] if c.backup.enabled else []) + list(extra_callbacks)
+    callbacks = [log] + ([backup] if c.backup.enabled else [])
+    if run.keepers:  # after the backup, whose step it reads
+        rank, size = _rank(run)
+        run.memory = cb.memory.MemorySnapshots(
+            backup, run.keepers, rank=rank, size=size, every=c.backup.memory_every_steps,
+            peer_every=c.backup.peer_every_steps, accumulate=c.train.grad_accum_steps, log=log)
+        cluster.before_hard_exit(lambda: run.memory.wait(timeout=10))
+        held.callback(run.memory.close)
+        callbacks.append(run.memory)
+    callbacks += list(extra_callbacks)
     if run.start < c.train.profile_step:  # after the log, which counts the step
         callbacks.append(cb.ProfileStep(c.train.profile_step, os.path.join(
             run.workdir, "profile", f"worker-{strategy.worker_index}"), log))
@@ -394,6 +452,8 @@ def _finish(run):
             say(f"tfdist: {_memory_line(row, layout)}")
     if c.backup.enabled:
         say(f"tfdist: {run.backup.describe()}")
+    if run.memory is not None:
+        say(f"tfdist: {run.memory.describe()}")
     if run.offload is not None:
         say(f"tfdist: {run.offload.summary()}")
     last_eval = (log.history["evals"] or [{}])[-1]

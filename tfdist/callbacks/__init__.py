@@ -1,4 +1,5 @@
-"""tfdist's Keras callbacks: the step-exact backup (`backup.py`), what a run reports (`log.py`),
+"""tfdist's Keras callbacks: the step-exact backup (`backup.py`) and its snapshots in the keepers'
+memory (`memory.py`), what a run reports (`log.py`),
 the loss-spike rollback's watch (`spike.py`), and Keras's own file-writing callbacks on a process
 that is not the chief (`workers.py`).
 
@@ -21,7 +22,7 @@ Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resum
     >>> start, cb.BackupAndRestore(run + "/backup", total_steps=10).restore(model)
     (0, 6)
 """
-from tfdist.callbacks import spike  # noqa: F401
+from tfdist.callbacks import memory, spike  # noqa: F401
 from tfdist.callbacks.backup import BackupAndRestore, model_signature  # noqa: F401
 from tfdist.callbacks.log import (  # noqa: F401
     EXTRA_LOG_PREFIX,

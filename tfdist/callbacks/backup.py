@@ -3,6 +3,7 @@
 Used by `tfdist train`; the example is in `tfdist/callbacks/__init__.py`.
 """
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -144,30 +145,39 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._state = dict(optimizer=rest, parts=self._parts, slots=self._slots,
                            shard_weights=self._shard_weights)
 
-    def backups(self):
-        """The backups on disk, newest first: those the checkpoint index names (a save killed
-        before it updated the index is not one), or, when that index itself cannot be read,
-        every `ckpt-N` whose own index file exists (and `index_unreadable` is set)."""
+    def backups(self, directory=None):
+        """The backups in `directory` (the backup dir), newest first: those the checkpoint index
+        names (a save killed before it updated the index is not one), or, when that index
+        itself cannot be read, every `ckpt-N` whose own index file exists (and
+        `index_unreadable` is set)."""
+        directory = directory or self.backup_dir
         try:
             with _index_read_quietly():
-                state = tf.train.get_checkpoint_state(self.backup_dir)
+                state = tf.train.get_checkpoint_state(directory)
         except Exception:  # noqa: BLE001 (a damaged text proto: the parser's own error types)
             state = None
         if state is not None:
             paths = list(state.all_model_checkpoint_paths)
-        elif tf.io.gfile.exists(os.path.join(self.backup_dir, "checkpoint")):
+        elif tf.io.gfile.exists(os.path.join(directory, "checkpoint")):
             self.index_unreadable = True
             paths = [p[:-len(".index")] for p in
-                     tf.io.gfile.glob(os.path.join(self.backup_dir, "ckpt-*.index"))]
+                     tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index"))]
         else:
             paths = []
-        paths = [p if os.path.isabs(p) or "://" in p else os.path.join(self.backup_dir, p)
+        paths = [p if os.path.isabs(p) or "://" in p else os.path.join(directory, p)
                  for p in paths]
         return sorted(set(paths), key=_step_of, reverse=True)
 
-    def restore(self, model):
+    def newest_step(self):
+        """The step of the newest backup on disk (0 without one); nothing is read but the
+        index."""
+        paths = self.backups()
+        return _step_of(paths[0]) if paths else 0
+
+    def restore(self, model, directory=None):
         """Restores the newest intact backup into `model` (built, compiled). Returns the step to
-        resume at (0 without a backup).
+        resume at (0 without a backup). `directory`: another place that holds a backup laid out
+        as the backup dir (a snapshot from the keepers' memory: `tfdist.callbacks.memory`).
 
         A backup that cannot be read (a truncated or overwritten file, a missing ZeRO shard) is
         reported in one line on stderr and the one before it is tried; with none readable it is
@@ -175,11 +185,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         or data is a `UsageError` too."""
         if self._ckpt is None:
             self._make_checkpoint(model)
-        candidates = self.backups()
+        directory = directory or self.backup_dir
+        candidates = self.backups(directory)
         if not candidates:
             return 0
-        if tf.io.gfile.exists(self._meta_path):
-            saved, now = read_json(self._meta_path), self._metadata(model)
+        meta = os.path.join(directory, "backup.json")
+        if tf.io.gfile.exists(meta):
+            saved, now = read_json(meta), self._metadata(model)
             for key in sorted(set(saved) | set(now)):
                 if saved.get(key) != now.get(key):
                     raise UsageError(
@@ -189,7 +201,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         damaged = []
         for path in candidates:
             try:
-                self._restore_from(path)
+                self._restore_from(path, directory)
             except (tf.errors.OpError, shards.DamagedShards) as e:
                 if isinstance(e, tf.errors.InvalidArgumentError):  # a shape or dtype: the model
                     raise UsageError(f"backup {path} does not match this model "
@@ -214,21 +226,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         raise UsageError(f"no backup in {self.backup_dir} can be read: {found}; restore it from a "
                          f"copy, or move it aside to start over (nothing was deleted)")
 
-    def _restore_from(self, path):
+    def _restore_from(self, path, directory=None):
+        directory = directory or self.backup_dir
         step = _step_of(path)
-        sharded = tf.io.gfile.isdir(shards.shard_dir(self.backup_dir, step))  # a ZeRO backup
+        sharded = tf.io.gfile.isdir(shards.shard_dir(directory, step))  # a ZeRO backup
         slots, weights = self._slots, {}
         if sharded:  # the slots (ZeRO-3: weights) this process holds, in the shards
-            names = {n for m in shards.manifests(self.backup_dir, step) for n in m["names"]}
+            names = {n for m in shards.manifests(directory, step) for n in m["names"]}
             slots = {k: v for k, v in self._opt.items() if k in names}
-            in_shards = shards.shard_weight_names(self.backup_dir, step)
+            in_shards = shards.shard_weight_names(directory, step)
             weights = {k: v for k, v in self._held.items() if k in in_shards}
         rest = {k: v for k, v in self._opt.items() if k not in slots}
         parts = {**self._parts,
                  "weights": {k: v for k, v in self._held.items() if k not in weights}}
         tf.train.Checkpoint(optimizer=rest, **parts).restore(path).assert_existing_objects_matched()
         if sharded:
-            shards.restore_slots(self.backup_dir, step, slots, weights)
+            shards.restore_slots(directory, step, slots, weights)
         elif slots:  # a backup without ZeRO holds every slot
             tf.train.Checkpoint(optimizer=slots).read(path).assert_existing_objects_matched()
 
@@ -257,6 +270,43 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.stalls.append(time.perf_counter() - start)
         if wait:
             self.wait()
+
+    def frozen_state(self):
+        """The state of now read into host memory (`snapshot.Snapshot`): what `snapshot_files`
+        writes. Every process calls it after the same step."""
+        if self._snapshot is None:
+            self._snapshot = Snapshot(self._state, live=not self.freeze)
+        return self._snapshot.freeze()
+
+    @property
+    def sharded(self):
+        """Whether this process holds a ZeRO shard that no other replica holds."""
+        return self._zero is not None
+
+    def snapshot_files(self, step, state, scratch):
+        """This replica's own whole backup of `step` from `state` (`frozen_state`), as the
+        backup dir would hold it (its checkpoint and index, its ZeRO shard, backup.json):
+        {relative path: bytes}. Written through `scratch` (an empty directory: TF's ram://
+        file system keeps it in memory), which is emptied after. No collective, no barrier."""
+        try:
+            if self._zero is not None:
+                c = self._zero.collectives
+                shards.save_shard(scratch, step, state["slots"], c.rank, c.size,
+                                  state["shard_weights"])
+            tf.train.CheckpointManager(tf.train.Checkpoint(
+                optimizer=state["optimizer"], **state["parts"]), scratch, max_to_keep=1).save(
+                checkpoint_number=step)
+            with tf.io.gfile.GFile(os.path.join(scratch, "backup.json"), "w") as f:
+                f.write(json.dumps(self._metadata(self.model)))
+            files = {}
+            for root, _, names in tf.io.gfile.walk(scratch):
+                for name in names:
+                    path = os.path.join(root, name)
+                    with tf.io.gfile.GFile(path, "rb") as f:
+                        files[path[len(scratch):].lstrip("/")] = f.read()
+            return files
+        finally:
+            remove(scratch)
 
     def wait(self):
         """Returns once no write is in flight; raises the failed write's `UsageError`."""

@@ -137,6 +137,18 @@ class TrainingLog(keras.callbacks.Callback):
         self._writer = (tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
                         if is_chief and tensorboard else None)
         self._t0 = None
+        self.flushed_step = initial_step  # the newest step metrics.json holds
+
+    def unflushed(self):
+        """The step records metrics.json does not hold yet (an in-memory snapshot carries
+        them: `tfdist.callbacks.memory`)."""
+        return [r for r in self.history["steps"] if r["step"] > self.flushed_step]
+
+    def carry(self, records):
+        """Takes the step records a snapshot carried (`unflushed`) up to this log's step: the
+        run resumed from memory at a step that metrics.json did not reach."""
+        last = self.history["steps"][-1]["step"] if self.history["steps"] else 0
+        self.history["steps"] += [r for r in records if last < r["step"] <= self.step]
 
     @property
     def losses(self):
@@ -207,6 +219,7 @@ class TrainingLog(keras.callbacks.Callback):
         self.flush()
 
     def flush(self):
+        self.flushed_step = self.step
         if self.is_chief:
             try:
                 tf.io.gfile.makedirs(self.workdir)

@@ -111,6 +111,7 @@ def run(main, argv, tensorflow=True):
         except PeerLost as e:  # TF's threads may still wait on the lost peer: end at once
             sys.stdout.flush()
             print(f"tfdist: error: {e}", file=sys.stderr, flush=True)
+            cluster.run_before_hard_exit()
             cluster.report_exit(EXIT_PEER_LOST)
             os._exit(EXIT_PEER_LOST)
         except SystemExit as e:  # (a preempted run's 75)

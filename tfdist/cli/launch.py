@@ -43,6 +43,10 @@ _HOSTS = flags.DEFINE_list("hosts", None, "Hosts (names or addresses) to run the
                            "all here, on 127.0.0.1.")
 _PORT = flags.DEFINE_integer("port", DEFAULT_PORT,
                              "With --hosts: the first port of the tasks on each host.")
+_SPARES = flags.DEFINE_integer(
+    "spares", 0, "Warm processes kept waiting to take a lost host's place at once, its state "
+    "from the surviving processes' memory: the job neither shrinks nor waits for the host. "
+    "With --hosts each spare is a host of its own, the last ones of the list.")
 _COLD = flags.DEFINE_bool("cold", False, "Start every process fresh (it imports TensorFlow, "
                           "Keras and tfdist itself) instead of as a fork of its host's warm agent, "
                           "which has imported them once (tfdist/launch/agent.py).")
@@ -101,6 +105,35 @@ def _elastic(n, strategy, spec, rest):
     if _DISCOVERY.value is not None and not _DISCOVERY.value.strip():
         raise UsageError("--discovery is empty: give a command printing host:slots lines")
     return low, high
+
+
+def _spares(hosts, spec, strategy, elastic, n):
+    """(the hosts of the tasks, the spares: hosts, or a count on this machine) of --spares;
+    UsageError for spares that cannot be used."""
+    k = _SPARES.value
+    if not k:
+        return hosts, 0
+    if k < 0:
+        raise UsageError(f"--spares must be >= 0, got {k}")
+    if spec.recovery is not None:
+        able = [s for s in strategies.names()
+                if getattr(strategies.get_class(s).launch, "recovery", "") is None]
+        raise UsageError(f"--spares cannot serve strategy {strategy}: {spec.recovery}; a spare "
+                         f"takes a lost host's place under {', '.join(able)}")
+    if elastic:
+        raise UsageError("--spares keeps the group's size, --min_workers/--max_workers/"
+                         "--discovery change it: give one or the other")
+    if _MAX_RESTARTS.value == 0:
+        raise UsageError("--spares needs restarts: a spare takes a lost host's place when the "
+                         "group restarts; set --max_restarts >= 1")
+    if hosts is None:
+        return None, k  # agents of their own on this machine
+    free = len(hosts) - min(len(hosts), n)
+    if k > free:
+        raise UsageError(f"--spares={k} needs {k} host(s) besides the {min(len(hosts), n)} the "
+                         f"{n} worker(s) take, and --hosts has {free} free: add hosts, or ask "
+                         f"for fewer spares")
+    return hosts[:len(hosts) - k], hosts[len(hosts) - k:]
 
 
 def _train_argv(args, strategy):
@@ -177,6 +210,7 @@ def main(argv):
     hosts = [h.strip() for h in _HOSTS.value or [] if h.strip()] or None
     if _HOSTS.value is not None and not hosts:
         raise UsageError("--hosts is empty: give host names or addresses, e.g. --hosts=node1,node2")
+    hosts, spares = _spares(hosts, spec, strategy, elastic, n)
     if (hosts or elastic) and not 1 <= _PORT.value <= 65535 - 64:
         raise UsageError(f"--port must be between 1 and {65535 - 64}, got {_PORT.value}")
     env = dict(os.environ)
@@ -204,7 +238,8 @@ def main(argv):
 
     common = dict(max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value, env=env,
                   log_dir=_LOG_DIR.value, port=_PORT.value, warm=not _COLD.value, agents=agents,
-                  rendezvous=spec.rendezvous() if spec.rendezvous else None)
+                  rendezvous=spec.rendezvous() if spec.rendezvous else None,
+                  recovery=spec.recovery is None and rest[0].startswith("-"))
     if elastic:
         from tfdist.launch.elastic import ElasticSupervisor, Membership
         membership = Membership(hosts=hosts, discovery=_DISCOVERY.value, max_workers=elastic[1],
@@ -215,7 +250,7 @@ def main(argv):
         sys.exit(code)
     roles = [(role, i) for role, count in _role_counts(spec, n) for i in range(count)]
     code = Supervisor(argv, roles, restart_alone=spec.restart_alone, servers=spec.servers,
-                      server_argv=server_argv, hosts=hosts, **common).run()
+                      server_argv=server_argv, hosts=hosts, spares=spares, **common).run()
     sys.exit(code)
 
 
@@ -230,6 +265,9 @@ def _on_ray(rest, n, strategy, spec):
                          f"{', '.join(able)}; {strategy} runs with tfdist launch's own engine "
                          f"(leave --engine out)")
     program = ray_train.program_of(rest)
+    if _SPARES.value:
+        raise UsageError("--spares is tfdist's own engine's: under --engine=ray Ray places and "
+                         "restarts the workers, and keeps no spare (leave --engine out)")
     if _HOSTS.value is not None or _DISCOVERY.value is not None:
         raise UsageError("--hosts and --discovery are tfdist's own engine's: under --engine=ray "
                          "Ray places the workers on its cluster's nodes (--address)")

@@ -58,6 +58,7 @@ import threading
 import time
 
 from tfdist.errors import EXIT_PREEMPTED
+from tfdist.launch import recovery
 from tfdist.launch.bind import loopback_shim  # noqa: F401  (tfdist.launch.local's, for callers)
 from tfdist.launch.hosts import DEFAULT_PORT, Host, passed_on
 from tfdist.launch.output import Output
@@ -172,7 +173,8 @@ class Supervisor:
 
     def __init__(self, argv, roles, *, restart_alone=(), servers=(), max_restarts=3, backoff=2.0,
                  env=None, log_dir=None, output=None, tf_config=True, server_argv=None,
-                 hosts=None, port=DEFAULT_PORT, rendezvous=None, warm=True, agents=None):
+                 hosts=None, port=DEFAULT_PORT, rendezvous=None, warm=True, agents=None,
+                 spares=(), recovery=False):
         self.argv = argv
         self.roles = list(roles)
         self.tf_config = tf_config and rendezvous is None
@@ -189,7 +191,21 @@ class Supervisor:
         self.log_dir = log_dir
         self.out = output or Output()
         self.warm = warm
-        self.agents = dict(agents or {})  # a host's address -> its Agent (warm.py)
+        self.agents = dict(agents or {})  # a place (`place_of`) -> its Agent (warm.py)
+        self.places = {}  # a place -> its Host (None: this machine, on 127.0.0.1)
+        # The spares' places, in the order they take a lost host's place: hosts (--hosts), or
+        # agents of their own on this machine ("127.0.0.1#spare1"; a count).
+        if isinstance(spares, int):
+            spares = [None] * spares
+        self.spares = []
+        for k, h in enumerate(spares):
+            spare = Host(h) if isinstance(h, str) else h
+            key = place_of(spare, f"spare{k + 1}")
+            self.places[key] = spare
+            self.spares.append(key)
+        self.recovery = recovery  # a synchronous group whose state goes to its keepers
+        self.plan = None  # where the next group's state comes from (tfdist.launch.recovery)
+        self.took_over = False  # a spare took a lost host's place: restart at once
         self.stop_signal = None
         self.wake = threading.Event()
         self.restarts = 0
@@ -202,28 +218,29 @@ class Supervisor:
         self.out.line(f"tfdist launch: {message}")
 
     # -- agents ----------------------------------------------------------------------------------
-    def agent(self, host):
-        """The agent of `host` (None: this machine, on 127.0.0.1), started on first use and
-        again after it was lost."""
-        key = host.address if host else "127.0.0.1"
-        agent = self.agents.get(key)
+    def agent(self, place):
+        """The agent of `place` (`place_of`), started on first use and again after it was
+        lost."""
+        agent = self.agents.get(place)
         if agent is None or not agent.alive:
+            host = self.places.get(place)
             env = {**self.env, "PYTHONUNBUFFERED": "1"}
             if host and not host.local:
                 env = {k: v for k, v in env.items() if passed_on(k, self.env)}
-            agent = self.agents[key] = Agent(env, host=host, address=key, warm=self.warm)
+            agent = self.agents[place] = Agent(env, host=host, warm=self.warm,
+                                               address=host.address if host else "127.0.0.1")
         return agent
 
-    def _ready(self, hosts):
-        """Waits until the agents of `hosts` have started (in parallel). Returns the hosts whose
-        agent did not: lost."""
-        agents = {id(h): self.agent(h) for h in hosts}
+    def _ready(self, places):
+        """Waits until the agents of `places` have started (in parallel). Returns the places
+        whose agent did not: lost."""
+        agents = {place: self.agent(place) for place in places}
         lost = []
-        for h in hosts:
+        for place, agent in agents.items():
             try:
-                agents[id(h)].ready()
+                agent.ready()
             except AgentLost:
-                lost.append(h)
+                lost.append(place)
         return lost
 
     def close_agents(self):
@@ -232,30 +249,46 @@ class Supervisor:
         self.agents = {}
 
     # -- the group -------------------------------------------------------------------------------
-    def _cluster(self):
-        cluster = {}
+    def _assign(self):
+        """Each task's place, when the group is new (or resized): the hosts round robin, else
+        this machine."""
+        if set(self.placed) == set(self.roles):
+            return
         self.placed = {}
-        if self.hosts:  # round robin; on each host the tasks take ports from --port on
+        for k, task in enumerate(self.roles):
+            host = self.hosts[k % len(self.hosts)] if self.hosts else None
+            self.placed[task] = place_of(host)
+            self.places[self.placed[task]] = host
+
+    def _cluster(self):
+        """TF_CONFIG's cluster: each task at its host's address, ports from --port on each; on
+        this machine alone, fresh 127.0.0.1 ports."""
+        self._assign()
+        cluster = {}
+        hosts = [self.places[self.placed[task]] for task in self.roles]
+        if any(hosts):
             used = {}
-            for k, (role, index) in enumerate(self.roles):
-                host = self.hosts[k % len(self.hosts)]
+            for (role, _), host in zip(self.roles, hosts):
                 port = self.port + used.get(host.address, 0)
                 used[host.address] = used.get(host.address, 0) + 1
                 cluster.setdefault(role, []).append(f"{host.address}:{port}")
-                self.placed[role, index] = host
             return cluster
         ports = iter(free_ports(len(self.roles)))
         for role, _ in self.roles:
             cluster.setdefault(role, []).append(f"127.0.0.1:{next(ports)}")
         return cluster
 
+    def host_of(self, task):
+        """The Host of `task` (None: this machine)."""
+        return self.places[self.placed[task]]
+
     def _rank_env(self):
         """{(role, index): Horovod's variables} for the group (`rendezvous`), its server
         started."""
-        hosts = [self.placed.get(k) for k in self.roles]
+        hosts = [self.host_of(k) for k in self.roles]
         addresses = [h.address if h else "127.0.0.1" for h in hosts]
-        interfaces = [(self.agent(h).info or {}).get("interfaces", {}).get(a, "lo")
-                      for h, a in zip(hosts, addresses)]
+        interfaces = [(self.agent(self.placed[k]).info or {}).get("interfaces", {}).get(a, "lo")
+                      for k, a in zip(self.roles, addresses)]
         envs = self.rendezvous.start(addresses, interfaces, here=rendezvous_address(hosts))
         return dict(zip(self.roles, envs))
 
@@ -267,13 +300,13 @@ class Supervisor:
         if self.tf_config:
             env["TF_CONFIG"] = json.dumps({"cluster": cluster,
                                            "task": {"type": role, "index": index}})
-        host = self.placed.get((role, index))
+        host = self.host_of((role, index))
         argv = self.server_argv if self.server_argv and role in self.servers else self.argv
         if host:  # its gRPC server on the host's address only (the bind shim, if preloaded)
             env["TFDIST_BIND_ADDRESS"] = host.address
         if host and not host.local:
             env = {k: v for k, v in env.items() if passed_on(k, self.env)}
-        p = self.agent(host).spawn(argv, env, os.getcwd(), name)
+        p = self.agent(self.placed[role, index]).spawn(argv, env, os.getcwd(), name)
         log = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
@@ -287,9 +320,11 @@ class Supervisor:
         for name in os.listdir(self.exit_dir):  # the last group's statuses
             os.remove(os.path.join(self.exit_dir, name))
         cluster = self._cluster()
-        hosts = list({id(h): h for h in (self.placed.get(k) for k in self.roles)}.values())
-        self._ready(hosts)
-        extra = self._rank_env() if self.rendezvous else {}
+        self._ready(sorted({*self.placed.values(), *self.spares}))
+        extra = {task: {**self._keepers(task), **recovery.environment(self.plan)}
+                 for task in self.roles}
+        for task, rank in (self._rank_env() if self.rendezvous else {}).items():
+            extra[task].update(rank)
         procs = {}
         pumps = []
         for role, index in self.roles:
@@ -301,7 +336,7 @@ class Supervisor:
         how = self._how(procs.values())
         if self.rendezvous:
             where = ", ".join(f"{task_name(r, i, True)} {h.address if h else '127.0.0.1'}"
-                              for (r, i), h in ((k, self.placed.get(k)) for k in self.roles))
+                              for (r, i), h in ((k, self.host_of(k)) for k in self.roles))
             self.say(f"started {len(procs)} Horovod rank(s) {how} ({where}; pids {pids})")
             return cluster, procs, pumps
         where = "; ".join(f"{r}: {', '.join(a)}" for r, a in cluster.items())
@@ -310,6 +345,65 @@ class Supervisor:
                  f"started {self.n} worker(s) {how} on {', '.join(cluster['worker'])} "
                  f"(pids {pids})")
         return cluster, procs, pumps
+
+    def _keepers(self, task):
+        """TFDIST_KEEPERS of `task`: its host's keeper, and a peer's on another host (the next
+        task's in the group that is elsewhere) for a shard's copy."""
+        place = self.placed[task]
+        local = self.agent(place).keeper
+        k = self.roles.index(task)
+        others = [self.placed[t] for t in self.roles[k + 1:] + self.roles[:k]]
+        peer = next((self.agent(p).keeper for p in others if p != place), None)
+        return {cluster_lib.KEEPERS: json.dumps({"local": local, "peer": peer})} if local else {}
+
+    def _settle_and_stop(self, procs):
+        """After a failure of a group whose state goes to its keepers: once the survivors'
+        sends are done, the plan of the next group (`tfdist.launch.recovery`); the survivors are
+        then SIGKILLed (their state is in memory, their backups on disk are whole), or, with no
+        plan, stopped as usual."""
+        keepers = [a.keeper for a in self.agents.values() if a.alive and a.keeper]
+        self.plan = recovery.plan(keepers)
+        if self.plan is None:
+            self.stop_tasks(list(procs.values()))
+            return
+        self.stop_tasks(list(procs.values()), grace=0.0, sig=signal.SIGKILL)
+        self.say(f"the next group's state: {recovery.describe(self.plan)}")
+
+    def _take_over(self, procs):
+        """The places lost with their agent (a lost host) given to spares, in order. Returns
+        whether a spare took one."""
+        lost = sorted({self.placed[k] for k, p in procs.items() if getattr(p, "host_lost", False)}
+                      | {place for place in set(self.placed.values())
+                         if place in self.agents and not self.agents[place].alive})
+        took = False
+        for place in lost:
+            if not self.spares:
+                self.say(f"{self.describe_place(place)} is lost and no spare is left")
+                continue
+            spare = self.spares.pop(0)
+            tasks = [t for t, p in self.placed.items() if p == place]
+            for t in tasks:
+                self.placed[t] = spare
+            self.agents.pop(place, None)
+            took = True
+            self.say(f"{self.describe_place(place)} is lost: the spare {self.describe_place(spare)}"
+                     f" takes its place ({', '.join(f'{r} {i}' for r, i in tasks)}; "
+                     f"{len(self.spares)} spare(s) left)")
+        return took
+
+    def _watch_spares(self):
+        """A spare whose agent ended while it waited is dropped, and said."""
+        for place in list(self.spares):
+            agent = self.agents.get(place)
+            if agent is not None and not agent.alive:
+                self.spares.remove(place)
+                self.say(f"the spare {self.describe_place(place)} is lost ({agent.lost}); "
+                         f"{len(self.spares)} spare(s) left")
+
+    def describe_place(self, place):
+        host = self.places.get(place)
+        return f"host {host.name}" if host else ("this machine's agent" if "#" not in place
+                                                 else f"this machine's {place.split('#')[1]}")
 
     @staticmethod
     def _how(procs):
@@ -363,6 +457,7 @@ class Supervisor:
                             self.say(f"{k[0]} {k[1]} {describe_exit(c)} "
                                      f"after the chief had finished")
                     return None
+            self._watch_spares()
             failed = [(k, c) for k, c in codes.items() if c not in (None, 0)]
             if chief_done is None and not failed and self._resize_wanted():
                 return RESIZE
@@ -425,6 +520,8 @@ class Supervisor:
                                 sig=self.stop_signal)
             elif failure == RESIZE:
                 failure = self._stop_to_resize(procs)
+            elif failure and self.recovery and not self.stop_signal:
+                self._settle_and_stop(procs)
             elif failure or self.stop_signal:
                 self.stop_tasks(list(procs.values()))
             for t, log in pumps:
@@ -456,7 +553,8 @@ class Supervisor:
             if code == 2:
                 self.say(f"{role} {index} exited with status 2 (bad usage); not restarting")
                 return 2
-            shrunk = self._shrink(failure)
+            took_over = self._take_over(procs)
+            shrunk = None if took_over else self._shrink(failure)
             if shrunk is not None:
                 if shrunk:
                     continue
@@ -466,7 +564,8 @@ class Supervisor:
                       f"{self.restarts} restart(s) (--max_restarts={self.max_restarts})",
                       file=sys.stderr, flush=True)
                 return 1
-            delay = min(self.backoff * 2 ** self.restarts, MAX_BACKOFF)
+            # a spare's takeover is no crash loop: at once
+            delay = 0.0 if took_over else min(self.backoff * 2 ** self.restarts, MAX_BACKOFF)
             self.restarts += 1
             self.say(f"{role} {index} {describe_exit(code)}; stopped the others; restart "
                      f"{self.restarts} of {self.max_restarts} in {delay:g} s")
@@ -474,6 +573,13 @@ class Supervisor:
             self.wake.wait(delay)
             if self.stop_signal:
                 return 128 + self.stop_signal
+
+
+def place_of(host, spare=None):
+    """The key of a place a task runs at: its host's address (None: this machine,
+    "127.0.0.1"), and for a spare of this machine its own ("127.0.0.1#spare1")."""
+    address = host.address if host else "127.0.0.1"
+    return f"{address}#{spare}" if spare and host is None else address
 
 
 def rendezvous_address(hosts):

@@ -289,6 +289,50 @@ def grpc_keepalive(seconds):
             "grpc.http2.max_pings_without_data=0")
 
 
+#: The keepers of a process started by `tfdist launch`: {"local": its host's, "peer": another
+#: host's or null} (`tfdist.callbacks.memory`); and the plan of a restarted group: the step and
+#: the keepers that hold each replica's state (`tfdist.launch.recovery`).
+KEEPERS, RECOVERY = "TFDIST_KEEPERS", "TFDIST_RECOVERY"
+
+
+def keepers(env=None):
+    """This process's keepers ({"local", "peer"}), or None when no launcher gave any."""
+    return _json_of((os.environ if env is None else env).get(KEEPERS), KEEPERS)
+
+
+def recovery_plan(env=None):
+    """The plan this process restores from (`tfdist.launch.recovery`), or None."""
+    return _json_of((os.environ if env is None else env).get(RECOVERY), RECOVERY)
+
+
+def _json_of(text, name):
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise UsageError(f"{name} is not valid JSON; it is set by tfdist launch, not by "
+                         f"hand") from None
+
+
+_BEFORE_HARD_EXIT = []
+
+
+def before_hard_exit(fn):
+    """Registers `fn` to run before this process ends at once (`run_before_hard_exit`: a lost
+    peer, whose TF threads may still wait on it): what must not be cut short, the newest
+    in-memory snapshot's send (`tfdist.callbacks.memory`)."""
+    _BEFORE_HARD_EXIT.append(fn)
+
+
+def run_before_hard_exit():
+    for fn in _BEFORE_HARD_EXIT:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 (the process ends anyway)
+            pass
+
+
 #: Where a process of a launched job records its exit status: horovodrun and mpirun report any
 #: rank's failure as their own status 1, so `tfdist launch` reads the ranks' own (2: bad input,
 #: 75: preempted) from here. Set by the launcher for the processes it starts.

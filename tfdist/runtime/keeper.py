@@ -80,6 +80,7 @@ class Store:
         self.held = {}  # (owner, step) -> {"meta", "files", "at"}
         self.pending = {}  # connection id -> (owner, step)
         self.changed = threading.Condition()
+        self.last = 0.0  # time.monotonic() of the newest push or announcement
 
     def put(self, owner, step, meta, files):
         with self.changed:
@@ -91,6 +92,7 @@ class Store:
             for s in steps:
                 if s not in keep:
                     del self.held[owner, s]
+            self.last = time.monotonic()
             self.changed.notify_all()
 
     def listing(self):
@@ -100,9 +102,16 @@ class Store:
                              for (o, s), x in sorted(self.held.items())],
                     "pending": sorted(self.pending.values())}
 
-    def settle(self, timeout):
+    def settle(self, timeout, quiet):
+        """The listing once no push is under way and none has come for `quiet` s (`timeout` s
+        at most): what a failed group's survivors had sent by then."""
+        deadline = time.monotonic() + timeout
         with self.changed:
-            self.changed.wait_for(lambda: not self.pending, timeout)
+            while time.monotonic() < deadline:
+                wait = self.last + quiet - time.monotonic()
+                if not self.pending and wait <= 0:
+                    break
+                self.changed.wait(min(max(wait, 0.01), deadline - time.monotonic()))
         return self.listing()
 
     def trim(self, after):
@@ -124,6 +133,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 if op == "pending":
                     with store.changed:
                         store.pending[me] = (h["owner"], h["step"])
+                        store.last = time.monotonic()
                     _send(self.request, {"ok": True})
                 elif op == "put":
                     files = {name: _recv_exact(self.request, n) for name, n in h["files"]}
@@ -134,7 +144,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 elif op == "list":
                     _send(self.request, store.listing())
                 elif op == "settle":
-                    _send(self.request, store.settle(float(h.get("timeout", 1.0))))
+                    _send(self.request, store.settle(float(h.get("timeout", 1.0)),
+                                                     float(h.get("quiet", 0.0))))
                 elif op == "trim":
                     store.trim(int(h["after"]))
                     _send(self.request, {"ok": True})
@@ -251,22 +262,30 @@ class Client:
     def list(self):
         return self._call({"op": "list"})
 
-    def settle(self, timeout):
-        return self._call({"op": "settle", "timeout": timeout}, timeout=self.timeout + timeout)
+    def settle(self, timeout, quiet=0.2):
+        """What the keeper holds once pushes under way are done and none has come for `quiet`
+        s (`timeout` s at most)."""
+        return self._call({"op": "settle", "timeout": timeout, "quiet": quiet},
+                          timeout=self.timeout + timeout)
 
     def trim(self, after):
         self._call({"op": "trim", "after": after})
 
     def get(self, owner, step, names=None):
         """{name: bytes} of the snapshot of `owner` at `step` (only `names`, if given)."""
+        return self.fetch(owner, step, names)[0]
+
+    def fetch(self, owner, step, names=None):
+        """({name: bytes}, meta) of the snapshot of `owner` at `step` (only `names`, if
+        given)."""
         sock = self._connect()
         try:
             sock.settimeout(self.timeout)
             _send(sock, {"op": "get", "owner": owner, "step": step, "names": names})
             reply = _recv(sock)
             if "error" in reply:
-                raise KeeperError(f"keeper {self.address}: {reply['error']}")
-            return {name: _recv_exact(sock, n) for name, n in reply["files"]}
+                raise KeeperError(reply["error"])
+            return {name: _recv_exact(sock, n) for name, n in reply["files"]}, reply["meta"]
         except (OSError, KeeperError, ValueError) as e:
             self.close()
             raise KeeperError(f"keeper {self.address}: {e}") from None

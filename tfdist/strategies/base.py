@@ -69,6 +69,9 @@ class Launch:
     (TF_CONFIG of its `roles`, rank 0 the chief, the `servers` only serving with
     `Strategy.start_server`: `tfdist.launch.ray_roles`) or "horovod_gloo" (Horovod's rendezvous,
     `tfdist.launch.ray_horovod`).
+    `recovery`: None if its group restarts from its processes' memory (each process's snapshots
+    in its host's keeper: `tfdist.callbacks.memory`) and a spare can take a lost host's place
+    (`tfdist launch --spares`), else why not, said when asked.
     """
     roles: tuple = ("worker",)
     restart_alone: tuple = ()
@@ -78,6 +81,7 @@ class Launch:
     elastic: str = "it runs a fixed group"
     ray: str = "its processes are not Ray Train workers"
     ray_backend: str = "tensorflow"
+    recovery: str = "its processes are not one synchronous group"
 
 
 class Strategy(KerasProgram):

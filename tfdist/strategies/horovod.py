@@ -177,7 +177,8 @@ class Horovod(Strategy):
     }
     # Each rank a task of tfdist launch, met through Horovod's Gloo rendezvous (any failure
     # restarts the group); on Ray, each rank a Ray Train worker, met the same way.
-    launch = Launch(rendezvous=Rendezvous, elastic=None, ray=None, ray_backend="horovod_gloo")
+    launch = Launch(rendezvous=Rendezvous, elastic=None, ray=None, ray_backend="horovod_gloo",
+                    recovery=None)
     process_wide = True  # a rank's every model trains under it
 
     def __init__(self, compression="none", lr_scaling="none", bucket_mb=buckets.BUCKET_MB,

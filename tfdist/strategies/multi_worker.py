@@ -29,7 +29,7 @@ class MultiWorkerMirrored(Strategy):
                **buckets.OPTIONS}
     # N workers with TF_CONFIG; any failure restarts the group (on Ray too: its workers' TF_CONFIG
     # from tfdist.launch.ray_roles).
-    launch = Launch(elastic=None, ray=None)
+    launch = Launch(elastic=None, ray=None, recovery=None)
     shards_user_models = True  # tfdist.strategies.get("multi_worker_mirrored", zero=3)
 
     @classmethod

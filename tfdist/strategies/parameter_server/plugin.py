@@ -78,6 +78,8 @@ class ParameterServer(Strategy):
     # rejoins (asynchronous training goes on without it); the servers run until stopped.
     launch = Launch(roles=_ROLES, restart_alone=("worker",), servers=("worker", "ps"),
                     server_module="tfdist.cli.serve",
+                    recovery="its state lives on the ps tasks, and a lost worker is restarted "
+                             "alone while the others train on (its steps run on them)",
                     elastic="it already trains on with the workers it has (a lost worker's "
                             "steps run on the others; it is restarted alone)",
                     ray=None)
