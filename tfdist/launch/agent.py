@@ -31,7 +31,8 @@ interpreter.
 The launcher's side (starting agents, the processes as `Popen`-like objects): `warm.py`.
 
 Protocol: one JSON object per line each way, on the agent's stdin and stdout.
-* requests: `{"op": "spawn", "id", "argv", "env", "cwd", "name", "separate"}`,
+* requests: `{"op": "spawn", "id", "argv", "env", "cwd", "name", "separate"}` (`env`: the
+  variables set on top of the agent's own environment),
   `{"op": "signal", "id", "sig"}`; end of input: the agent kills its processes and exits.
 * events: `{"ev": "ready", "pid", "keeper", "interfaces", "import_s", "refused"}`,
   `{"ev": "started", "id", "pid", "how"}`, `{"ev": "out", "id", "fd", "data"}` (bytes as
@@ -198,7 +199,7 @@ class Agent:
 
     def spawn(self, request):
         wid = request["id"]
-        env = {k: str(v) for k, v in request["env"].items()}
+        env = {**self.base_env, **{k: str(v) for k, v in request["env"].items()}}
         why = self.refused or why_not_fork()
         if why and not self.refused:
             self.refused = why

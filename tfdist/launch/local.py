@@ -225,10 +225,9 @@ class Supervisor:
         if agent is None or not agent.alive:
             host = self.places.get(place)
             env = {**self.env, "PYTHONUNBUFFERED": "1"}
-            if host and not host.local:
-                env = {k: v for k, v in env.items() if passed_on(k, self.env)}
-            agent = self.agents[place] = Agent(env, host=host, warm=self.warm,
-                                               address=host.address if host else "127.0.0.1")
+            agent = self.agents[place] = Agent(
+                env, host=host, warm=self.warm, address=host.address if host else "127.0.0.1",
+                remote_env={k: v for k, v in env.items() if passed_on(k, self.env)})
         return agent
 
     def _ready(self, places):

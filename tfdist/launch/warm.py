@@ -89,18 +89,20 @@ class WarmProcess:
 
 class Agent:
     """A host's warm agent: started here (`host` None or this machine) or on `host` through
-    ssh (`tfdist.launch.hosts.Host.remote`), with environment `env`; its keeper listens on
+    ssh (`tfdist.launch.hosts.Host.remote`), with environment `env` (there: `remote_env`, the
+    variables the launcher passes on); its keeper listens on
     `address`. `warm=False`: it imports nothing and starts every process fresh (an exec).
     `ready()` waits until it has imported everything (READY_TIMEOUT at most); `spawn` starts a
     process; `close` ends it, and every process it started."""
 
-    def __init__(self, env, host=None, address="127.0.0.1", cwd=None, warm=True):
+    def __init__(self, env, host=None, address="127.0.0.1", cwd=None, warm=True,
+                 remote_env=None):
         self.host = host
         self.address = address
         argv = [sys.executable, "-m", "tfdist.launch.agent", f"--address={address}",
                 *([] if warm else ["--cold"])]
-        if host is not None and not host.local:
-            argv = host.remote(argv, env)
+        if host is not None and not host.local:  # (ssh runs here with `env`)
+            argv = host.remote(argv, env if remote_env is None else remote_env)
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, cwd=cwd or os.getcwd(), start_new_session=True)
         self.info = None
