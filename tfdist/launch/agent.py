@@ -213,11 +213,13 @@ class Agent:
         err_r, err_w = os.pipe() if request.get("separate") else (None, None)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        agent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the new process: out of the agent's loop, to run `prog` from `main`
             try:
                 _become(request, env, out_w, err_w if err_w is not None else out_w,
-                        keep=(out_w, err_w), close=[*self.fds, out_r, err_r], cold=cold)
+                        keep=(out_w, err_w), close=[*self.fds, out_r, err_r], cold=cold,
+                        agent=agent)
             except BaseException:  # noqa: BLE001 (nothing may go back into the agent's loop)
                 import traceback
                 traceback.print_exc()
@@ -273,11 +275,11 @@ class Forked(BaseException):
         self.prog = prog
 
 
-def _become(request, env, out, err, keep, close, cold):
+def _become(request, env, out, err, keep, close, cold, agent):
     """In the fork: become the requested process (its session, name, signals, output,
     directory and environment); a cold one execs its command here."""
     os.setsid()
-    if not process.die_with_parent():  # the agent died between the fork and the prctl
+    if not process.die_with_parent(agent):  # the agent died between the fork and the prctl
         os._exit(137)
     name = f"tfdist-{request.get('name') or 'worker'}"
     process.name_self(name)

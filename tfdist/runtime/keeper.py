@@ -190,13 +190,15 @@ def start(address):
     """Forks this host's keeper, listening on `address` (a free port). Returns (pid, "host:port").
     The keeper imports nothing beyond the standard library, and dies with its parent."""
     r, w = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             os.close(r)
             os.setsid()
-            process.die_with_parent()
+            if not process.die_with_parent(parent):  # (the agent is gone already)
+                os._exit(1)
             process.name_self("tfdist-keeper")
             process.set_title(f"tfdist-keeper {address}")
             null = os.open(os.devnull, os.O_RDWR)

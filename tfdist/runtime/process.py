@@ -58,11 +58,10 @@ def title_of(pid):
         return ""
 
 
-def die_with_parent():
-    """SIGKILL to this process when its parent ends. Returns False if the parent has already
-    ended (this process is an orphan then)."""
-    parent = os.getppid()
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def die_with_parent(parent):
+    """SIGKILL to this process when its parent (pid `parent`, the process that forked it) ends.
+    Returns False if the parent has already ended (this process is an orphan then)."""
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     return os.getppid() == parent
 
 
