@@ -239,7 +239,7 @@ def main(argv):
     common = dict(max_restarts=_MAX_RESTARTS.value, backoff=_BACKOFF.value, env=env,
                   log_dir=_LOG_DIR.value, port=_PORT.value, warm=not _COLD.value, agents=agents,
                   rendezvous=spec.rendezvous() if spec.rendezvous else None,
-                  recovery=spec.recovery is None and rest[0].startswith("-"))
+                  recovery=spec.recovery is None)
     if elastic:
         from tfdist.launch.elastic import ElasticSupervisor, Membership
         membership = Membership(hosts=hosts, discovery=_DISCOVERY.value, max_workers=elastic[1],

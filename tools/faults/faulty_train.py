@@ -22,6 +22,9 @@ really ran, across restarts.
   (TFDIST_RESTART_COUNT=0), so the restarted group runs to the end. Under Horovod, where only
   rank 0 writes the backup, every rank first passes an allreduce after each step's backup, so the
   kill comes after rank 0 has written step K's.
+--kill-host-at-step K: like --kill-at-step, but the process SIGKILLs its warm agent (its parent
+  under `tfdist launch`), which takes down with it every process of its host, and the host's
+  keeper: a host lost (tests/test_recovery.py). After step K's snapshot has been taken.
 --kill-in-save N: SIGKILL inside the N-th backup save, after the checkpoint data files were written
   but before the checkpoint index was updated.
 --dump-inputs N: after training, write WORKDIR/inputs-w<i>.npy: this worker's input rows of the
@@ -97,6 +100,7 @@ def main():
     ap.add_argument("--config", default="gpt_nano")
     ap.add_argument("--kill-at-step", type=int, default=0)
     ap.add_argument("--kill-worker", type=int, default=0)
+    ap.add_argument("--kill-host-at-step", type=int, default=0)
     ap.add_argument("--kill-in-save", type=int, default=0)
     ap.add_argument("--dump-inputs", type=int, default=0)
     ap.add_argument("--skip-keras-fix", type=int, default=0)
@@ -136,6 +140,7 @@ def main():
     worker = spec.worker_index if spec else int(rank)
     first_attempt = os.environ.get("TFDIST_RESTART_COUNT", "0") == "0"
     kill_here = args.kill_at_step and worker == args.kill_worker and first_attempt
+    host_here = args.kill_host_at_step and worker == args.kill_worker and first_attempt
     signal_here = args.signal_at_step and worker == args.kill_worker and first_attempt
 
     sync_ranks = args.kill_at_step and strategy_is_horovod(args.overrides)
@@ -232,6 +237,9 @@ def main():
                     f.write(f"{self.n} {digest.hexdigest()}\n")
             if kill_here and self.n == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if host_here and self.n == args.kill_host_at_step:
+                os.kill(os.getppid(), signal.SIGKILL)  # the agent: its processes die with it
+                time.sleep(60)
             if args.fill_disk_at_step == self.n and first_attempt and worker == 0:
                 if backups:
                     backups[0].wait()
