@@ -4,6 +4,8 @@ resumes step-exactly; fp16 compression."""
 import json
 import os
 import random
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -57,6 +59,38 @@ def test_check_build():
     assert horovod.__version__ == "0.28.1"
     assert hvd.gloo_built()
     assert os.access(HOROVODRUN, os.X_OK)
+
+
+_BUILD_CHECK = """
+import os, sys
+def hook(event, args):  # (inherited by the forks that horovodrun asks in)
+    if event == "import" and args[0] == "tensorflow":
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+sys.addaudithook(hook)
+from tfdist import compat
+compat.patch_horovodrun()
+from horovod.runner import launch
+print(launch.gloo_built(), launch.mpi_built())
+"""
+
+
+def test_horovodrun_answers_its_build_check_without_tensorflow(tmp_path):
+    """horovodrun asks how Horovod was built (`tfdist.launch.horovodrun` applies the patch row
+    horovod_built_check): the answer is Horovod's own and no process imports TensorFlow for it.
+    The companion, the row switched off: Horovod's own check imports it."""
+    answers = {}
+    for row in ("on", "off"):
+        record = tmp_path / f"imports-{row}.txt"
+        env = {**os.environ, **({"TFDIST_DISABLE_PATCHES": "horovod_built_check"}
+                                if row == "off" else {})}
+        p = subprocess.run([sys.executable, "-c", _BUILD_CHECK, str(record)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        answers[row] = p.stdout.split()[-2:]
+        answers[row + " imports"] = len(record.read_text().split()) if record.exists() else 0
+    assert answers["on"] == answers["off"] == ["True", "True" if shutil.which("mpicc") else "False"]
+    assert answers["on imports"] == 0 and answers["off imports"] >= 1, answers
 
 
 @pytest.mark.slow

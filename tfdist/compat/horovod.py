@@ -68,8 +68,10 @@ def _ask():
 
 def patch_horovodrun():
     """Makes horovodrun (`horovod.runner.launch`) ask `horovod_built` instead of importing
-    TensorFlow; a question the library cannot answer falls back to Horovod's own way."""
-    using("horovod_built_check")
+    TensorFlow; a question the library cannot answer falls back to Horovod's own way. (Nothing
+    when the row is switched off.)"""
+    if not using("horovod_built_check"):
+        return
     from horovod.common import util
     from horovod.runner import launch
 

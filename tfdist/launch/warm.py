@@ -37,13 +37,13 @@ class WarmProcess:
         self.agent, self.wid, self.args = agent, wid, args
         self.pid = self.returncode = self.how = self.why = None
         self.host_lost = False
-        self._pipes = {}
+        self.pipes = {}  # 1 (and 2): the write ends of its output's pipes, while it has output
         r1, w1 = os.pipe()
-        self.stdout_fd, self._pipes[1] = r1, w1
+        self.stdout_fd, self.pipes[1] = r1, w1
         self.stderr_fd = None
         if separate:
             r2, w2 = os.pipe()
-            self.stderr_fd, self._pipes[2] = r2, w2
+            self.stderr_fd, self.pipes[2] = r2, w2
         self.started = threading.Event()
         self._done = threading.Event()
 
@@ -65,21 +65,21 @@ class WarmProcess:
     def kill(self):
         self.send_signal(9)
 
-    # (the agent's reader thread)
-    def _output(self, stream, data):
-        fd = self._pipes.get(stream) or self._pipes.get(1)
+    # (what the agent's reader thread calls)
+    def deliver(self, stream, data):
+        fd = self.pipes.get(stream) or self.pipes.get(1)
         if fd is not None:
             try:
                 os.write(fd, data)
             except OSError:
                 pass
 
-    def _eof(self):
-        for fd in self._pipes.values():
+    def close_output(self):
+        for fd in self.pipes.values():
             os.close(fd)
-        self._pipes = {}
+        self.pipes = {}
 
-    def _exit(self, code, lost=False):
+    def ended(self, code, lost=False):
         if self.returncode is None:
             self.returncode = code
             self.host_lost = lost
@@ -140,8 +140,8 @@ class Agent:
         with self._lock:
             self._procs[wid] = p
         if not self.alive:
-            p._eof()
-            p._exit(-9, lost=True)
+            p.close_output()
+            p.ended(-9, lost=True)
             return p
         self.request({"op": "spawn", "id": wid, "argv": list(argv), "env": dict(env),
                       "cwd": cwd, "name": name, "separate": separate})
@@ -176,15 +176,15 @@ class Agent:
                 p.pid, p.how, p.why = event["pid"], event["how"], event.get("why")
                 p.started.set()
             elif kind == "out":
-                p._output(event["fd"], event["data"].encode("latin-1"))
+                p.deliver(event["fd"], event["data"].encode("latin-1"))
             elif kind == "eof":
-                p._eof()
+                p.close_output()
                 if p.returncode is not None:
                     with self._lock:
                         self._procs.pop(p.wid, None)
             elif kind == "exit":
-                p._exit(event["code"])
-                if not p._pipes:
+                p.ended(event["code"])
+                if not p.pipes:
                     with self._lock:
                         self._procs.pop(p.wid, None)
         self.proc.wait()
@@ -193,8 +193,8 @@ class Agent:
         with self._lock:
             procs, self._procs = list(self._procs.values()), {}
         for p in procs:
-            p._eof()
-            p._exit(-9, lost=True)
+            p.close_output()
+            p.ended(-9, lost=True)
 
     def close(self, timeout=10.0):
         """Ends the agent (end of its input): it kills its processes and its keeper."""
