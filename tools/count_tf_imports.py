@@ -29,22 +29,25 @@ if os.environ.get("TFDIST_COUNT_IMPORTS") and not hasattr(sys, "_tfdist_counting
         if event == "import" and args[0] == "tensorflow" and not _done:
             _done.append(1)
             with open(os.environ["TFDIST_COUNT_IMPORTS"], "a") as f:
-                f.write(f"{os.getpid()} {' '.join(sys.orig_argv)[:400]}\\n")
+                argv = " ".join(sys.orig_argv).replace("\\n", " ")
+                f.write(f"{os.getpid()} {argv[:400]}\\n")
     sys.addaudithook(_tfdist_count)
 """
 PTH = "tfdist_count_imports.pth"
 
 #: (kind, a test on the command line) in order; the first that matches names the process.
 KINDS = (
-    ("tfdist warm agent", lambda a: "tfdist.launch.agent" in a),
-    ("tests' fork server", lambda a: "forkserver.py" in a),
-    ("pytest worker", lambda a: "pytest" in a or "xdist" in a or "execnet" in a),
-    ("horovodrun's launcher", lambda a: "horovodrun" in a or "multiprocessing.spawn" in a
-     or "from multiprocessing" in a),
-    ("Ray worker", lambda a: "ray" in a and ("default_worker" in a or "ray::" in a
-                                             or "/ray/" in a)),
-    ("tfdist launch (launcher)", lambda a: " launch " in f" {a} " and "tfdist" in a),
-    ("tfdist command (train, worker, rank)", lambda a: "tfdist" in a or "faulty_train" in a),
+    ("tfdist's warm agents", lambda a: "tfdist.launch.agent" in a),
+    ("horovodrun's launcher", lambda a: "horovodrun" in a.split(" -np ")[0]),
+    ("multiprocessing children", lambda a: "multiprocessing" in a),
+    ("Ray workers", lambda a: "ray/_private/workers" in a),
+    ("the tests' fork server", lambda a: "forkserver.py" in a),
+    ("tfdist launch (the launcher)", lambda a: "-m tfdist launch" in a),
+    ("the fault driver (workers, ranks, runs)", lambda a: "faulty_train.py" in a),
+    ("tfdist train (workers, ranks, runs)", lambda a: "-m tfdist train" in a),
+    ("other tfdist commands", lambda a: "-m tfdist" in a),
+    ("user programs (examples, tests/support)", lambda a: "launchers/" in a or "support/" in a),
+    ("python -c (tests)", lambda a: " -c " in f" {a} "),
     ("other", lambda a: True),
 )
 
@@ -53,10 +56,15 @@ def kind(argv):
     return next(name for name, test in KINDS if test(argv))
 
 
+def records(lines):
+    """The recorded processes' command lines, one per process ("pid argv" lines)."""
+    return [line.split(" ", 1)[1] for line in lines
+            if line.split(" ", 1)[0].isdigit() and " " in line]
+
+
 def count(lines):
     """{kind: count} of the recorded lines ("pid argv")."""
-    return dict(collections.Counter(kind(line.split(" ", 1)[1] if " " in line else "")
-                                    for line in lines if line.strip()))
+    return dict(collections.Counter(kind(argv) for argv in records(lines)))
 
 
 def main():
@@ -85,13 +93,14 @@ def main():
         lines = f.read().splitlines()
     os.remove(record.name)
     counts = count(lines)
-    print(f"\nfresh TensorFlow imports: {len(lines)} (command exit {code})")
+    total = sum(counts.values())
+    print(f"\nfresh TensorFlow imports: {total} (command exit {code})")
     print("| process | imports |\n|---|---|")
     for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
         print(f"| {name} | {n} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": command, "exit": code, "total": len(lines), "by_kind": counts,
+            json.dump({"command": command, "exit": code, "total": total, "by_kind": counts,
                        "processes": lines}, f, indent=1)
     return code
 
