@@ -7,7 +7,7 @@ HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-sample bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-disk bench-offload bench-offload-xl bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
-        chaos-ps chaos-horovod chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray \
+        chaos-ps chaos-horovod chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray chaos-spares \
         bench-node-loss plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
@@ -154,10 +154,20 @@ bench-backup: $(HOROVOD)
 bench-elastic: $(STAMP)
 	$(BIN)/python tools/bench/elastic.py
 
-# Time to resume after a node loss and to grow back: Ray against tfdist's elastic path (root).
+# What a lost host costs: seconds to the first step after it and steps trained twice, with a spare,
+# without (shrink), with cold workers; 5 rounds, MWMS then Horovod (root). The grow-back bench of
+# Ray against tfdist's elastic path: node_loss.py --variants=ray,elastic.
 bench-node-loss: $(HOROVOD) cluster-tools
 	$(BIN)/python tools/bench/node_loss.py --strategy=multi_worker_mirrored
-	$(BIN)/python tools/bench/node_loss.py --strategy=horovod --rounds=1
+	$(BIN)/python tools/bench/node_loss.py --strategy=horovod
+
+# Hosts lost under --spares, 5 trials each (root): the spare's host killed while it waits; a shard's
+# owner and its peer copy's host killed together (ZeRO-3: the disk backup); a kill while the state
+# is sent to the spare.
+chaos-spares: $(HOROVOD) cluster-tools
+	$(BIN)/python tools/faults/chaos_spares.py --fault=spare_lost
+	$(BIN)/python tools/faults/chaos_spares.py --fault=owner_and_peer
+	$(BIN)/python tools/faults/chaos_spares.py --fault=during_transfer
 
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
 # On shaped links between tools/cluster/netcluster.py's hosts (root), at 1 and 10 Gbit/s: allreduce bus

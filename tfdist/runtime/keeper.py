@@ -41,6 +41,7 @@ import time
 from tfdist.runtime import process
 
 KEEP = 2  # snapshots kept per owner (and its newest at a multiple of its anchor)
+CONNECT_TIMEOUT = 3.0  # seconds: a keeper that does not accept by then is lost (its host)
 _HEADER = struct.Struct("!I")
 
 
@@ -221,8 +222,8 @@ def start(address):
 
 # -- the client ----------------------------------------------------------------------------------
 class Client:
-    """A connection to the keeper at "host:port". Each call waits at most `timeout` s (for the
-    whole of a `get`: `timeout` per MiB more, at least)."""
+    """A connection to the keeper at "host:port", made within CONNECT_TIMEOUT s. Each call then
+    waits at most `timeout` s for each reply or part of one."""
 
     def __init__(self, address, timeout=10.0):
         self.address = address
@@ -233,7 +234,8 @@ class Client:
         if self._sock is None:
             host, _, port = self.address.rpartition(":")
             try:
-                self._sock = socket.create_connection((host, int(port)), timeout=self.timeout)
+                self._sock = socket.create_connection((host, int(port)),
+                                                      timeout=min(self.timeout, CONNECT_TIMEOUT))
             except OSError as e:
                 raise KeeperError(f"keeper {self.address} unreachable ({e})") from None
         return self._sock

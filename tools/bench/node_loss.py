@@ -1,8 +1,27 @@
-"""Time to resume after a node loss, and to grow back, under Ray (`tfdist launch --engine=ray`)
-and under `tfdist launch`'s own elastic path, in one run (root: network namespaces).
+"""What a lost host costs: the seconds from its death to the first step trained after it, and the
+steps trained twice, with a spare, without one, and with cold workers, in one run (root: network
+namespaces).
 
-    python tools/bench/node_loss.py                 # MWMS, 2 rounds (make bench-node-loss)
-    python tools/bench/node_loss.py --strategy=horovod --rounds=1
+    python tools/bench/node_loss.py                  # MWMS, 5 rounds (make bench-node-loss)
+    python tools/bench/node_loss.py --strategy=horovod
+    python tools/bench/node_loss.py --variants=ray,elastic --rounds=2    # the grow-back bench
+
+**Spares** (the default variants; bench_results/node-loss-spares-<strategy>.json). Each round
+runs, in turn, on 3 fresh hosts (tools/cluster/netcluster.py, 1 Gbit/s links) the fault driver
+(gpt_nano, tools/faults/chaos_spares.py's STEPS steps, a backup every 5) as 2 workers started on
+host 0, and SIGKILLs every process of host 1 (its link cut for good) at a seeded step:
+* **spare**: `--hosts=h0,h1,h2 --spares=1`, warm: host 2 takes host 1's place at once, with the
+  state of host 0's memory;
+* **shrink**: no spare (`--min_workers=1 --max_workers=2`, hosts 0 and 1), warm: the group waits
+  `--rejoin_timeout` (10 s) for host 1, then goes on with 1 worker, with the state of host 0's
+  memory;
+* **cold**: as spare, with `--cold`: every process imports TensorFlow, Keras and tfdist itself.
+Time to the first step: from the kill to the start of the first step logged after it. Steps
+trained twice: worker 0's executed steps beyond STEPS (0: the state of the newest step every
+survivor completed). Ratios are each variant's time over spare's, within a round.
+
+**Grow back** (`--variants=ray,elastic`; bench_results/node-loss-<strategy>.json), the bench of
+before the spares: Ray (`tfdist launch --engine=ray`) against tfdist's own elastic path:
 
 Each round runs the same trial under each engine, alternately, on 3 fresh hosts
 (tools/cluster/netcluster.py, 1 Gbit/s links): gpt_nano, 2 workers (min 1, max 2), a backup
@@ -21,7 +40,7 @@ stopped (Ray): the 1-worker group stopped for the grow at one step, backed up, a
 resumed at that step (tfdist's own path backs up at a resize by design). The ratios are
 Ray's time over tfdist's, per round (this machine is noisy: only ratios within a round count).
 
-Prints a table and writes bench_results/node-loss-<strategy>.json.
+Prints a table and writes its JSON.
 """
 import argparse
 import json
@@ -38,6 +57,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from tools.bench.common import host  # noqa: E402
 from tools.cluster.netcluster import NetCluster  # noqa: E402
 from tools.cluster.ray_cluster import RayCluster  # noqa: E402
+from tools.faults import chaos_spares  # noqa: E402
 from tools.faults.chaos_elastic import elastic_trial  # noqa: E402
 from tools.faults.chaos_partition import prepare_data  # noqa: E402
 from tools.faults.chaos_ray import (  # noqa: E402
@@ -74,13 +94,101 @@ def figures(engine, r, wall):
             "steps_once": steps == list(range(1, STEPS + 1)), "wall_s": round(wall, 1)}
 
 
+def spares_trial(variant, work, data_dir, strategy, at):
+    """One lost host under `variant` (spare, shrink, cold: the module doc); the trial's record."""
+    s = chaos_spares
+    o = s.overrides(data_dir, strategy)
+    with NetCluster(3, rate="1gbit") as net:
+        run = s.launch(net, work, o, workers=(0, 1), spares=() if variant == "shrink" else (2,),
+                       elastic=variant == "shrink", extra=["--cold"] if variant == "cold" else [])
+        killed = None
+        if run.wait(lambda: s.steps_done(work) >= at):
+            killed = s.lose(net, [1])
+            at = s.steps_done(work)
+        r = s.outcome(run, work, killed)
+    return r, at
+
+
+def spares_main(args, variants):
+    """The spares bench (module doc): `variants` in turn, `args.rounds` rounds."""
+    import random
+    s = chaos_spares
+    rng = random.Random(args.seed)
+    tmp = tempfile.mkdtemp(prefix="tfdist-node-loss-")
+    data_dir = prepare_data(os.path.join(tmp, "data"))
+    reference = s.reference_losses(tmp, data_dir, s.overrides(data_dir, args.strategy))
+    rows = []
+    for k in range(args.rounds):
+        at = rng.randint(20, 60)
+        for variant in variants:
+            work = os.path.join(tmp, f"{variant}{k}")
+            t = time.monotonic()
+            r, killed_at = spares_trial(variant, work, data_dir, args.strategy, at)
+            with open(work + ".log", "w") as f:
+                f.write(r["output"])
+            checks, diff = s.verdict(r, work, reference)
+            rows.append({"round": k, "variant": variant, "kill_at_step": killed_at,
+                         "first_step_after_s": r["resume_s"], "steps_twice": r["twice"],
+                         "resumed": r["resumed"], "exit": r["exit"], "max_loss_diff": diff,
+                         **{c.replace(" ", "_"): v for c, v in checks.items()},
+                         "wall_s": round(time.monotonic() - t, 1),
+                         "passed": all(checks.values())})
+            print(json.dumps(rows[-1]), flush=True)
+            if not rows[-1]["passed"]:
+                print(f"{r['output'][-3000:]}\n(all of it: {work}.log)", flush=True)
+    by = {v: [r for r in rows if r["variant"] == v] for v in variants}
+    summary = {}
+    for v, rs in by.items():
+        times = [r["first_step_after_s"] for r in rs if r["first_step_after_s"] is not None]
+        summary[v] = {"median_s": statistics.median(times) if times else None,
+                      "max_s": max(times) if times else None,
+                      "steps_twice": [r["steps_twice"] for r in rs],
+                      "passed": sum(r["passed"] for r in rs), "trials": len(rs)}
+    ratios = {v: [round(a["first_step_after_s"] / b["first_step_after_s"], 2)
+                  for a, b in zip(by[v], by[variants[0]])
+                  if a["first_step_after_s"] and b["first_step_after_s"]] for v in variants[1:]}
+    print(f"\ngpt_nano, {args.strategy}, 2 workers on 3 hosts (1 Gbit/s), a backup every "
+          f"{s.EVERY} steps; one host SIGKILLed and cut off mid-run\n")
+    print("| round | variant | killed at step | first step after | steps twice | resumed | "
+          "passed |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['round']} | {r['variant']} | {r['kill_at_step']} | "
+              f"{r['first_step_after_s']} s | {r['steps_twice']} | "
+              f"{', '.join(f'{w} {n}' for w, n in r['resumed'])} | "
+              f"{'yes' if r['passed'] else 'NO'} |")
+    print("\n| variant | median | max | steps twice | passed |\n|---|---|---|---|---|")
+    for v, x in summary.items():
+        print(f"| {v} | {x['median_s']} s | {x['max_s']} s | {x['steps_twice']} | "
+              f"{x['passed']} of {x['trials']} |")
+    print(f"\nover {variants[0]}, per round: " + "; ".join(f"{v} {r}" for v, r in ratios.items()))
+    out = os.path.join(ROOT, "bench_results", f"node-loss-spares-{args.strategy}.json")
+    with open(out, "w") as f:
+        json.dump({"strategy": args.strategy, "config": "configs/gpt_nano.py",
+                   "steps": s.STEPS, "backup_every": s.EVERY, "link": "1gbit",
+                   "variants": variants, "rows": rows, "summary": summary,
+                   f"over_{variants[0]}": ratios,
+                   "median_over_spare": {v: statistics.median(r) if r else None
+                                         for v, r in ratios.items()},
+                   "host": host()}, f, indent=1)
+    print(f"wrote {out}")
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--strategy", default="multi_worker_mirrored",
                     choices=["multi_worker_mirrored", "horovod"])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--kill_at", type=int, default=20)
+    ap.add_argument("--variants", default="spare,shrink,cold",
+                    help="spare, shrink, cold (the spares bench), or ray,elastic (grow back)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kill_at", type=int, default=20, help="grow back: the step of the kill")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    if set(variants) <= {"spare", "shrink", "cold"}:
+        return spares_main(args, variants)
+    if set(variants) != {"ray", "elastic"}:
+        ap.error("--variants: spare, shrink and cold, or ray and elastic")
     tmp = tempfile.mkdtemp(prefix="tfdist-node-loss-")
     data_dir = prepare_data(os.path.join(tmp, "data"))
     rows = []
