@@ -8,7 +8,7 @@ HOROVOD := $(VENV)/.horovod-installed
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-sample bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-disk bench-offload bench-offload-xl bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
         chaos-ps chaos-horovod chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray chaos-spares \
-        bench-node-loss plan-validate plan-measured clean cluster-tools
+        bench-node-loss bench-warm plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
 
@@ -160,6 +160,11 @@ bench-elastic: $(STAMP)
 bench-node-loss: $(HOROVOD) cluster-tools
 	$(BIN)/python tools/bench/node_loss.py --strategy=multi_worker_mirrored
 	$(BIN)/python tools/bench/node_loss.py --strategy=horovod
+
+# Warm workers against cold: tfdist launch to the first step, and a restart to the first step after
+# it, 2 workers of gpt_nano, MWMS then Horovod, 3 interleaved rounds (bench_results/warm-start.json).
+bench-warm: $(HOROVOD)
+	$(BIN)/python tools/bench/warm_start.py
 
 # Hosts lost under --spares, 5 trials each (root): the spare's host killed while it waits; a shard's
 # owner and its peer copy's host killed together (ZeRO-3: the disk backup); a kill while the state
