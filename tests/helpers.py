@@ -8,7 +8,8 @@ tools/faults/faulty_train.py), `tagged` (JSON result lines of a launcher's prefi
 `losses`, `executed_steps`, `steps_by_worker`, `weights`, `final_weights`, `max_diff`. The tests'
 own:
 
-* processes: `run` (a command with a hard timeout, in a fork of the fork server when it can),
+* processes: `run` (a command with a hard timeout, a process of the tests' warm agent when it
+  can),
   `tfdist` (the CLI), `run_group` (a process group killed on timeout), `driver` (the driver),
   `driver_group` (the driver as Horovod ranks or `tfdist launch` workers);
 * errors: `tf_noise`, `one_error_line`, `assert_usage_error` (exit 2, one line, no traceback);
@@ -29,6 +30,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -107,44 +109,70 @@ def single_overrides(data_dir):
 
 
 # -- processes -----------------------------------------------------------------------------------
-#: Variables read when Python or TensorFlow starts: a command whose environment changes one runs
-#: in a new process, not in a fork of the fork server.
-READ_AT_START = ("TF_", "KERAS_", "XLA_", "CUDA", "LD_", "PYTHON", "OMP_", "MKL", "TFDIST_DISABLE")
-_FORKS = None
+_AGENT = None
 
 
-def _fork_server():
-    global _FORKS
-    if _FORKS is None:
+def _agent():
+    """This pytest process's warm agent (tfdist/launch/agent.py, as `tfdist launch` starts on
+    each host): TensorFlow, Keras and tfdist imported once, each command a fork of it."""
+    global _AGENT
+    if _AGENT is None or not _AGENT.alive:
         import atexit
 
-        from tests.support.forkserver import ForkServer
-        _FORKS = ForkServer()
-        atexit.register(_FORKS.close)
-    return _FORKS
+        from tfdist.launch.warm import Agent
+        _AGENT = Agent(dict(os.environ), cwd=ROOT)
+        atexit.register(_AGENT.close)
+    return _AGENT
 
 
-def _forkable(cmd, env):
-    """Whether `cmd` can run in a fork of the fork server (see `run`)."""
-    return (cmd[0] == sys.executable and len(cmd) > 1
-            and (cmd[1] in ("-m", "-c") or cmd[1].endswith(".py"))
-            and not any(k.startswith(READ_AT_START) and k != "TF_CONFIG"
-                        and os.environ.get(k) != v for k, v in env.items()))
+def _warm(cmd, env, timeout):
+    """Runs `python <cmd[1:]>` as a process of the tests' agent; a CompletedProcess, or
+    TimeoutExpired after `timeout` s (its process group killed)."""
+    p = _agent().spawn(cmd, env, ROOT, "test", separate=True)
+    out = {}
+    readers = [threading.Thread(target=lambda fd=fd, k=k: out.__setitem__(k, _read_all(fd)),
+                                daemon=True) for k, fd in (("out", p.stdout_fd),
+                                                           ("err", p.stderr_fd))]
+    for t in readers:
+        t.start()
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(30)
+        for t in readers:
+            t.join(10)
+        raise subprocess.TimeoutExpired(cmd, timeout, out.get("out", ""),
+                                        out.get("err", "")) from None
+    for t in readers:
+        t.join(30)
+    return subprocess.CompletedProcess(cmd, p.returncode, out.get("out", ""), out.get("err", ""))
+
+
+def _read_all(fd):
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            os.close(fd)
+            return b"".join(chunks).decode(errors="replace")
+        chunks.append(chunk)
 
 
 def run(cmd, timeout=300, env=None, check=True, fresh=False):
     """Runs a command with a hard timeout; the process is ours and is killed on timeout.
 
-    A Python command (`python -m ...`, `python -c ...`, `python script.py`) runs in a fork of
-    tests/support/forkserver.py, which has TensorFlow imported (6-8 s of CPU here saved per
-    command), unless `fresh` or its environment changes what Python or TF reads at start
-    (READ_AT_START).
-    In a fork or not, it is a process of its own, in a process group of its own there."""
+    A Python command of this interpreter (`python -m ...`, `python -c ...`, `python script.py`)
+    runs as a process of the tests' warm agent (`_agent`): a fork of a process that has
+    TensorFlow, Keras and tfdist imported (2-3 s of CPU here saved per command). The agent starts
+    it fresh (an exec) itself when its environment changes what Python or TF read at start
+    (`tfdist.launch.agent.READ_AT_START`); `fresh` does so for any command. Either way it is a
+    process of its own, in a process group of its own."""
     token = harness.new_mark()  # (every process the command starts carries it)
     env = {**os.environ, **(env or {}), harness.MARK: token}
     try:
-        if _forkable(cmd, env) and not fresh:
-            p = _fork_server().run(list(cmd[1:]), env=env, cwd=ROOT, timeout=timeout)
+        if cmd[0] == sys.executable and len(cmd) > 1 and not fresh:
+            p = _warm(list(cmd), env, timeout)
         else:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                                env=env)
@@ -157,14 +185,14 @@ def run(cmd, timeout=300, env=None, check=True, fresh=False):
 
 
 def tfdist(*args, timeout=300, check=True, env=None, fresh=False):
-    """`python -m tfdist ARGS` from the repository root (in a fork of the fork server: `run`)."""
+    """`python -m tfdist ARGS` from the repository root (warm, as `run` starts it)."""
     return run(tfdist_argv(*args), timeout=timeout, check=check, env=env, fresh=fresh)
 
 
 def run_group(cmd, timeout):
     """Runs `cmd` in its own process group; on timeout that group (ours) is killed. (A Python
-    command in a fork of the fork server, as `run` does.)"""
-    if _forkable(cmd, os.environ):
+    command as a process of the tests' agent, as `run` does.)"""
+    if cmd[0] == sys.executable and len(cmd) > 1:
         try:
             return run(cmd, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as e:

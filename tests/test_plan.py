@@ -17,7 +17,7 @@ GB = 1e9
 
 
 def tfdist_plan(*args, cwd=ROOT):
-    """`tfdist plan ARGS`: in a fork of the tests' fork server from the repository root (as
+    """`tfdist plan ARGS`: as a process of the tests' warm agent from the repository root (as
     tests.helpers.run does), a new process elsewhere."""
     if cwd == ROOT:
         return run([sys.executable, "-m", "tfdist", "plan", *args], timeout=120, check=False)

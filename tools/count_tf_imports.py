@@ -9,7 +9,7 @@ How: while the command runs, a `.pth` file in the venv's site-packages (`tfdist_
 .pth`, removed at the end) adds an audit hook (`sys.addaudithook`) to every Python process that
 starts with `TFDIST_COUNT_IMPORTS` set; the first `import tensorflow` of a process appends its pid
 and command line to that file. The variable is one the tests pass on unchanged, so forks of the
-tests' fork server and of tfdist's warm agents stay forks (TF_*, PYTHON* and LD_* would make the
+tests' and tfdist's warm agents stay forks (TF_*, PYTHON* and LD_* would make the
 tests start fresh processes instead). Prints a table by kind of process and writes
 `--out` (JSON) if given.
 """
@@ -41,7 +41,7 @@ KINDS = (
     ("horovodrun's launcher", lambda a: "horovodrun" in a.split(" -np ")[0]),
     ("multiprocessing children", lambda a: "multiprocessing" in a),
     ("Ray workers", lambda a: "ray/_private/workers" in a),
-    ("the tests' fork server", lambda a: "forkserver.py" in a),
+    ("the tests' fork server (before the agents)", lambda a: "forkserver.py" in a),
     ("tfdist launch (the launcher)", lambda a: "-m tfdist launch" in a),
     ("the fault driver (workers, ranks, runs)", lambda a: "faulty_train.py" in a),
     ("tfdist train (workers, ranks, runs)", lambda a: "-m tfdist train" in a),

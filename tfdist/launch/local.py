@@ -322,6 +322,7 @@ class Supervisor:
         self._ready(sorted({*self.placed.values(), *self.spares}))
         extra = {task: {**self._keepers(task), **recovery.environment(self.plan)}
                  for task in self.roles}
+        self.plan = None  # (given to this group; a later failure plans again)
         for task, rank in (self._rank_env() if self.rendezvous else {}).items():
             extra[task].update(rank)
         procs = {}
