@@ -19,7 +19,7 @@ own:
   whole suite);
 * `once` (a directory made once per test run, shared by both pytest processes: the prepared
   corpus, the single-process reference run);
-* `children` and `task_of` (tfdist's launcher finds its processes with them).
+* `descendants` and `task_of` (a launcher's tasks: its agents' children).
 """
 import fcntl
 import hashlib
@@ -36,7 +36,7 @@ import time
 import numpy as np
 import pytest
 
-from tfdist.launch.local import children, task_of  # noqa: F401  (for the tests)
+from tfdist.launch.local import children, descendants, task_of  # noqa: F401  (for the tests)
 from tools.faults import harness
 from tools.faults.harness import (  # noqa: F401
     DRIVER,
@@ -213,19 +213,17 @@ def driver(workdir, overrides, *extra, timeout=300, check=True, env=None):
     return p, (json.loads(line[-1][len("DRIVER_RESULT "):]) if line else None)
 
 
-def driver_group(workdir, overrides, *extra, ranks=2, timeout=300, check=True, max_restarts=1):
-    """Runs the driver as `ranks` processes of `overrides["strategy.name"]`: Horovod ranks
-    (horovodrun), or workers under `tfdist launch` (restarting the group after a failure
-    `max_restarts` times, once by default, as `make chaos` does). Returns the
-    CompletedProcess."""
-    from tfdist.strategies.horovod import horovodrun_argv
-    program = driver_argv(workdir, overrides, *extra)
-    if overrides["strategy.name"] == "horovod":
-        cmd = horovodrun_argv(ranks, program)
-    else:
-        cmd = [sys.executable, "-m", "tfdist", "launch",
-               f"--strategy={overrides['strategy.name']}", f"--workers={ranks}",
-               f"--max_restarts={max_restarts}", "--backoff=0.5", "--", *program]
+def driver_group(workdir, overrides, *extra, ranks=2, timeout=300, check=True, max_restarts=None):
+    """Runs the driver as `ranks` processes of `overrides["strategy.name"]` under `tfdist launch`
+    (warm): Horovod ranks, which it starts itself (no restart unless `max_restarts`, as under
+    horovodrun), or workers (restarting the group after a failure `max_restarts` times, once by
+    default, as `make chaos` does). Returns the CompletedProcess."""
+    strategy = overrides["strategy.name"]
+    if max_restarts is None:
+        max_restarts = 0 if strategy == "horovod" else 1
+    cmd = [sys.executable, "-m", "tfdist", "launch", f"--strategy={strategy}",
+           f"--workers={ranks}", f"--max_restarts={max_restarts}", "--backoff=0.5", "--",
+           *driver_argv(workdir, overrides, *extra)]
     p = run_group(cmd, timeout)
     assert p.returncode == 0 or not check, p.stdout[-4000:] + p.stderr[-2000:]
     return p

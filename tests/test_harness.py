@@ -17,10 +17,21 @@ RANK = ("import os, sys, time; open(os.path.join(sys.argv[1], str(os.getpid())),
 
 
 def never_ends(directory):
-    """`tfdist launch` of 2 Horovod ranks that never end: horovodrun runs in a session of its own
-    (the launcher's children do), and so do its ranks (Horovod's own launcher)."""
+    """`tfdist launch` of 2 Horovod ranks that never end: its agent runs in a session of its own,
+    and so does each rank."""
     return [sys.executable, "-m", "tfdist", "launch", "--strategy=horovod", "--workers=2",
             "--max_restarts=0", "--", sys.executable, "-c", RANK, str(directory)]
+
+
+def never_ends_in_sessions_of_their_own(directory):
+    """A launcher of the same 2 ranks that starts each in a session of its own and leaves them
+    there when it ends (as horovodrun's ranks outlived `tfdist launch` before its agents)."""
+    code = ("import subprocess, sys, time\n"
+            "for _ in range(2):\n"
+            "    subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]],\n"
+            "                     start_new_session=True)\n"
+            "time.sleep(600)")
+    return [sys.executable, "-c", code, RANK, str(directory)]
 
 
 def sleepers(token):
@@ -53,15 +64,17 @@ def test_a_timed_out_horovod_launch_leaves_no_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.horovod
 def test_without_the_mark_the_ranks_outlive_their_timed_out_launcher(tmp_path):
     """The companion: the launcher's process group killed at the bound, as the harness did before
-    the mark, leaves both ranks running (found here by the mark, and then killed)."""
+    the mark, leaves both ranks running (found here by the mark, and then killed). (tfdist
+    launch's own ranks die with their host's agent, which ends when the launcher does: the
+    launcher here is one whose ranks live in sessions of their own.)"""
     import signal
     import subprocess
     import time
     token = harness.new_mark()
-    p = subprocess.Popen(never_ends(tmp_path), cwd=ROOT, start_new_session=True,
+    p = subprocess.Popen(never_ends_in_sessions_of_their_own(tmp_path), cwd=ROOT,
+                         start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env={**os.environ, harness.MARK: token})
     try:

@@ -40,7 +40,8 @@ def write_mnist(path, n=600, seed=0):
 
 def horovodrun(argv, timeout=300):
     p = run_group(horovodrun_argv(RANKS, [sys.executable, *argv]), timeout)
-    found = tagged(p.stdout, "RESULT", prefix=r"\[(\d+)\]<stdout>:")  # horovodrun's prefix
+    # horovodrun's prefix, on each write: a rank's line may follow another's progress bar
+    found = tagged(p.stdout, "RESULT", prefix=r".*?\[(\d+)\]<stdout>:")
     return p, found
 
 

@@ -349,8 +349,10 @@ def test_a_partitioned_host_aborts_the_mwms_group_which_resumes_bitwise(tmp_path
     assert "lost its cluster" in out and "stopped sending heartbeats" in out, out[-5000:]
     assert "exited with status 69" in out and "restart 1 of 4" in out, out[-5000:]
     assert "Traceback" not in out
-    (at,) = re.findall(rf"resuming from {re.escape(str(work))}/backup at step (\d+) of 40", out)
-    assert int(at) == r["cut_at"], (at, r["cut_at"])  # the newest backup before the partition
+    # the newest step both completed before the partition (from host 0's keeper: host 1's is cut
+    # off; metrics.json, read at the cut, holds the steps of the newest backup)
+    (at,) = re.findall(r"resuming from memory:\S+ at step (\d+) of 40", out)
+    assert int(at) >= r["cut_at"], (at, r["cut_at"])
     assert r["moved_on_s"] is not None and r["moved_on_s"] <= PARTITION_BOUND, r["moved_on_s"]
     assert logged_steps(work) == list(range(1, 41))
     assert max_diff(final_weights(work), final_weights(uninterrupted_mwms)) == 0.0

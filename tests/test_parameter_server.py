@@ -20,7 +20,7 @@ import tty
 
 import pytest
 
-from tests.helpers import ROOT, children, metrics, task_of, wait_until
+from tests.helpers import ROOT, descendants, metrics, task_of, wait_until
 from tfdist.data import ByteTokenizer
 
 WORKERS, MAX_RESTARTS = 2, 3  # of every launch below
@@ -105,10 +105,10 @@ class Launch:
         return self.step
 
     def pid_of(self, role, index):
-        for pid in children(self.p.pid):
+        for pid in descendants(self.p.pid):
             if task_of(pid) == (role, index):
                 return pid
-        raise AssertionError(f"no {role} {index} among the launcher's children")
+        raise AssertionError(f"no {role} {index} among the launcher's processes")
 
     def finish(self, timeout=400):
         try:
@@ -205,7 +205,7 @@ def test_a_killed_worker_is_restarted_alone_and_no_step_is_lost(tmp_path, data_d
     os.kill(killed, signal.SIGKILL)
     restarted = f"worker {worker} was killed by SIGKILL; restarting it alone"
     run.wait_for(restarted)
-    wait_until(lambda: any(task_of(p) == ("worker", worker) for p in children(run.p.pid)
+    wait_until(lambda: any(task_of(p) == ("worker", worker) for p in descendants(run.p.pid)
                            if p != killed), 60, f"new worker {worker}", proc=run.p)
     assert run.finish() == 0, run.out[-3000:]
     assert run.out.index(restarted) < run.out.index("[c0] tfdist: done:")
@@ -322,7 +322,7 @@ def test_the_chief_exits_within_a_bound_when_the_workers_are_cut_off_at_the_end(
     stopped = []
     try:
         wait_until(lambda: (tmp_path / "ended").exists(), 300, "the chief's end", proc=p)
-        tasks = {task_of(pid): pid for pid in children(p.pid)}
+        tasks = {task_of(pid): pid for pid in descendants(p.pid)}
         chief = tasks[("chief", 0)]
         for w in range(WORKERS):
             os.kill(tasks[("worker", w)], signal.SIGSTOP)

@@ -378,13 +378,13 @@ def using(name):
     return name not in disabled
 
 
-_guarded = set()  # the libraries whose versions were checked
+_guarded = {"keras_tensorflow": False, "hvd": False}  # whose versions were checked
 
 
 def guard():
     """The version guard of the Keras and TensorFlow rows, once (at the first use of one)."""
-    if "keras" not in _guarded:
-        _guarded.add("keras")
+    if not _guarded["keras_tensorflow"]:
+        _guarded["keras_tensorflow"] = True
         _guard()
 
 
@@ -398,9 +398,9 @@ def _guard():
 
 
 def _guard_horovod():
-    if "horovod" in _guarded:
+    if _guarded["hvd"]:
         return
-    _guarded.add("horovod")
+    _guarded["hvd"] = True
     import horovod
     if horovod.__version__ == TESTED_HOROVOD:
         return

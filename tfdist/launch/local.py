@@ -520,7 +520,8 @@ class Supervisor:
                                 sig=self.stop_signal)
             elif failure == RESIZE:
                 failure = self._stop_to_resize(procs)
-            elif failure and self.recovery and not self.stop_signal:
+            elif (failure and self.recovery and not self.stop_signal
+                  and failure[1] not in (EXIT_PREEMPTED, 2)):  # (a crash, a lost host)
                 self._settle_and_stop(procs)
             elif failure or self.stop_signal:
                 self.stop_tasks(list(procs.values()))
