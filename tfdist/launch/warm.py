@@ -15,6 +15,7 @@ Example (an agent on this machine; a process that it starts warm, in a fork):
 import itertools
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -37,6 +38,7 @@ class WarmProcess:
         self.agent, self.wid, self.args = agent, wid, args
         self.pid = self.returncode = self.how = self.why = None
         self.host_lost = False
+        self.output_ended = False
         self.pipes = {}  # 1 (and 2): the write ends of its output's pipes, while it has output
         r1, w1 = os.pipe()
         self.stdout_fd, self.pipes[1] = r1, w1
@@ -46,6 +48,10 @@ class WarmProcess:
             self.stderr_fd, self.pipes[2] = r2, w2
         self.started = threading.Event()
         self._done = threading.Event()
+        # Its output goes through a queue and a thread of its own into its pipes, so that a
+        # reader that falls behind holds up this process's output only, never its agent's.
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._write, daemon=True, name=f"tfdist-output-{wid}").start()
 
     def poll(self):
         return self.returncode
@@ -67,14 +73,21 @@ class WarmProcess:
 
     # (what the agent's reader thread calls)
     def deliver(self, stream, data):
-        fd = self.pipes.get(stream) or self.pipes.get(1)
-        if fd is not None:
-            try:
-                os.write(fd, data)
-            except OSError:
-                pass
+        self._queue.put((stream, data))
 
     def close_output(self):
+        self._queue.put(None)
+
+    def _write(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            fd = self.pipes.get(item[0]) or self.pipes.get(1)
+            try:
+                os.write(fd, item[1])
+            except OSError:  # (nobody reads it any more)
+                pass
         for fd in self.pipes.values():
             os.close(fd)
         self.pipes = {}
@@ -178,13 +191,14 @@ class Agent:
             elif kind == "out":
                 p.deliver(event["fd"], event["data"].encode("latin-1"))
             elif kind == "eof":
+                p.output_ended = True
                 p.close_output()
                 if p.returncode is not None:
                     with self._lock:
                         self._procs.pop(p.wid, None)
             elif kind == "exit":
                 p.ended(event["code"])
-                if not p.pipes:
+                if p.output_ended:
                     with self._lock:
                         self._procs.pop(p.wid, None)
         self.proc.wait()
