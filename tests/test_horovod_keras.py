@@ -1,6 +1,7 @@
 """`tfdist.horovod.keras`, the drop-in for `horovod.tensorflow.keras` on Keras 3: Horovod-style
 Keras programs (tests/support/horovod_keras_mnist.py, tests/support/horovod_keras_synthetic.py)
-run under `horovodrun -np 2` with ranks bitwise identical and a falling loss; the same programs
+run under `horovodrun -np 2` (the mnist example) and as the ranks of `tfdist launch
+--strategy=horovod` with ranks bitwise identical and a falling loss; the same programs
 with only the import line changed to Horovod's own API crash or leave the ranks apart (the
 companion); arguments without effect on Keras 3 are one line, impossible ones one `ValueError`."""
 import os
@@ -39,10 +40,19 @@ def write_mnist(path, n=600, seed=0):
 
 
 def horovodrun(argv, timeout=300):
+    """A Horovod Keras program under Horovod's own launcher (`tfdist.launch.horovodrun`)."""
     p = run_group(horovodrun_argv(RANKS, [sys.executable, *argv]), timeout)
     # horovodrun's prefix, on each write: a rank's line may follow another's progress bar
     found = tagged(p.stdout, "RESULT", prefix=r".*?\[(\d+)\]<stdout>:")
     return p, found
+
+
+def ranks(argv, timeout=300):
+    """The same program as ranks of `tfdist launch --strategy=horovod` (started warm)."""
+    p = run_group([sys.executable, "-m", "tfdist", "launch", "--strategy=horovod",
+                   f"--workers={RANKS}", "--max_restarts=0", "--", sys.executable, *argv],
+                  timeout)
+    return p, tagged(p.stdout, "RESULT", prefix=r".*?\[r(\d+)\] ")
 
 
 def assert_crashed_or_apart(p, found):
@@ -51,12 +61,12 @@ def assert_crashed_or_apart(p, found):
     assert broken, "Horovod's own Keras API worked on Keras 3: the drop-in may no longer be needed"
 
 
-def mnist(tmp_path, api):
+def mnist(tmp_path, api, launch=horovodrun):
     npz = tmp_path / "mnist.npz"
     write_mnist(npz)
     out = tmp_path / api
     out.mkdir()
-    return horovodrun([program("horovod_keras_mnist.py", tmp_path, api), str(npz), str(out)])
+    return launch([program("horovod_keras_mnist.py", tmp_path, api), str(npz), str(out)])
 
 
 def test_horovods_keras_mnist_example_runs_with_one_line_changed(tmp_path):
@@ -74,8 +84,9 @@ def test_horovods_keras_mnist_example_runs_with_one_line_changed(tmp_path):
 
 
 def test_with_horovods_own_keras_api_the_mnist_example_fails(tmp_path):
-    """The companion: Horovod's own horovod.tensorflow.keras on Keras 3 crashes or drifts."""
-    p, found = mnist(tmp_path, "horovod")
+    """The companion: Horovod's own horovod.tensorflow.keras on Keras 3 crashes or drifts (its
+    ranks started by tfdist launch)."""
+    p, found = mnist(tmp_path, "horovod", launch=ranks)
     assert_crashed_or_apart(p, found)
 
 
@@ -84,7 +95,7 @@ def test_with_horovods_own_keras_api_the_mnist_example_fails(tmp_path):
 def test_horovods_keras_synthetic_benchmark_runs_with_one_line_changed(tmp_path, fp16):
     argv = ([program("horovod_keras_synthetic.py", tmp_path, "tfdist")]
             + (["--fp16-allreduce"] * fp16))
-    p, found = horovodrun(argv)
+    p, found = ranks(argv)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert found[0]["weights"] == found[1]["weights"]
     assert found[0]["loss"][-1] < found[0]["loss"][0]
@@ -92,7 +103,7 @@ def test_horovods_keras_synthetic_benchmark_runs_with_one_line_changed(tmp_path,
 
 
 def test_with_horovods_own_keras_api_the_synthetic_benchmark_fails(tmp_path):
-    p, found = horovodrun([program("horovod_keras_synthetic.py", tmp_path, "horovod")])
+    p, found = ranks([program("horovod_keras_synthetic.py", tmp_path, "horovod")])
     assert_crashed_or_apart(p, found)
 
 

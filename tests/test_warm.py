@@ -111,15 +111,15 @@ def test_its_processes_die_with_the_agent():
 
 
 def test_a_process_whose_runtime_started_forks_no_worker():
-    """The guarantee's check (tfdist.launch.agent.why_not_fork) fails once an op has run: TF's
+    """The guarantee's check (tfdist.runtime.process.why_not_fork) fails once an op has run: TF's
     eager context and its thread pools exist, and the agent would start every process cold."""
-    code = ("from tfdist.launch import agent\n"
+    code = ("from tfdist.runtime import process\n"
             "from tfdist.runtime.console import quiet_tensorflow_import\n"
             "quiet_tensorflow_import()\n"
             "import tensorflow as tf\n"
-            "print(agent.why_not_fork())\n"
+            "print(process.why_not_fork())\n"
             "tf.constant(1.0) + 1\n"
-            "print(agent.why_not_fork())\n")
+            "print(process.why_not_fork())\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        cwd=ROOT)
     before, after = p.stdout.strip().splitlines()[-2:]

@@ -45,7 +45,7 @@ KINDS = (
     ("tfdist launch (the launcher)", lambda a: "-m tfdist launch" in a),
     ("the fault driver (workers, ranks, runs)", lambda a: "faulty_train.py" in a),
     ("tfdist train (workers, ranks, runs)", lambda a: "-m tfdist train" in a),
-    ("other tfdist commands", lambda a: "-m tfdist" in a),
+    ("other tfdist commands", lambda a: "-m tfdist" in a or "bin/tfdist " in f"{a} "),
     ("user programs (examples, tests/support)", lambda a: "launchers/" in a or "support/" in a),
     ("python -c (tests)", lambda a: " -c " in f" {a} "),
     ("other", lambda a: True),

@@ -34,6 +34,7 @@ import tensorflow as tf
 from tfdist.data import sources, store
 from tfdist.data import tokenizer as tokenizers
 from tfdist.errors import UsageError
+from tfdist.runtime import process
 
 BPE_SAMPLE_BYTES = 1 << 30  # a BPE is trained on at most the first 1 GiB of the training text
 DEFAULT_BPE_VOCAB = 8192
@@ -183,7 +184,11 @@ def _build(src, data_config, out, key, workers, progress):
     if todo:
         args = [(out, tok_config, *job) for job in todo]
         if workers > 1 and len(todo) > 1:
-            ctx = multiprocessing.get_context("spawn")  # no fork of a process that imported TF
+            # A fork when nothing forbids it (TF imported, its runtime not started: the check of
+            # tfdist launch's agents) and the byte tokenizer needs no thread pool; else a fresh
+            # process (spawn), which imports TF again (2-3 s of CPU).
+            fork = tok_config["kind"] == "byte" and process.why_not_fork() is None
+            ctx = multiprocessing.get_context("fork" if fork else "spawn")
             with _quiet_children() as children_stderr:  # TF's start-up notices in each child
                 pool = ctx.Pool(min(workers, len(todo)), initializer=_init_worker)
             with pool:

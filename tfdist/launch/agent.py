@@ -14,7 +14,8 @@ that importing TensorFlow costs.
 **Nothing of TensorFlow's runtime starts before the fork.** TF's runtime (its eager context,
 thread pools, gRPC servers, collectives) is made the first time an op runs or a device is
 listed; a fork of a process where it runs would share its threads' locks in a state no thread
-owns. The agent only imports modules, and before every fork it checks (`why_not_fork`) that
+owns. The agent only imports modules, and before every fork it checks
+(`tfdist.runtime.process.why_not_fork`) that
 * TensorFlow's eager context is not initialised (`tfdist.compat.tf_runtime_started`),
 * no thread of TF's runtime exists (their names begin `tf_`), and
 * no Python thread other than the main one runs (the agent's loop is one thread: `select`).
@@ -50,7 +51,6 @@ import select
 import shutil
 import signal
 import sys
-import threading
 import time
 
 from tfdist.runtime import keeper, process
@@ -61,20 +61,6 @@ READ_AT_START = ("TF_", "KERAS_", "XLA_", "CUDA", "LD_", "PYTHON", "OMP_", "MKL"
                  "DNNL", "TFDIST_DISABLE", "TFDIST_VERBOSE")
 #: ... except these, read later (TF_CONFIG by the strategy, gRPC's options at its first channel)
 READ_LATER = ("TF_CONFIG", "TF_GRPC_DEFAULT_OPTIONS", "PYTHONUNBUFFERED")
-
-def why_not_fork():
-    """Why this process may not fork a worker (TF's runtime has started), or None."""
-    if threading.active_count() > 1:
-        return f"{threading.active_count() - 1} Python thread(s) besides the main one run"
-    tf_threads = sorted(n for n in process.thread_names() if n.startswith("tf_"))
-    if tf_threads:
-        return f"TensorFlow's runtime threads run ({', '.join(tf_threads[:3])})"
-    if "tensorflow" in sys.modules:
-        from tfdist import compat
-        if compat.tf_runtime_started():
-            return "TensorFlow's runtime has started (its eager context is initialised)"
-    return None
-
 
 def differs(env, base):
     """The first variable read at start whose value in `env` is not `base`'s, or None."""
@@ -201,7 +187,7 @@ class Agent:
     def spawn(self, request):
         wid = request["id"]
         env = {**self.base_env, **{k: str(v) for k, v in request["env"].items()}}
-        why = self.refused or why_not_fork()
+        why = self.refused or process.why_not_fork()
         if why and not self.refused:
             self.refused = why
         key = differs(env, self.base_env)
@@ -376,7 +362,7 @@ def main(argv=None):
     if not args.cold:
         warm_up()
     agent = Agent(base_env, keeper_pid, cold=args.cold)
-    agent.refused = None if args.cold else why_not_fork()
+    agent.refused = None if args.cold else process.why_not_fork()
     agent.send({"ev": "ready", "pid": os.getpid(), "keeper": keeper_address,
                 "interfaces": interfaces(), "import_s": round(time.perf_counter() - start, 2),
                 "refused": agent.refused})

@@ -10,6 +10,8 @@ Example:
 import ctypes
 import os
 import signal
+import sys
+import threading
 
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 _libc = []
@@ -75,3 +77,22 @@ def thread_names():
         except OSError:
             continue
     return names
+
+
+def why_not_fork():
+    """Why this process may not fork a child that goes on without exec (TF's runtime has
+    started in it), or None: a Python thread besides the main one runs, a thread of TF's runtime
+    (`tf_*`) exists, or TF's eager context is initialised. (The threads that importing numpy and
+    TF starts, OpenBLAS's and jemalloc's, are fork-safe by their own `pthread_atfork` handlers.)
+    `tfdist.launch.agent` checks it before every fork; `tests/test_warm.py` shows it failing once
+    an op has run."""
+    if threading.active_count() > 1:
+        return f"{threading.active_count() - 1} Python thread(s) besides the main one run"
+    tf_threads = sorted(n for n in thread_names() if n.startswith("tf_"))
+    if tf_threads:
+        return f"TensorFlow's runtime threads run ({', '.join(tf_threads[:3])})"
+    if "tensorflow" in sys.modules:
+        from tfdist import compat
+        if compat.tf_runtime_started():
+            return "TensorFlow's runtime has started (its eager context is initialised)"
+    return None

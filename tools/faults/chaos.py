@@ -18,8 +18,9 @@ multi_worker_mirrored and horovod (synchronous):
 First one uninterrupted run is the reference. Then each trial picks a step at random (seeded)
 and a worker in turn (worker 0, the chief, first). That worker SIGKILLs itself right after the
 step (tools/faults/faulty_train.py), the launcher stops the group and restarts it, and training
-resumes from the backup. A backup is written after every step, with op determinism and dropout
-on. A trial passes when the launcher exits 0 after exactly one restart, every worker executed
+resumes from the survivors' snapshots in memory (or the backup: the same step). A backup is
+written after every step, with op determinism and dropout on. A trial passes when the launcher
+exits 0 after exactly one restart, every worker executed
 exactly the planned steps (none lost, none repeated), and the final weights are bitwise equal to
 the reference's.
 
@@ -57,6 +58,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -147,6 +149,9 @@ def main():
         overrides["backup.every_steps"] = 0
     if args.fault == "kill_in_write":  # slow writes (tools/faults/faulty_train.py --slow-write)
         overrides["backup.every_steps"] = 5
+        # the disk's own fault: without the survivors' memory (tfdist/callbacks/memory.py), which
+        # would restore the newer step the others completed (tools/faults/chaos_spares.py)
+        overrides["backup.memory_every_steps"] = 0
     if args.offload != "none":  # (sub-groups of 10,000 parameters: several per update)
         overrides.update({"zero.offload": args.offload, "zero.offload_subgroup": 10000})
     if args.strategy == "single":
@@ -183,7 +188,9 @@ def main():
         diff = None
         if p.returncode == 0:
             diff = max(float(abs(a - b).max()) for a, b in zip(final_weights(d), reference))
-        resumed = f"resuming from {d}/backup at step {step} of {args.steps}" in p.stdout
+        # (from the survivors' memory, or the backup: the same step)
+        resumed = bool(re.search(rf"resuming from (memory:\S+|{re.escape(d)}/backup) at step "
+                                 rf"{step} of {args.steps} ", p.stdout))
         ok = p.returncode == 0 and restarts == 1 and executed == plan and resumed and diff == 0.0
         rows.append({"trial": trial, "fault": args.fault, "killed_worker": worker,
                      "kill_after_step": step,
