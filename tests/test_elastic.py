@@ -135,9 +135,10 @@ def two_workers(tmp_path_factory, data_dir):
 def test_a_lost_host_is_dropped_and_a_new_one_joins(tmp_path, data_dir, two_workers, strategy):
     """3 hosts; the job starts on hosts 0 and 1. At step 14 every process on host 1 is SIGKILLed
     and its link cut for good (it stays in the discovery output): within 60 s the job trains on
-    host 0 alone, from its newest backup. At step 50 host 2 is offered: it joins within 60 s. The
-    run ends at step 200 with every step logged once, each with the global batch of 16, and every
-    loss equal to the uninterrupted 2-worker run's within 1e-5."""
+    host 0 alone, from host 0's memory of the newest step it completed. At step 50 host 2 is
+    offered: it joins within 60 s. The run ends at step 200 with every step logged once, each
+    with the global batch of 16, and every loss equal to the uninterrupted 2-worker run's within
+    1e-5."""
     with NetCluster(3, rate="1gbit") as net:
         r = elastic_trial(net, tmp_path / "run", data_dir, strategy, at_step=14)
     checks, diff = verdict(r, two_workers)
@@ -145,11 +146,12 @@ def test_a_lost_host_is_dropped_and_a_new_one_joins(tmp_path, data_dir, two_work
     assert all(checks.values()), (checks, diff, r["continued_s"], out[-5000:])
     assert f"{net.address(1)} not back within 10 s: dropped; going on with 1 worker(s)" in out
     assert "grow from 1 to 2 worker(s)" in out
-    # no traceback but horovodrun's own, when it ends on its rank's death
-    assert out.count("Traceback") == out.count("sys.exit(run_commandline())"), out[-5000:]
+    tracebacks = [k for k in range(len(out)) if out.startswith("Traceback", k)]
+    assert not tracebacks, out[max(0, tracebacks[0] - 500):tracebacks[0] + 4000]
     sizes = [x["replicas"] for x in r["rows"]]
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
-    assert r["resumed_at"][0] <= r["cut_at"] and r["resumed_at"][0] % chaos_elastic.EVERY == 0
+    # from memory: the step host 0 completed, at least the one the log held at the kill
+    assert r["resumed_at"][0] >= r["cut_at"] and "resuming from memory:" in out
     assert {x["global_batch"] for x in r["rows"]} == {BATCH}
 
 
