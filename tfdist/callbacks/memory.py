@@ -111,8 +111,8 @@ class MemorySnapshots(keras.callbacks.Callback):
                 if self.peer is not None and self.backup.sharded and step % self.peer_every == 0:
                     self.peer.put(self.rank, step, {**meta, "copy": True}, files)
                 self.failed = None
-            except (keeper.KeeperError, tf.errors.OpError, OSError) as e:
-                self.failed = str(e)
+            except Exception as e:  # noqa: BLE001 (said at the end; the disk backup remains)
+                self.failed = f"{type(e).__name__}: {e}"
             finally:
                 self.seconds.append(time.perf_counter() - start)
                 with self._cv:

@@ -125,49 +125,56 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self):
         store, me = self.server.store, id(self)
         try:
-            while True:
-                try:
-                    h = _recv(self.request)
-                except (KeeperError, OSError, ValueError):
-                    return
-                op = h.get("op")
-                if op == "pending":
-                    with store.changed:
-                        store.pending[me] = (h["owner"], h["step"])
-                        store.last = time.monotonic()
-                    _send(self.request, {"ok": True})
-                elif op == "put":
-                    files = {name: _recv_exact(self.request, n) for name, n in h["files"]}
-                    with store.changed:
-                        store.pending.pop(me, None)
-                    store.put(h["owner"], h["step"], h["meta"], files)
-                    _send(self.request, {"ok": True})
-                elif op == "list":
-                    _send(self.request, store.listing())
-                elif op == "settle":
-                    _send(self.request, store.settle(float(h.get("timeout", 1.0)),
-                                                     float(h.get("quiet", 0.0))))
-                elif op == "trim":
-                    store.trim(int(h["after"]))
-                    _send(self.request, {"ok": True})
-                elif op == "get":
-                    with store.changed:
-                        snap = store.held.get((h["owner"], h["step"]))
-                    if snap is None:
-                        _send(self.request, {"error": f"no snapshot of rank {h['owner']} at "
-                                                      f"step {h['step']}"})
-                        continue
-                    names = [n for n in sorted(snap["files"])
-                             if h.get("names") is None or n in h["names"]]
-                    _send(self.request, {"meta": snap["meta"],
-                                         "files": [[n, len(snap["files"][n])] for n in names]},
-                          [snap["files"][n] for n in names])
-                else:
-                    _send(self.request, {"error": f"unknown op {op!r}"})
+            self._serve(store, me)
+        except (OSError, KeeperError, ValueError):  # a client gone mid-reply: nothing to say
+            pass
         finally:
             with store.changed:
                 if store.pending.pop(me, None) is not None:
                     store.changed.notify_all()
+
+    def _serve(self, store, me):
+        """Answers this connection's requests until it closes."""
+        while True:
+            try:
+                h = _recv(self.request)
+            except (KeeperError, OSError, ValueError):
+                return
+            op = h.get("op")
+            if op == "pending":
+                with store.changed:
+                    store.pending[me] = (h["owner"], h["step"])
+                    store.last = time.monotonic()
+                _send(self.request, {"ok": True})
+            elif op == "put":
+                files = {name: _recv_exact(self.request, n) for name, n in h["files"]}
+                with store.changed:
+                    store.pending.pop(me, None)
+                store.put(h["owner"], h["step"], h["meta"], files)
+                _send(self.request, {"ok": True})
+            elif op == "list":
+                _send(self.request, store.listing())
+            elif op == "settle":
+                _send(self.request, store.settle(float(h.get("timeout", 1.0)),
+                                                 float(h.get("quiet", 0.0))))
+            elif op == "trim":
+                store.trim(int(h["after"]))
+                _send(self.request, {"ok": True})
+            elif op == "get":
+                self._get(store, h)
+            else:
+                _send(self.request, {"error": f"unknown op {op!r}"})
+
+    def _get(self, store, h):
+        with store.changed:
+            snap = store.held.get((h["owner"], h["step"]))
+        if snap is None:
+            _send(self.request, {"error": f"no snapshot of rank {h['owner']} at step {h['step']}"})
+            return
+        names = [n for n in sorted(snap["files"]) if h.get("names") is None or n in h["names"]]
+        _send(self.request, {"meta": snap["meta"],
+                             "files": [[n, len(snap["files"][n])] for n in names]},
+              [snap["files"][n] for n in names])
 
 
 class _Server(socketserver.ThreadingTCPServer):
