@@ -126,7 +126,7 @@ def spares_main(args, variants):
             r, killed_at = spares_trial(variant, work, data_dir, args.strategy, at)
             with open(work + ".log", "w") as f:
                 f.write(r["output"])
-            checks, diff = s.verdict(r, work, reference)
+            checks, diff = s.verdict(r, work, reference, replicas=1 if variant == "shrink" else 2)
             rows.append({"round": k, "variant": variant, "kill_at_step": killed_at,
                          "first_step_after_s": r["resume_s"], "steps_twice": r["twice"],
                          "resumed": r["resumed"], "exit": r["exit"], "max_loss_diff": diff,
