@@ -95,6 +95,9 @@ class Hooks:
     def on_input(self, windows, input_context):
         """Called with each training input pipeline's `Windows` and `InputContext`."""
 
+    def on_memory(self, snapshots):
+        """Called with the run's `MemorySnapshots` callback, when the run keeps snapshots."""
+
     def save_checkpoint(self, manager, step):
         """Writes backup `step` with its `tf.train.CheckpointManager` (maybe in the background)."""
         manager.save(checkpoint_number=step)
@@ -425,6 +428,7 @@ def _callbacks(run, held, extra_callbacks):
             backup, run.keepers, rank=rank, size=size, every=c.backup.memory_every_steps,
             peer_every=c.backup.peer_every_steps, accumulate=c.train.grad_accum_steps, log=log)
         cluster.before_hard_exit(lambda: run.memory.wait(timeout=10))
+        run.hooks.on_memory(run.memory)
         held.callback(run.memory.close)
         callbacks.append(run.memory)
     callbacks += list(extra_callbacks)

@@ -24,7 +24,8 @@ really ran, across restarts.
   kill comes after rank 0 has written step K's.
 --kill-host-at-step K: like --kill-at-step, but the process SIGKILLs its warm agent (its parent
   under `tfdist launch`), which takes down with it every process of its host, and the host's
-  keeper: a host lost (tests/test_recovery.py). After step K's snapshot has been taken.
+  keeper: a host lost (tests/test_recovery.py). After step K's snapshot has been sent to its
+  keepers (this host's, and a peer's for a ZeRO shard).
 --kill-in-save N: SIGKILL inside the N-th backup save, after the checkpoint data files were written
   but before the checkpoint index was updated.
 --dump-inputs N: after training, write WORKDIR/inputs-w<i>.npy: this worker's input rows of the
@@ -177,6 +178,9 @@ def main():
             backup.freeze = not args.skip_freeze
             backups.append(backup)
 
+        def on_memory(self, snapshots):
+            memories.append(snapshots)
+
         def on_offload(self, offload):
             if args.kill_in_offload and first_attempt and worker == args.kill_worker:
                 update, group = map(int, args.kill_in_offload.split(":"))
@@ -238,6 +242,8 @@ def main():
             if kill_here and self.n == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if host_here and self.n == args.kill_host_at_step:
+                if memories:  # step K's snapshot in its keepers (this host's and a peer's)
+                    memories[0].wait(timeout=60)
                 os.kill(os.getppid(), signal.SIGKILL)  # the agent: its processes die with it
                 time.sleep(60)
             if args.fill_disk_at_step == self.n and first_attempt and worker == 0:
@@ -248,6 +254,7 @@ def main():
     contexts = []  # (Windows, InputContext) of the training pipeline
     saves = [0]  # saves so far
     backups = []  # the run's backup
+    memories = []  # the run's memory snapshots
     record = Record()
     result = train(c, args.workdir, verbose=0, extra_callbacks=[record], hooks=Faults())
     if args.dump_weights:
