@@ -44,10 +44,11 @@ demo: $(STAMP)
 	$(BIN)/tfdist train --config=configs/gpt_demo.py --workdir=runs/demo --overwrite
 	$(BIN)/tfdist sample --model=runs/demo/model.keras --prompt='def ' --max_new_tokens=300
 
-# Two pytest processes (pytest-xdist), each test file whole in one of them (its module fixtures,
-# such as an uninterrupted reference run, made once): many tests wait on their processes (restarts,
-# partitions, heartbeats) and leave a core idle.
-PYTEST_PROCS := -n 2 --dist loadfile
+# Three pytest processes (pytest-xdist) on 2 cores, each test file whole in one of them (its module
+# fixtures, such as an uninterrupted reference run, made once): many tests wait on their processes
+# (restarts, partitions, heartbeats) and would leave a core idle. Measured from fresh clones
+# (docs/testing.md, Suite time): 1308 s of pytest with 2, 1185 s with 3 (the CPU 97 % busy).
+PYTEST_PROCS := -n 3 --dist loadfile
 
 # The machine's fp32 matmul rate before and after (tools/bench/matmul_peak.py): a slow day shows.
 # ruff first (pyproject.toml: its rule sets, lines of at most 100 characters): a finding fails the
