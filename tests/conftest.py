@@ -10,17 +10,18 @@ def pytest_configure(config):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # for every process the tests start
 
 
-#: The test files that take longest here (their summed test times in `make test`, 2026-11-26, most
-#: first). `make test` runs 2 pytest processes, each taking the next whole file when it is free
-#: (pytest-xdist's loadfile, in the order of collection): the longest first, so that neither ends
-#: the suite alone on a long one.
-SLOWEST_FIRST = ("test_zero", "test_netcluster", "test_keras_programs", "test_horovod",
-                 "test_multi_worker", "test_store", "test_parameter_server", "test_backup",
-                 "test_elastic", "test_tensor_parallel", "test_accumulation", "test_plan",
-                 "test_slurm", "test_data",
-                 "test_strategies", "test_pipeline", "test_horovod_keras",
-                 "test_horovod_keras_elastic", "test_cli_help", "test_cli", "test_launch",
-                 "test_plugins")
+#: The test files that take longest here (their summed test times in a fresh-clone `make test`,
+#: 2026-11-29, most first; those of 15 s and more). `make test` runs 3 pytest processes, each
+#: taking the next whole file when it is free (pytest-xdist's loadfile, in the order of
+#: collection): the longest first, so that none ends the suite alone on a long one.
+SLOWEST_FIRST = ("test_ray", "test_elastic", "test_zero", "test_netcluster", "test_keras_programs",
+                 "test_multi_worker", "test_offload", "test_accumulation", "test_backup",
+                 "test_horovod", "test_recovery", "test_store", "test_tensor_parallel",
+                 "test_spike", "test_launch", "test_plan", "test_parameter_server",
+                 "test_zero_user", "test_horovod_keras_elastic", "test_llama_layouts", "test_data",
+                 "test_huggingface", "test_zero3", "test_horovod_keras", "test_slurm",
+                 "test_pipeline", "test_strategies", "test_nonfinite", "test_plugins", "test_cli",
+                 "test_cli_help", "test_doctests", "test_harness", "test_llama")
 
 
 def pytest_collection_modifyitems(session, config, items):
