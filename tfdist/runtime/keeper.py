@@ -134,12 +134,10 @@ class _Handler(socketserver.BaseRequestHandler):
                     store.changed.notify_all()
 
     def _serve(self, store, me):
-        """Answers this connection's requests until it closes."""
+        """Answers this connection's requests until it closes (`_recv` raises then: `handle`
+        ends quietly)."""
         while True:
-            try:
-                h = _recv(self.request)
-            except (KeeperError, OSError, ValueError):
-                return
+            h = _recv(self.request)
             op = h.get("op")
             if op == "pending":
                 with store.changed:
