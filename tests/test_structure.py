@@ -79,7 +79,8 @@ def test_each_check_fails_on_a_package_that_breaks_it(tmp_path):
     for name in loose:
         (copy / name).write_text("")
     r = structure.report(str(copy))
-    assert ["config.py", "parallel/layout.py"] in r["cycles"], r["cycles"]
+    # (a cycle through both: config -> layout -> config, or through tfdist.parallel.dp)
+    assert any({"config.py", "parallel/layout.py"} <= set(c) for c in r["cycles"]), r["cycles"]
     assert ("config.py", "parallel/layout.py") in r["upward"]
     assert ("errors.py:long", 101) in r["functions_over_limit"]
     assert r["unlayered"] == ["extra/"] + loose

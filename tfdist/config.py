@@ -21,6 +21,7 @@ import ml_collections
 from tfdist.errors import UsageError
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+DP_HIERARCHY = ("auto", "flat", "host")  # config.dp.hierarchy (tfdist/parallel/dp/)
 _SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")  # what a scheduler sends before it kills
 
 
@@ -40,6 +41,7 @@ def default_config():
     c.pipeline = _pipeline()
     c.tensor = _tensor()
     c.zero = _zero()
+    c.dp = _dp()
     c.backup = _backup()
     c.sample = _sample()
     return c
@@ -178,6 +180,16 @@ def _zero():
     return s
 
 
+def _dp():
+    """Data-parallel communication (tfdist/parallel/dp/): the route of the gradients' all-reduce
+    across hosts, under multi_worker_mirrored and horovod."""
+    s = ml_collections.ConfigDict()
+    # host: reduce-scatter in each host, all-reduce across the hosts, all-gather in each host;
+    # flat: the strategy's own ring; auto: host where there are several hosts of several workers
+    s.hierarchy = "auto"
+    return s
+
+
 def _backup():
     """Step-exact backups (tfdist/callbacks/backup.py) and preemption."""
     s = ml_collections.ConfigDict()
@@ -313,10 +325,20 @@ _RULES = {
         lambda v: all(n.strip().upper() in _SIGNALS for n in v.split(",") if n.strip()),
         "comma-separated signal names such as TERM,USR1 (\"\": none)"),
     "backup.grace_secs": (lambda v: v > 0, "a number of seconds > 0"),
+    "dp.hierarchy": (lambda v: v in DP_HIERARCHY,
+                     "one of " + ", ".join(DP_HIERARCHY) + " (host: reduce-scatter in each host, "
+                     "all-reduce across hosts, all-gather in each host)"),
     "sample.max_new_tokens": (_positive_int, "an integer > 0"),
     "sample.temperature": (lambda v: v > 0, "a number > 0"),
     "sample.top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: no top-k)"),
 }
+
+
+def check_value(path, value):
+    """UsageError, one line, if `value` breaks the rule of config key `path` ("dp.hierarchy")."""
+    check, what = _RULES[path]
+    if not _holds(check, value):
+        raise UsageError(f"config key '{path}' must be {what}, got {value!r}")
 
 
 def _walk(reference, given, prefix=""):

@@ -218,6 +218,11 @@ def prepare(c, workdir, overwrite=False, sizes=()):
     plugin = strategies.get_class(c.strategy.name)
     Layout.from_config(c, plugin)
     Layout.check_sizes(c, plugin, sizes)
+    placed = os.environ.get("TFDIST_WORKER_HOSTS")  # (tfdist launch: each worker's host)
+    if placed and plugin.dp_collectives is not None:
+        from tfdist.parallel import dp
+        from tfdist.parallel.dp.hosts import Hosts
+        dp.Settings.from_config(c.dp).route(Hosts(tuple(placed.split(",")), 0))
     model_vocab(c, open_store(c.data))
     with WorkdirLock(workdir):  # a run on it now: refused here, before any worker starts
         prepare_workdir(workdir, backup_dir(c, workdir), overwrite)

@@ -224,7 +224,11 @@ def main(argv):
     agents = {agent.address: agent}
     try:
         if rest[0].startswith("-"):  # tfdist train flags
-            argv = _train_argv(_prepared(rest, strategy, env, elastic, agent), strategy)
+            # (the prepare step judges config.dp's hierarchy against where the workers go)
+            placed = {"TFDIST_WORKER_HOSTS": ",".join(
+                hosts[k % len(hosts)] if hosts else "127.0.0.1" for k in range(n))}
+            argv = _train_argv(_prepared(rest, strategy, {**env, **placed}, elastic, agent),
+                               strategy)
         else:  # any program
             if not (shutil.which(rest[0]) or os.path.isfile(rest[0])):
                 raise UsageError(f"cannot run '{rest[0]}': not found (tfdist train flags after "

@@ -81,6 +81,8 @@ class Layout:
                      n_kv_head=c.model.n_kv_head,
                      ffn_hidden=c.model.ffn_hidden or default_ffn_hidden(c.model.arch,
                                                                          c.model.n_embd))
+        from tfdist.parallel import dp
+        dp.Settings.from_config(c.dp).require(plugin)  # (config.dp: a strategy that can route)
         if c.train.skip_nonfinite and not plugin.updates_together:
             raise UsageError(f"train.skip_nonfinite={c.train.skip_nonfinite} under {plugin.name}: "
                              f"its workers apply their updates on their own, with no step at "

@@ -74,9 +74,14 @@ def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", **option
     `offload="host"` or `"disk"` its master weights and optimizer state are held there
     (tfdist/parallel/zero/offload.py; disk: files under `offload_dir`, default the system's
     temporary directory, removed when the process exits).
+    The keys of `config.dp` (`hierarchy`, ...: `tfdist.parallel.dp`) set how the gradients
+    travel, under a strategy whose workers reduce them (horovod, multi_worker_mirrored).
     `skip_nonfinite=K`: such a model's updates whose loss or gradients are not finite are
     skipped, and K in a row stop `fit` (tfdist/runtime/nonfinite.py; not parameter_server)."""
     cls = get_class(name)
+    from tfdist.parallel import dp
+    settings = dp.Settings(**{k: options.pop(k) for k in dp.OPTIONS if k in options}).check()
+    settings.require(cls)
     cls.check_options(options)
     if zero and (zero != 3 or not cls.shards_user_models):
         raise UsageError(f"zero={zero!r} under strategy {name}: a user's model is sharded with "
@@ -92,7 +97,8 @@ def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", **option
         raise UsageError(f"offload={offload!r} needs ZeRO: pass zero=3 as well (a user's model "
                          f"offloads its master weights and optimizer state under ZeRO-3, under "
                          f"horovod or multi_worker_mirrored)")
-    plugin = cls(**options)
+    plugin = cls(**options, dp=settings)
+    plugin.dp = settings
     plugin.user_zero = zero
     plugin.user_offload = None if offload == "none" else (offload, offload_dir)
     plugin.user_skip_nonfinite = skip_nonfinite
@@ -106,8 +112,9 @@ def options_of(c):
 
 
 def from_config(c):
-    """Builds the plugin named by `c.strategy.name` with its options from that section."""
-    return get(c.strategy.name, **options_of(c))
+    """Builds the plugin named by `c.strategy.name` with its options from that section, and the
+    data-parallel communication of `c.dp`."""
+    return get(c.strategy.name, **options_of(c), **c.dp.to_dict())
 
 
 def for_plan(device, processes, per_node, flags):

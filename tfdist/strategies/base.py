@@ -24,8 +24,8 @@ What it declares, so that the layout (`tfdist.parallel.layout`, which judges wha
 combine), `tfdist launch` and `tfdist plan` ask it instead of comparing names: `options` (its
 config keys with default, rule and help: they join the config schema), `recommended` config values,
 `uses_local_devices`, `supports_pipeline`, `supports_jit_compile`,
-`zero_collectives`, `collective_checkpoints`, `launch` (a `Launch`: roles, restart policy,
-server tasks, rendezvous) and `plan_command` (the planner's command line).
+`zero_collectives`, `dp_collectives`, `collective_checkpoints`, `launch` (a `Launch`: roles,
+restart policy, server tasks, rendezvous) and `plan_command` (the planner's command line).
 
 Example (any registered strategy; see `tfdist.strategies.names()`):
 
@@ -239,6 +239,12 @@ class Strategy(KerasProgram):
 
     #: `() -> tfdist.parallel.zero.Collectives` of its data-parallel replicas; None: no ZeRO here.
     zero_collectives = None
+
+    #: `() -> tfdist.parallel.dp.collectives.Collectives` of its workers, over which
+    #: `config.dp`'s routes run (`tfdist.parallel.dp`); None: its gradients take its own path only.
+    dp_collectives = None
+    #: Its `tfdist.parallel.dp.Settings` (`config.dp`; set by `tfdist.strategies.get`).
+    dp = None
 
     def lost_peer(self, error):
         """Why this process lost its cluster, if the TF error `error`, raised while training,

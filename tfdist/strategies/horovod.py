@@ -182,13 +182,23 @@ class Horovod(Strategy):
     process_wide = True  # a rank's every model trains under it
 
     def __init__(self, compression="none", lr_scaling="none", bucket_mb=buckets.BUCKET_MB,
-                 overlap="auto", **unused_options):
+                 overlap="auto", dp=None, **unused_options):
         # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (default 1). With Gloo,
         # at 1 ms a rank spent 0.74-0.88 of a core doing nothing (measured here, 2 idle ranks on
         # 127.0.0.1); at 5 ms 0.05. A collective then waits up to 5 ms for the next cycle, which
         # is small beside a training step. horovodrun --cycle-time-ms (or the variable) wins.
         os.environ.setdefault("HOROVOD_CYCLE_TIME", "5")
         self.hvd = _import_horovod()
+        self.dp = dp
+        # config.dp's hierarchy meets in process sets made after init, which Horovod allows once
+        # told before it. Whether the ranks span several hosts of several ranks each: the
+        # variables horovodrun and tfdist launch give every rank (mpirun does not: flat).
+        hierarchy = dp is not None and dp.hierarchy != "flat" and \
+            int(os.environ.get("HOROVOD_LOCAL_SIZE", 1)) > 1 and \
+            int(os.environ.get("HOROVOD_CROSS_SIZE", 1)) > 1
+        hierarchy = hierarchy or (dp is not None and dp.hierarchy == "host")
+        if hierarchy:
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         self.hvd.init()
         self.compression = compression
         self.lr_scaling = lr_scaling
@@ -196,6 +206,11 @@ class Horovod(Strategy):
         self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.parallel.zero)
         self._per_rank = weakref.WeakSet()
         super().__init__(tf.distribute.get_strategy())  # one device per rank; Horovod reduces
+        self._dp = None
+        if hierarchy:
+            # The gradients' route (config.dp): Horovod's flat ring, or tfdist's hierarchy.
+            if dp.route(self.hosts()) != "flat":
+                self._dp = self.dp_collectives()
 
     # -- who am I ------------------------------------------------------------------------------
     @property
@@ -279,10 +294,57 @@ class Horovod(Strategy):
             lambda x: hvd.allreduce(x, op=hvd.Sum, name="tfdist_zero_norm", ignore_name_scope=True),
             lambda variable, value: variable.assign(value), ragged=True)
 
+    def hosts(self):
+        """Where the ranks are (`tfdist.parallel.dp.hosts.Hosts`): each rank's host name (the
+        address tfdist launch and horovodrun give it, else this machine's name), gathered."""
+        import socket
+        import zlib
+
+        from tfdist.parallel.dp.hosts import Hosts
+        name = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        ids = self.hvd.allgather(tf.constant([zlib.crc32(name.encode())], tf.int64),
+                                 name="tfdist_hosts").numpy().tolist()
+        return Hosts(tuple(ids), self.hvd.rank())
+
+    def dp_collectives(self):
+        """config.dp's sums over the ranks (`tfdist.parallel.dp.collectives`): Horovod's
+        reducescatter, allreduce and allgather over process sets, one per host and one per local
+        rank across the hosts, added on every rank in the same order (Horovod's dynamic process
+        sets: needs HOROVOD_DYNAMIC_PROCESS_SETS=1 before init, which __init__ sets)."""
+        from tfdist.parallel.dp.collectives import Collectives
+        hvd, hosts = self.hvd, self.hosts()
+        sets = {"all": hvd.global_process_set}
+        for host in hosts.names:  # (every rank adds every set, in the same order)
+            made = hvd.add_process_set(list(hosts.workers_on(host)))
+            if host == hosts.of_worker[hosts.rank]:
+                sets["local"] = made
+        for k in range(hosts.per_host):
+            made = hvd.add_process_set(sorted(hosts.workers_on(h)[k] for h in hosts.names))
+            if k == hosts.local_rank:
+                sets["cross"] = made
+
+        def named(name):  # (an op's name: no scopes)
+            return dict(name=name.replace("/", "_"), ignore_name_scope=True)
+
+        return Collectives(
+            hosts,
+            lambda x, group, name: tf.reshape(hvd.reducescatter(
+                x, op=hvd.Sum, process_set=sets[group], **named(name)), [-1]),
+            lambda x, group, name: hvd.allreduce(x, op=hvd.Sum, process_set=sets[group],
+                                                 **named(name)),
+            lambda x, group, name: hvd.allgather(x, process_set=sets[group], **named(name)),
+            1.0 / hvd.size())
+
     def reduce_gradients(self, grads_and_vars):
         """The gradient all-reduce Keras calls before every update: a grouped Horovod average per
         bucket (tfdist/parallel/buckets.py), each started as soon as its gradients exist; or one
-        group after the backward pass (`overlap=off`)."""
+        group after the backward pass (`overlap=off`). config.dp's hierarchy takes its own route
+        (`tfdist.parallel.dp`)."""
+        if self._dp is not None:
+            from tfdist.parallel import dp
+            return dp.reduce(grads_and_vars, self._dp,
+                             self.bucket_bytes if self._bucketed else None,
+                             self.is_chief and "horovod")
         hvd = self.hvd
         compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
         return allreduce_gradients(hvd, grads_and_vars, compression=compression,

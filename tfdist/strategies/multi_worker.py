@@ -19,6 +19,9 @@ _IMPLEMENTATIONS = ("auto", "ring")  # tf.distribute.experimental.CommunicationI
 
 #: The collective group of ZeRO's ops (tf.distribute numbers its own groups from 1).
 _ZERO_GROUP = 0x2E50
+#: The first collective group, and instance key, of config.dp's routes (tfdist.parallel.dp).
+_DP_GROUP = 0x7D00
+_DP_INSTANCE = 1 << 30
 
 
 class MultiWorkerMirrored(Strategy):
@@ -42,7 +45,7 @@ class MultiWorkerMirrored(Strategy):
                 f"launchers/slurm/tfdist.sbatch " + " ".join(flags))
 
     def __init__(self, cross_device_ops="auto", cluster=None, bucket_mb=buckets.BUCKET_MB,
-                 overlap="auto", **unused_options):
+                 overlap="auto", dp=None, **unused_options):
         self.cluster = cluster or cluster_lib.from_environment(allowed_roles=("chief", "worker"))
         if self.cluster is None:
             raise UsageError("multi_worker_mirrored needs a cluster: set TF_CONFIG, run in a Slurm "
@@ -68,6 +71,10 @@ class MultiWorkerMirrored(Strategy):
         self._barrier = None
         self.bucket_bytes = buckets.to_bytes(bucket_mb)
         self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.parallel.zero)
+        self.dp = dp
+        # The gradients' route (config.dp): the strategy's own flat ring, or tfdist's hierarchy.
+        self._route = dp.route(self.hosts()) if dp is not None else "flat"
+        self._dp = self.dp_collectives() if self._route != "flat" else None
 
     JOIN_TIMEOUT = 180.0  # seconds for every worker to join; TFDIST_JOIN_TIMEOUT overrides
 
@@ -93,6 +100,11 @@ class MultiWorkerMirrored(Strategy):
         context = tf.distribute.get_replica_context()
         if context is None:  # cross-replica context: nothing to reduce (Keras's rule)
             return list(grads_and_vars)
+        if self._dp is not None:  # config.dp's route (tfdist.parallel.dp)
+            from tfdist.parallel import dp
+            return dp.reduce(grads_and_vars, self._dp,
+                             self.bucket_bytes if self._bucketed else None,
+                             self.cluster.is_chief and "multi_worker_mirrored")
         return buckets.reduce(
             grads_and_vars, lambda grads: context.all_reduce(tf.distribute.ReduceOp.SUM, grads),
             self.bucket_bytes if self._bucketed else None,
@@ -183,6 +195,43 @@ class MultiWorkerMirrored(Strategy):
             lambda x: tf.raw_ops.CollectiveReduceV2(input=x, instance_key=3, merge_op="Add",
                                                     final_op="Id", **group(x)),
             assign, self.local_variables)
+
+    def hosts(self):
+        """Where the workers are (`tfdist.parallel.dp.hosts.Hosts`): the host part of each
+        worker's address in the cluster, chief first (tf.distribute's worker order)."""
+        from tfdist.parallel.dp.hosts import Hosts
+        spec = self.cluster.cluster
+        addresses = list(spec.get("chief", [])) + list(spec.get("worker", []))
+        return Hosts(tuple(a.rpartition(":")[0] for a in addresses), self.worker_index)
+
+    def dp_collectives(self):
+        """config.dp's sums over the workers (`tfdist.parallel.dp.collectives`): TF's collective
+        ops (public `tf.raw_ops`), one group per host and one per local rank across the hosts,
+        of their own keys (none meets the strategy's or ZeRO's). A reduce-scatter is an
+        all-to-all and a sum (TF 2.21 has none on CPU: `zero_collectives`)."""
+        from tfdist.parallel.dp.collectives import Collectives
+        if self.num_replicas != self.num_workers:
+            raise UsageError(f"config.dp's routes under {self.name} need one replica per worker "
+                             f"(here {self.num_replicas} replicas on {self.num_workers} "
+                             f"workers); start one worker per device, or set dp.hierarchy=flat")
+        hosts = self.hosts()
+        groups = {"all": (self.num_workers, 0),
+                  "local": (len(hosts.local), 1 + hosts.host_index),
+                  "cross": (len(hosts.cross), 1 + len(hosts.names) + hosts.local_rank)}
+
+        def keys(group, name):
+            size, index = groups[group]
+            return dict(group_size=size, group_key=_DP_GROUP + index, ordering_token=[],
+                        instance_key=_DP_INSTANCE + zlib.crc32(name.encode()) % (1 << 29))
+
+        return Collectives(
+            hosts,
+            lambda x, group, name: tf.reduce_sum(
+                tf.raw_ops.CollectiveAllToAllV2(input=x, **keys(group, name)), 0),
+            lambda x, group, name: tf.raw_ops.CollectiveReduceV2(
+                input=x, merge_op="Add", final_op="Id", **keys(group, name)),
+            lambda x, group, name: tf.raw_ops.CollectiveGatherV2(input=x, **keys(group, name)),
+            1.0)
 
     def describe(self):
         return (f"{self.name}: worker {self.worker_index} of {self.num_workers}, "
