@@ -182,6 +182,9 @@ chaos-spares: $(HOROVOD) cluster-tools
 # beside the planner's prediction. One round each (about 25 minutes in all). Then a straggler: the
 # second worker's host at 100 Mbit/s, the others at 1 Gbit/s (MWMS and the parameter server).
 LINKS := 1gbit 10gbit
+# Then 2 hosts x 2 workers (tools/bench/links.py): the bytes each host's link carries a step,
+# counted at the link, for the flat ring (workers in host order and interleaved) and dp.hierarchy.
+DP_LINKS := 1gbit 100mbit
 bench-links: $(HOROVOD) cluster-tools
 	for link in $(LINKS); do \
 	  $(BIN)/python tools/bench/allreduce.py --link=$$link --rounds=1 --iters=5 && \
@@ -192,6 +195,10 @@ bench-links: $(HOROVOD) cluster-tools
 	done
 	$(BIN)/python tools/bench/scaling.py --link=1gbit --straggler=100mbit --rounds=1
 	$(BIN)/python tools/bench/scaling.py --ps --link=1gbit --straggler=100mbit --rounds=1
+	for link in $(DP_LINKS); do \
+	  $(BIN)/python tools/bench/links.py --link=$$link --steps=4 && \
+	  $(BIN)/python tools/bench/links.py --horovod --link=$$link --steps=4 || exit 1; \
+	done
 
 # The gradient all-reduce overlapped with the backward pass, or not, and bucket sizes 1-100 MiB:
 # 2-process efficiency of gpt_mini under multi_worker_mirrored and horovod, interleaved rounds on

@@ -1,0 +1,173 @@
+"""Benchmark: the bytes that cross the hosts' links, counted at the links (`make bench-links`).
+
+    python tools/bench/links.py --link=1gbit                    # multi_worker_mirrored
+    python tools/bench/links.py --link=1gbit --horovod
+    python tools/bench/links.py --link=100mbit --runs=flat_host_order,hierarchy
+
+gpt_mini on 2 hosts of tools/cluster/netcluster.py (network namespaces on a bridge, each host's
+link shaped to --link; root) with 2 workers each, through `tfdist launch --hosts`. Each run
+trains --warmup + --steps steps; a thread reads every host's link counters (`ip -s link`: the
+bytes its eth0 sent and received) every 0.25 s, and a run's bytes per step are those between the
+end of its first timed step and the end of its last, over the steps between (each step's end
+from the run's metrics.json), so start-up, the first broadcast of the weights and validation are
+not counted. Runs:
+
+* `flat_host_order`: the strategy's flat ring, workers placed a, a, b, b (the ring crosses
+  between the hosts twice);
+* `flat_interleaved`: the same ring, workers placed a, b, a, b (every hop crosses);
+* `hierarchy`: `dp.hierarchy=host` (tfdist/parallel/dp/hierarchy.py), placed a, b, a, b.
+
+Each row beside the arithmetic: S the gradients' bytes (parameters x 4), a host's link carries at
+least 2(H-1)/H x S per step for every host to hold the sum (H hosts: S for 2), a flat ring of N
+workers 2(N-1)/N x S out of each worker, on each hop that crosses. Writes
+bench_results/links[-horovod]-<link>.json.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tools.bench.common import (  # noqa: E402
+    HOROVOD,
+    INTER,
+    LINK,
+    STEPS,
+    WARMUP,
+    config,
+    config_filename,
+    params,
+    train_flags,
+    write_json,
+)
+from tools.faults import harness  # noqa: E402
+
+RUNS = {  # name -> (placement of the 4 workers on hosts 0 and 1, config overrides)
+    "flat_host_order": ((0, 0, 1, 1), ["--config.dp.hierarchy=flat"]),
+    "flat_interleaved": ((0, 1, 0, 1), ["--config.dp.hierarchy=flat"]),
+    "hierarchy": ((0, 1, 0, 1), ["--config.dp.hierarchy=host"]),
+}
+_RUNS = flags.DEFINE_list("runs", list(RUNS), "Which runs, of: " + ", ".join(RUNS) + ".")
+HOSTS, PER_HOST = 2, 2
+
+
+class Counters:
+    """Every 0.25 s, (time, [(tx, rx) bytes of each host's eth0]), in a thread."""
+
+    def __init__(self, net):
+        self.net, self.samples, self.stop = net, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def read(self):
+        out = []
+        for i in range(self.net.n):
+            text = subprocess.run(["ip", "-n", self.net.ns(i), "-j", "-s", "link", "show", "eth0"],
+                                  capture_output=True, text=True, timeout=10).stdout
+            stats = json.loads(text)[0]["stats64"]
+            out.append((stats["tx"]["bytes"], stats["rx"]["bytes"]))
+        return out
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.samples.append((time.time(), self.read()))
+            self.stop.wait(0.25)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+    def at(self, when):
+        """The counters at `when`, linear between the samples around it."""
+        before = [s for s in self.samples if s[0] <= when][-1]
+        after = next(s for s in self.samples if s[0] >= when)
+        if after[0] == before[0]:
+            return before[1]
+        f = (when - before[0]) / (after[0] - before[0])
+        return [tuple(b + f * (a - b) for b, a in zip(x, y)) for x, y in zip(before[1], after[1])]
+
+
+def one_run(name, workdir):
+    """One run: (tokens/s, [(tx, rx) bytes per step of each host], launcher stdout)."""
+    from tools.cluster.netcluster import NetCluster
+    placement, extra = RUNS[name]
+    steps = WARMUP.value + STEPS.value
+    c = config()
+    rest = train_flags(workdir, steps, c.train.batch_size * len(placement), INTER.value,
+                       [*extra, "--config.train.log_every_steps=1"])
+    strategy = "horovod" if HOROVOD.value else "multi_worker_mirrored"
+    with NetCluster(HOSTS, rate=LINK.value) as net:
+        hosts = ",".join(net.address(h) for h in placement)
+        cmd = harness.launch_argv(rest, strategy=strategy, workers=len(placement),
+                                  max_restarts=0, extra=[f"--hosts={hosts}"])
+        env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"]}
+        with Counters(net) as counters:
+            p = net.run(0, cmd, timeout=3600, env=env, cwd=harness.ROOT)
+        if p.returncode:
+            sys.exit(f"bench: {name} failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n"
+                     f"{p.stderr[-2000:]}")
+    log = harness.metrics(workdir)["steps"]
+    first, last = log[WARMUP.value - 1], log[-1]
+    n = last["step"] - first["step"]
+    a, b = counters.at(first["time"]), counters.at(last["time"])
+    per_step = [((bt - at) / n, (br - ar) / n) for (at, ar), (bt, br) in zip(a, b)]
+    rates = [s["tokens_per_sec"] for s in log[WARMUP.value:]]
+    return sorted(rates)[len(rates) // 2], per_step, p.stdout
+
+
+def main(argv):
+    del argv
+    if not LINK.value:
+        sys.exit("bench: --link is required (1gbit, 100mbit, ...): the bytes are counted at "
+                 "tools/cluster/netcluster.py's links (root)")
+    for name in _RUNS.value:
+        if name not in RUNS:
+            sys.exit(f"bench: unknown run {name!r}; runs: {', '.join(RUNS)}")
+    tmp = tempfile.mkdtemp(prefix="tfdist-links-")
+    rows, gradient_bytes = [], None
+    n = HOSTS * PER_HOST
+    for name in _RUNS.value:
+        tps, per_step, stdout = one_run(name, os.path.join(tmp, name))
+        gradient_bytes = gradient_bytes or 4 * params(stdout)
+        s = gradient_bytes
+        placement = RUNS[name][0]
+        crossing = sum(placement[i] != placement[(i + 1) % n] for i in range(n)) // HOSTS
+        expected = (2 * (HOSTS - 1) / HOSTS * s if name == "hierarchy"
+                    else crossing * 2 * (n - 1) / n * s)  # per host
+        tx = max(t for t, _ in per_step)
+        rows.append({"run": name, "placement": "".join("ab"[h] for h in placement),
+                     "tokens_per_sec": tps, "tx_bytes_per_step": [t for t, _ in per_step],
+                     "rx_bytes_per_step": [r for _, r in per_step],
+                     "arithmetic_bytes_per_step": expected, "tx_over_arithmetic": tx / expected,
+                     "tx_over_minimum": tx / (2 * (HOSTS - 1) / HOSTS * s)})
+        print(f"{name:18s} {tps:8.0f} tokens/s; each host's link sends "
+              f"{' / '.join(f'{t / 1e6:.1f}' for t, _ in per_step)} MB a step; the arithmetic "
+              f"{expected / 1e6:.1f} MB ({tx / expected:.3f}x)", flush=True)
+    strategy = "horovod" if HOROVOD.value else "multi_worker_mirrored"
+    print(f"\n{os.path.basename(config_filename())} on {HOSTS} hosts x {PER_HOST} workers, "
+          f"{LINK.value} links, {strategy}; S = {gradient_bytes / 1e6:.1f} MB of gradients")
+    print(f"{'run':18s} {'place':>6s} {'tokens/s':>9s} {'MB/step out of a host':>22s} "
+          f"{'arithmetic':>11s} {'x minimum':>10s}")
+    for r in rows:
+        print(f"{r['run']:18s} {r['placement']:>6s} {r['tokens_per_sec']:9.0f} "
+              f"{max(r['tx_bytes_per_step']) / 1e6:22.1f} "
+              f"{r['arithmetic_bytes_per_step'] / 1e6:11.1f} {r['tx_over_minimum']:10.3f}")
+    write_json({"config": os.path.basename(config_filename()), "strategy": strategy,
+                "link": LINK.value, "hosts": HOSTS, "workers_per_host": PER_HOST,
+                "batch_per_worker": config().train.batch_size, "steps": STEPS.value,
+                "warmup": WARMUP.value, "gradient_bytes": gradient_bytes,
+                "minimum_bytes_per_host": 2 * (HOSTS - 1) / HOSTS * gradient_bytes,
+                "rows": rows},
+               f"bench_results/links{'-horovod' if HOROVOD.value else ''}-{LINK.value}.json")
+
+
+if __name__ == "__main__":
+    app.run(main)
