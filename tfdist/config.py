@@ -367,15 +367,9 @@ def validate(c):
     problem."""
     _walk(default_config(), c)
     resolve_architecture(c.model)
-    for path, (check, what) in _RULES.items():
+    for path in _RULES:
         section, _, key = path.rpartition(".")
-        value = c[section][key] if section else c[key]
-        try:
-            ok = check(value)
-        except TypeError:
-            ok = False
-        if not ok:
-            raise UsageError(f"config key '{path}' must be {what}, got {value!r}")
+        check_value(path, c[section][key] if section else c[key])
     _check_options(c)
     m, t = c.model, c.train
     if m.n_embd % m.n_head:

@@ -22,7 +22,13 @@ from absl import flags
 from tfdist import cli, strategies
 from tfdist.errors import UsageError
 from tfdist.launch.hosts import Host
-from tfdist.launch.local import DEFAULT_PORT, Supervisor, loopback_shim
+from tfdist.launch.local import (
+    DEFAULT_PORT,
+    Supervisor,
+    loopback_shim,
+    place_of,
+    round_robin,
+)
 from tfdist.launch.warm import Agent
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Number of worker processes.")
@@ -224,9 +230,11 @@ def main(argv):
     agents = {agent.address: agent}
     try:
         if rest[0].startswith("-"):  # tfdist train flags
-            # (the prepare step judges config.dp's hierarchy against where the workers go)
+            # (the prepare step judges config.dp's hierarchy against where the workers go: the
+            # addresses the supervisor places them at)
+            at = [Host(name) for name in hosts] if hosts else None
             placed = {"TFDIST_WORKER_HOSTS": ",".join(
-                hosts[k % len(hosts)] if hosts else "127.0.0.1" for k in range(n))}
+                place_of(round_robin(at, k)) for k in range(n))}
             argv = _train_argv(_prepared(rest, strategy, {**env, **placed}, elastic, agent),
                                strategy)
         else:  # any program

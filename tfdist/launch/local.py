@@ -255,7 +255,7 @@ class Supervisor:
             return
         self.placed = {}
         for k, task in enumerate(self.roles):
-            host = self.hosts[k % len(self.hosts)] if self.hosts else None
+            host = round_robin(self.hosts, k)
             self.placed[task] = place_of(host)
             self.places[self.placed[task]] = host
 
@@ -574,6 +574,11 @@ class Supervisor:
             self.wake.wait(delay)
             if self.stop_signal:
                 return 128 + self.stop_signal
+
+
+def round_robin(hosts, k):
+    """The host of task `k` of a group on `hosts` (None: this machine)."""
+    return hosts[k % len(hosts)] if hosts else None
 
 
 def place_of(host, spare=None):

@@ -90,12 +90,16 @@ def describe(sizes, bucket_bytes, overlap):
 _logged = set()
 
 
-def log_once(sizes, bucket_bytes, strategy):
-    """Prints `describe` once per process and layout, when the train step is traced."""
-    line = f"tfdist: {strategy}: {describe(sizes, bucket_bytes, bool(bucket_bytes))}"
+def say_once(line):
+    """Prints `line` once per process (a step is traced more than once)."""
     if line not in _logged:
         _logged.add(line)
         print(line, flush=True)
+
+
+def log_once(sizes, bucket_bytes, strategy):
+    """Prints `describe` once per process and layout, when the train step is traced."""
+    say_once(f"tfdist: {strategy}: {describe(sizes, bucket_bytes, bool(bucket_bytes))}")
 
 
 def reduce(grads_and_vars, reduce_group, bucket_bytes=None, log=None):
