@@ -2,6 +2,7 @@
 placement, the hierarchical sum equal to the flat one (workers as threads), bad input in one
 line, and 4 workers on 2 hosts (127.0.0.1 and 127.0.0.2, each with an agent of its own) training
 with the hierarchy under multi_worker_mirrored and horovod as one process does."""
+import json
 import sys
 import threading
 
@@ -170,7 +171,7 @@ def test_four_workers_on_two_hosts_train_with_the_hierarchy_as_one_process(
          "strategy.bucket_mb": 0.1}
     cmd = [sys.executable, "-m", "tfdist", "launch", f"--strategy={strategy}", "--workers=4",
            f"--hosts={HOSTS}", "--max_restarts=0", "--", sys.executable, DRIVER, str(tmp_path),
-           __import__("json").dumps(o), "--dump-weights"]
+           json.dumps(o), "--dump-weights"]
     p = run_group(cmd, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     prefix = r"\[r(\d+)\] " if strategy == "horovod" else r"\[w(\d+)\] "

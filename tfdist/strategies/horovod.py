@@ -189,14 +189,13 @@ class Horovod(Strategy):
         # is small beside a training step. horovodrun --cycle-time-ms (or the variable) wins.
         os.environ.setdefault("HOROVOD_CYCLE_TIME", "5")
         self.hvd = _import_horovod()
-        self.dp = dp
         # config.dp's hierarchy meets in process sets made after init, which Horovod allows once
-        # told before it. Whether the ranks span several hosts of several ranks each: the
-        # variables horovodrun and tfdist launch give every rank (mpirun does not: flat).
-        hierarchy = dp is not None and dp.hierarchy != "flat" and \
-            int(os.environ.get("HOROVOD_LOCAL_SIZE", 1)) > 1 and \
+        # told before it. `auto`: whether the ranks span several hosts of several ranks each, from
+        # the variables horovodrun and tfdist launch give every rank (mpirun does not: flat).
+        several = int(os.environ.get("HOROVOD_LOCAL_SIZE", 1)) > 1 and \
             int(os.environ.get("HOROVOD_CROSS_SIZE", 1)) > 1
-        hierarchy = hierarchy or (dp is not None and dp.hierarchy == "host")
+        hierarchy = dp is not None and (dp.hierarchy == "host" or
+                                        dp.hierarchy == "auto" and several)
         if hierarchy:
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         self.hvd.init()
@@ -206,6 +205,7 @@ class Horovod(Strategy):
         self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.parallel.zero)
         self._per_rank = weakref.WeakSet()
         super().__init__(tf.distribute.get_strategy())  # one device per rank; Horovod reduces
+        self._hosts = None  # (gathered once: `hosts`)
         self._dp = None
         if hierarchy:
             # The gradients' route (config.dp): Horovod's flat ring, or tfdist's hierarchy.
@@ -296,15 +296,18 @@ class Horovod(Strategy):
 
     def hosts(self):
         """Where the ranks are (`tfdist.parallel.dp.hosts.Hosts`): each rank's host name (the
-        address tfdist launch and horovodrun give it, else this machine's name), gathered."""
-        import socket
-        import zlib
+        address tfdist launch and horovodrun give it, else this machine's name), gathered once
+        (a collective: every rank calls it)."""
+        if self._hosts is None:
+            import socket
+            import zlib
 
-        from tfdist.parallel.dp.hosts import Hosts
-        name = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-        ids = self.hvd.allgather(tf.constant([zlib.crc32(name.encode())], tf.int64),
-                                 name="tfdist_hosts").numpy().tolist()
-        return Hosts(tuple(ids), self.hvd.rank())
+            from tfdist.parallel.dp.hosts import Hosts
+            name = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+            ids = self.hvd.allgather(tf.constant([zlib.crc32(name.encode())], tf.int64),
+                                     name="tfdist_hosts").numpy().tolist()
+            self._hosts = Hosts(tuple(ids), self.hvd.rank())
+        return self._hosts
 
     def dp_collectives(self):
         """config.dp's sums over the ranks (`tfdist.parallel.dp.collectives`): Horovod's

@@ -71,10 +71,9 @@ class MultiWorkerMirrored(Strategy):
         self._barrier = None
         self.bucket_bytes = buckets.to_bytes(bucket_mb)
         self._bucketed = overlap != "off"  # (ZeRO reduce-scatters instead: tfdist.parallel.zero)
-        self.dp = dp
         # The gradients' route (config.dp): the strategy's own flat ring, or tfdist's hierarchy.
-        self._route = dp.route(self.hosts()) if dp is not None else "flat"
-        self._dp = self.dp_collectives() if self._route != "flat" else None
+        route = dp.route(self.hosts()) if dp is not None else "flat"
+        self._dp = self.dp_collectives() if route != "flat" else None
 
     JOIN_TIMEOUT = 180.0  # seconds for every worker to join; TFDIST_JOIN_TIMEOUT overrides
 

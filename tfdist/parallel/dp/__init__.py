@@ -27,6 +27,7 @@ Example (one worker; `host` needs several hosts of several workers, so `auto` st
     dp.hierarchy=host needs several hosts with several work
 """
 import dataclasses
+import itertools
 
 from tfdist import config
 from tfdist.errors import UsageError
@@ -73,35 +74,25 @@ class Settings:
                              f"(here {hosts.describe()}); set dp.hierarchy=flat or auto")
         return "host" if several and self.hierarchy != "flat" else "flat"
 
-    @property
-    def plain(self):
-        """Whether the strategy's own flat all-reduce does it all (nothing of this package)."""
-        return self.hierarchy == "flat"
-
 
 def reduce(grads_and_vars, c, bucket_bytes=None, log=None):
     """`grads_and_vars` with each gradient reduced over the workers of `c` (`Collectives`) along
     the hierarchical route, bucket by bucket (`tfdist.parallel.buckets`; one bucket when
     `bucket_bytes` is None), times the strategy's scale. `log`: the strategy's name, to say how
     once."""
-    count = [0]
+    count = itertools.count(1)  # the buckets, in order: each collective's name
 
     def reduce_group(grads):
-        dense = list(grads)
-        count[0] += 1
-        name = f"tfdist_dp/bucket{count[0]}_{sum(g.shape.num_elements() for g in dense)}"
+        name = f"tfdist_dp/bucket{next(count)}_{sum(g.shape.num_elements() for g in grads)}"
         return [g * c.scale if c.scale != 1.0 else g
-                for g in hierarchy.sum_tensors(dense, c, name)]
+                for g in hierarchy.sum_tensors(grads, c, name)]
 
-    if log and log not in _said:
-        _said.add(log)
-        print(f"tfdist: {log}: hierarchical all-reduce over {c.hosts.describe()}: reduce-scatter "
-              f"in each host, all-reduce across hosts, all-gather in each host", flush=True)
+    if log:
+        buckets.say_once(f"tfdist: {log}: hierarchical all-reduce over {c.hosts.describe()}: "
+                         f"reduce-scatter in each host, all-reduce across hosts, all-gather in "
+                         f"each host")
     grads_and_vars = [(_dense(g, v), v) for g, v in grads_and_vars]
     return buckets.reduce(grads_and_vars, reduce_group, bucket_bytes, log)
-
-
-_said = set()  # what `reduce` has said, once per process
 
 
 def _dense(grad, variable):
