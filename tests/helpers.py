@@ -205,6 +205,13 @@ def run_group(cmd, timeout):
         raise AssertionError(str(e)) from None
 
 
+def hashes(workdir, rank):
+    """The weights' hashes after each step that the driver's worker `rank` wrote
+    (`--hash-weights`)."""
+    with open(os.path.join(workdir, f"weight_hashes-w{rank}.txt")) as f:
+        return [line.split()[1] for line in f]
+
+
 def driver(workdir, overrides, *extra, timeout=300, check=True, env=None):
     """Runs the fault driver (tools/faults/faulty_train.py); returns (CompletedProcess, result
     dict or None)."""

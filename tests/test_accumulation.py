@@ -24,6 +24,7 @@ from tests.helpers import (
     driver,
     driver_group,
     final_weights,
+    hashes,
     losses,
     max_diff,
     metrics,
@@ -54,11 +55,6 @@ def per_update(run_losses, k=K):
     """The mean logged loss of each update's k batches (equal batches: the update's loss)."""
     assert len(run_losses) % k == 0
     return [float(np.mean(run_losses[i:i + k])) for i in range(0, len(run_losses), k)]
-
-
-def hashes(workdir, rank):
-    with open(os.path.join(workdir, f"weight_hashes-w{rank}.txt")) as f:
-        return [line.split()[1] for line in f]
 
 
 def assert_equals_one_larger_batch(run_dir, ref_dir, replicas):

@@ -13,6 +13,8 @@ import tensorflow as tf
 from tests.helpers import (
     DRIVER,
     assert_usage_error,
+    driver_group,
+    hashes,
     losses,
     max_diff,
     reference_run,
@@ -24,7 +26,7 @@ from tests.helpers import (
 from tfdist import config, strategies
 from tfdist.errors import UsageError
 from tfdist.parallel import dp
-from tfdist.parallel.dp import hierarchy
+from tfdist.parallel.dp import compression, hierarchy
 from tfdist.parallel.dp.collectives import Collectives
 from tfdist.parallel.dp.hosts import Hosts
 
@@ -94,22 +96,41 @@ def _thread_collectives(hosts, exchange, leave_out=()):
     def all_gather(x, group, name):
         return tf.constant(np.concatenate(posted(x, group, name)[1]))
 
-    return Collectives(hosts, reduce_scatter, all_reduce, all_gather, 1.0)
+    def all_to_all(x, group, name):
+        m, every = posted(x, group, name)
+        return tf.constant(np.stack([rows[m.index(hosts.rank)] for rows in every]))
+
+    return Collectives(hosts, reduce_scatter, all_reduce, all_gather, all_to_all, 1.0)
 
 
-def _sums(placement, values, leave_out=()):
-    exchange, out = _Exchange(), {}
+def _threads(n, work):
+    """Runs `work(rank)` on `n` threads (the workers); returns {rank: its result}."""
+    out, errors = {}, []
 
     def worker(r):
-        c = _thread_collectives(Hosts(tuple(placement), r), exchange, leave_out)
-        out[r] = hierarchy.sum_tensors([tf.constant(v) for v in values[r]], c, "g")
+        try:
+            out[r] = work(r)
+        except Exception as e:  # noqa: BLE001 (raised below, in the test)
+            errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(len(placement))]
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
+    if errors:
+        raise errors[0]
     return out
+
+
+def _sums(placement, values, leave_out=()):
+    exchange = _Exchange()
+
+    def worker(r):
+        c = _thread_collectives(Hosts(tuple(placement), r), exchange, leave_out)
+        return hierarchy.sum_tensors([tf.constant(v) for v in values[r]], c, "g")
+
+    return _threads(len(placement), worker)
 
 
 @pytest.mark.parametrize("placement", ["aabb", "abab", "abcabc"])
@@ -135,6 +156,95 @@ def test_without_the_phase_across_hosts_the_sum_is_only_the_hosts():
     assert sums[0][0].numpy().tolist() == [4.0] * 4  # workers 0 and 2: 1 + 3, not 10
 
 
+# -- compression with error feedback, workers as threads ------------------------------------------
+SHAPES = [(24, 16), (16,), (32, 12)]  # two matrices PowerSGD compresses, a vector it does not
+
+
+def _compressed_run(kind, steps, grads_of, workers=4, drop_errors=False, **options):
+    """`steps` updates of `workers` threads, each summing `grads_of(step, rank)` (a list, one
+    per SHAPES) through a `Compression`; returns {rank: (the sums of every step, the final
+    errors)}. `drop_errors`: each error set to zero after every step (no feedback)."""
+    exchange = _Exchange()
+    variables = [tf.Variable(tf.zeros(s), name=f"v{k}") for k, s in enumerate(SHAPES)]
+
+    def worker(r):
+        c = _thread_collectives(Hosts(("a",) * workers, r), exchange)
+        comp = compression.Compression(kind, **options)
+        sums = []
+        for step in range(steps):
+            out = comp.sum_tensors([tf.constant(g) for g in grads_of(step, r)], variables, c,
+                                   f"b{step}")
+            comp.count()
+            sums.append([o.numpy() for o in out])
+            if drop_errors:
+                for name, v in comp.state.items():
+                    if "/error/" in name:
+                        v.assign(tf.zeros_like(v))
+        errors = {name.rsplit("/", 1)[1]: v.numpy() for name, v in comp.state.items()
+                  if "/error/" in name}
+        return sums, errors
+
+    return _threads(workers, worker)
+
+
+def _random_grads(step, rank):
+    rng = np.random.default_rng(1000 * step + rank)
+    return [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "powersgd"])
+def test_compressed_sums_lose_nothing_but_what_the_errors_hold(kind):
+    """Error feedback: over 6 updates, each matrix's summed output plus the workers' final
+    errors is the sum of every gradient given (PowerSGD: exactly, up to float rounding; bf16:
+    up to the rounding of each step's sum to bf16, not fed back). Every worker gets the same
+    sums, bit for bit; the vector goes uncompressed; the first 2 PowerSGD updates (its warm
+    start) are plain sums."""
+    steps = 6
+    out = _compressed_run(kind, steps, _random_grads, rank=2, start=2)
+    given = [sum(np.float64(_random_grads(t, r)[k]) for t in range(steps) for r in range(4))
+             for k in range(len(SHAPES))]
+    for r in range(1, 4):
+        for t in range(steps):
+            for k in range(len(SHAPES)):
+                assert np.array_equal(out[r][0][t][k], out[0][0][t][k])
+    for k in (0, 2):  # the matrices
+        sent = sum(np.float64(out[0][0][t][k]) for t in range(steps))
+        held = sum(np.float64(out[r][1][f"v{k}"]) for r in range(4))
+        tolerance = 1e-4 if kind == "powersgd" else 0.05  # (6 sums of ~4 rounded to 2^-8)
+        np.testing.assert_allclose(sent + held, given[k], rtol=0, atol=tolerance)
+        assert np.abs(held).max() > (10 * tolerance if kind == "powersgd" else 1e-3)  # (held)
+    np.testing.assert_allclose(sum(np.float64(out[0][0][t][1]) for t in range(steps)), given[1],
+                               rtol=0, atol=1e-4)  # the vector: plain
+    if kind == "powersgd":
+        for t in range(2):
+            plain = [sum(np.float64(_random_grads(t, r)[k]) for r in range(4)) for k in (0, 2)]
+            for k, p in zip((0, 2), plain):
+                np.testing.assert_allclose(out[0][0][t][k], p, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "powersgd"])
+def test_without_error_feedback_what_is_not_sent_is_lost(kind):
+    """The companion: with each error dropped after its step, a gradient bf16 cannot hold
+    (1 + 2^-9, rounded to 1 on every step) or one PowerSGD's rank 1 cannot (a rank-2 matrix)
+    falls short of the sum by the same amount every step; with feedback the shortfall (what the
+    errors hold) stays bounded."""
+    def grads(step, rank):
+        if kind == "bf16":
+            return [np.full(s, 1 + 2.0 ** -9, np.float32) for s in SHAPES]
+        a = np.zeros(SHAPES[0], np.float32)
+        a[0, 0], a[1, 1] = 1.0, 0.5  # rank 2
+        return [a, np.zeros(SHAPES[1], np.float32), np.zeros(SHAPES[2], np.float32)]
+
+    steps = 40
+    given = sum(np.float64(grads(t, r)[0]) for t in range(steps) for r in range(4))
+    shortfall = {}
+    for drop in (False, True):
+        out = _compressed_run(kind, steps, grads, drop_errors=drop, rank=1, start=0)
+        sent = sum(np.float64(out[0][0][t][0]) for t in range(steps))
+        shortfall[drop] = np.abs(given - sent).max()
+    assert shortfall[True] > 4 * shortfall[False], shortfall
+
+
 # -- bad input ------------------------------------------------------------------------------------
 def test_a_bad_hierarchy_value_names_the_key():
     c = config.default_config()
@@ -155,6 +265,84 @@ def test_hierarchy_with_one_worker_per_host_is_one_line_and_exit_2(tmp_path):
                f"--workdir={tmp_path / 'w'}", check=False)
     assert_usage_error(p, "dp.hierarchy=host needs several hosts with several workers each "
                           "(here 2 worker(s) on 2 host(s) (1, 1))")
+
+
+def test_powersgd_under_the_parameter_server_is_one_line_and_exit_2(tmp_path):
+    p = tfdist("train", "--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
+               "--config.strategy.name=parameter_server", "--config.dp.compression=powersgd",
+               check=False)
+    assert_usage_error(p, "dp.compression=powersgd under strategy parameter_server")
+
+
+@pytest.mark.parametrize("options, needle", [
+    (dict(compression="int8"), "'dp.compression' must be one of none, fp16, bf16, powersgd"),
+    (dict(compression="fp16"), "dp.compression=fp16 is Horovod's own"),
+    (dict(compression="powersgd", powersgd_rank=0), "'dp.powersgd_rank' must be an integer > 0"),
+    (dict(compression="bf16", hierarchy="host"), "dp.hierarchy=host with dp.compression=bf16"),
+    (dict(compression="bf16", zero=3), "dp.compression=bf16 with ZeRO stage 3"),
+])
+def test_compression_that_cannot_run_is_refused_in_one_line(options, needle):
+    with pytest.raises(UsageError, match=needle.replace(".", r"\.")):
+        strategies.get("multi_worker_mirrored", **options)
+
+
+# -- compressed runs resume exactly ---------------------------------------------------------------
+COMPRESSED = {"train.steps": 10, "train.steps_per_epoch": 10, "train.batch_size": 16,
+              "train.deterministic": True, "backup.every_steps": 1, "strategy.bucket_mb": 0.1,
+              "dp.powersgd_rank": 2, "dp.powersgd_start": 3}
+
+
+def _compressed(workdir, data_dir, strategy, kind, *extra, check=True, **more):
+    o = {**COMPRESSED, "data.data_dir": data_dir, "strategy.name": strategy,
+         "dp.compression": kind, **more}
+    return driver_group(workdir, o, "--hash-weights", "--dump-weights", *extra, check=check,
+                        max_restarts=1)
+
+
+@pytest.fixture(scope="module")
+def powersgd_mwms(tmp_path_factory, data_dir):
+    d = tmp_path_factory.mktemp("powersgd-mwms")
+    _compressed(d, data_dir, "multi_worker_mirrored", "powersgd")
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, kind, accumulate", [
+    ("multi_worker_mirrored", "powersgd", 1),
+    pytest.param("horovod", "bf16", 2, marks=pytest.mark.horovod),
+    pytest.param("multi_worker_mirrored", "bf16", 2, marks=pytest.mark.long),
+    pytest.param("horovod", "powersgd", 1, marks=[pytest.mark.horovod, pytest.mark.long])])
+def test_a_killed_compressed_run_resumes_bitwise(tmp_path, data_dir, request, strategy, kind,
+                                                 accumulate):
+    """Worker 1 SIGKILLed after step 6 (PowerSGD compressing since step 4, its errors and Q
+    in every worker's own shard of the backup); the group restarts, resumes at step 6 and ends
+    with the weights of the run never killed, bit for bit, equal on both workers. In 0.1 MiB
+    buckets (several compressed sums a step); bf16 with 2 batches per update."""
+    more = {"train.grad_accum_steps": accumulate, "backup.every_steps": accumulate}
+    if (strategy, kind) == ("multi_worker_mirrored", "powersgd"):
+        whole = request.getfixturevalue("powersgd_mwms")
+    else:
+        whole = tmp_path / "whole"
+        _compressed(whole, data_dir, strategy, kind, **more)
+    run = tmp_path / "run"
+    p = _compressed(run, data_dir, strategy, kind, "--kill-at-step", "6", "--kill-worker", "1",
+                    **more)
+    assert "at step 6 of 10" in p.stdout, p.stdout[-3000:]
+    assert "error feedback starts at zero" not in p.stdout + p.stderr
+    assert max_diff(weights(run, 0), weights(whole, 0)) == 0.0
+    assert hashes(run, 0)[-1] == hashes(run, 1)[-1]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_without_its_errors_is_caught(tmp_path, data_dir, powersgd_mwms):
+    """The companion: the same kill, with the workers' errors dropped when the backup is
+    restored (Q and the step count kept), ends with other weights."""
+    run = tmp_path / "run"
+    p = _compressed(run, data_dir, "multi_worker_mirrored", "powersgd", "--kill-at-step", "6",
+                    "--kill-worker", "1", "--drop-dp-state")
+    assert "at step 6 of 10" in p.stdout, p.stdout[-3000:]
+    assert max_diff(weights(run, 0), weights(powersgd_mwms, 0)) > 0.0
+    assert hashes(run, 0)[-1] == hashes(run, 1)[-1]  # (still equal on both workers)
 
 
 # -- 2 hosts x 2 workers --------------------------------------------------------------------------

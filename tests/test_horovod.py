@@ -159,7 +159,7 @@ def test_fp16_compression(tmp_path, data_dir, single):
     """fp16: ranks stay identical, losses near fp32's (one process's), in gradient buckets (0.1
     MiB: several). (Accumulation under Horovod, in the same buckets: tests/test_accumulation.py.)"""
     hvd = {**common(data_dir), "strategy.name": "horovod", "strategy.bucket_mb": OVERLAP_BUCKET_MB,
-           "strategy.compression": "fp16"}
+           "dp.compression": "fp16"}
     p = horovodrun(tmp_path / "fp16", hvd, "--dump-weights")
     assert "horovod: gradients: 4 bucket(s)" in p.stdout
     assert max_diff(weights(tmp_path / "fp16", 0), weights(tmp_path / "fp16", 1)) == 0.0

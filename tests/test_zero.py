@@ -17,6 +17,7 @@ from tests.helpers import (
     driver,
     driver_group,
     first_fast,
+    hashes,
     load_config,
     losses,
     max_diff,
@@ -187,11 +188,6 @@ def horovod(workdir, data_dir, stage, *extra, **more):
 def after(workdir, step):
     """The logged losses of the steps after `step`."""
     return [r["loss"] for r in metrics(workdir)["steps"] if r["step"] > step]
-
-
-def hashes(workdir, rank):
-    with open(os.path.join(workdir, f"weight_hashes-w{rank}.txt")) as f:
-        return [line.split()[1] for line in f]
 
 
 def assert_equal_to_plain(run, plain, stage):

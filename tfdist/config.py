@@ -22,6 +22,7 @@ from tfdist.errors import UsageError
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 DP_HIERARCHY = ("auto", "flat", "host")  # config.dp.hierarchy (tfdist/parallel/dp/)
+DP_COMPRESSION = ("none", "fp16", "bf16", "powersgd")  # config.dp.compression
 _SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")  # what a scheduler sends before it kills
 
 
@@ -187,6 +188,13 @@ def _dp():
     # host: reduce-scatter in each host, all-reduce across the hosts, all-gather in each host;
     # flat: the strategy's own ring; auto: host where there are several hosts of several workers
     s.hierarchy = "auto"
+    # none; fp16 (Horovod's own: float16 on the wire, no error feedback); bf16 (each worker's
+    # gradient rounded to bfloat16, half the bytes) or powersgd (a rank-r approximation of each
+    # matrix), both with error feedback, under horovod and multi_worker_mirrored
+    # (tfdist/parallel/dp/)
+    s.compression = "none"
+    s.powersgd_rank = 1  # r (PyTorch's powerSGD_hook's default)
+    s.powersgd_start = 10  # updates with the plain all-reduce before PowerSGD starts (warm start)
     return s
 
 
@@ -328,6 +336,12 @@ _RULES = {
     "dp.hierarchy": (lambda v: v in DP_HIERARCHY,
                      "one of " + ", ".join(DP_HIERARCHY) + " (host: reduce-scatter in each host, "
                      "all-reduce across hosts, all-gather in each host)"),
+    "dp.compression": (lambda v: v in DP_COMPRESSION,
+                       "one of " + ", ".join(DP_COMPRESSION) + " (the gradients' all-reduce; "
+                       "fp16: Horovod's own)"),
+    "dp.powersgd_rank": (_positive_int, "an integer > 0 (the rank of PowerSGD's approximation)"),
+    "dp.powersgd_start": (_non_negative_int,
+                          "an integer >= 0 (updates with the plain all-reduce first)"),
     "sample.max_new_tokens": (_positive_int, "an integer > 0"),
     "sample.temperature": (lambda v: v > 0, "a number > 0"),
     "sample.top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: no top-k)"),

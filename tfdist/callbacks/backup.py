@@ -18,6 +18,7 @@ from tfdist.callbacks.snapshot import Snapshot, Writer
 from tfdist.errors import UsageError
 from tfdist.models import state
 from tfdist.parallel import zero
+from tfdist.parallel.dp import compression
 from tfdist.parallel.zero import shards
 
 
@@ -141,9 +142,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._slots.update({k: stored[id(v)] for k, v in names.items() if id(v) in stored})
         self._opt.update(self._slots)
         self._ckpt = tf.train.Checkpoint(optimizer=rest, **self._parts)
-        # What a save writes: the checkpoint's parts, and this replica's ZeRO shard.
+        # The compressed all-reduce's state (config.dp.compression): each worker's errors, in a
+        # shard of its own beside the checkpoint, as a ZeRO shard is.
+        self._dp = compression.of(model.optimizer)
+        dp_state = dict(self._dp.build(model.trainable_weights)) if self._dp is not None else {}
+        # What a save writes: the checkpoint's parts, and this replica's shards.
         self._state = dict(optimizer=rest, parts=self._parts, slots=self._slots,
-                           shard_weights=self._shard_weights)
+                           shard_weights=self._shard_weights, dp=dp_state)
 
     def backups(self, directory=None):
         """The backups in `directory` (the backup dir), newest first: those the checkpoint index
@@ -244,6 +249,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             shards.restore_slots(directory, step, slots, weights)
         elif slots:  # a backup without ZeRO holds every slot
             tf.train.Checkpoint(optimizer=slots).read(path).assert_existing_objects_matched()
+        if self._dp is not None:
+            self._restore_compression(directory, step)
+
+    def _restore_compression(self, directory, step):
+        """This worker's state of the compressed all-reduce, from its own shard of `step`."""
+        c = self._dp
+        if not tf.io.gfile.isdir(shards.shard_dir(directory, step, "dp")):
+            why = "holds no compression state (written without dp.compression)"
+            left = sorted(c.state)
+        else:
+            left = shards.restore_own(directory, step, dict(self._state["dp"]), c.worker,
+                                      c.workers)
+            why = "was written by another number of workers"
+        if left and self.is_chief:
+            print(f"tfdist: warning: backup step {step} {why}: each worker's error feedback "
+                  f"starts at zero", file=sys.stderr, flush=True)
 
     def save(self, wait=False):
         """Saves the state of now (every worker must call this under a synchronous multi-worker
@@ -280,8 +301,25 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     @property
     def sharded(self):
-        """Whether this process holds a ZeRO shard that no other replica holds."""
-        return self._zero is not None
+        """Whether this process holds state that no other replica holds: a ZeRO shard, or the
+        errors of a compressed all-reduce."""
+        return bool(self.shard_kinds)
+
+    @property
+    def shard_kinds(self):
+        """The kinds of this process's own shards (`tfdist.parallel.zero.shards.shard_dir`)."""
+        return [k for k, held in (("zero", self._zero), ("dp", self._dp)) if held is not None]
+
+    def _save_shards(self, directory, step, state):
+        """This replica's shards of `step` (`state`'s) into `directory`."""
+        if self._zero is not None:
+            c = self._zero.collectives
+            shards.save_shard(directory, step, state["slots"], c.rank, c.size,
+                              state["shard_weights"])
+        if self._dp is not None:
+            c = self._dp
+            shards.save_shard(directory, step, state["dp"], c.worker, c.workers, kind="dp",
+                              shared=c.shared)
 
     def snapshot_files(self, step, state, scratch):
         """This replica's own whole backup of `step` from `state` (`frozen_state`), as the
@@ -289,10 +327,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         {relative path: bytes}. Written through `scratch` (an empty directory: TF's ram://
         file system keeps it in memory), which is emptied after. No collective, no barrier."""
         try:
-            if self._zero is not None:
-                c = self._zero.collectives
-                shards.save_shard(scratch, step, state["slots"], c.rank, c.size,
-                                  state["shard_weights"])
+            self._save_shards(scratch, step, state)
             tf.train.CheckpointManager(tf.train.Checkpoint(
                 optimizer=state["optimizer"], **state["parts"]), scratch, max_to_keep=1).save(
                 checkpoint_number=step)
@@ -351,14 +386,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Writes `state` (the live variables, or their frozen values in the background) as
         backup `step`: this replica's ZeRO shard, then (the chief, once every shard is on disk)
         the checkpoint and the index that names it, the commit."""
-        if self._zero is not None:
-            c = self._zero.collectives
-            shards.save_shard(self.backup_dir, step, state["slots"], c.rank, c.size,
-                              state["shard_weights"])
+        if self.sharded:
+            self._save_shards(self.backup_dir, step, state)
             if not background:
                 self.barrier()
             elif self.is_chief:  # (the others' writers are not in step with this thread)
-                shards.wait_for_shards(self.backup_dir, step, self.WRITE_TIMEOUT)
+                for kind in self.shard_kinds:
+                    shards.wait_for_shards(self.backup_dir, step, self.WRITE_TIMEOUT, kind)
         if not (self.is_chief or (self.collective and not background)):
             return  # (frozen values need no collective: the chief alone writes them)
         # (a damaged index, said once by `restore`: the manager reads it again, and its first
@@ -377,7 +411,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             tf.io.gfile.makedirs(self.backup_dir)
             write_json_atomic(self._meta_path, self._metadata(self.model))
         self.save_checkpoint(manager, step)
-        if self._zero is not None and self.is_chief:
+        if self.sharded and self.is_chief:
             shards.prune(self.backup_dir, min(_step_of(p) for p in manager.checkpoints))
         if not self.is_chief:
             tf.io.gfile.rmtree(self._write_dir)
@@ -393,7 +427,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Removes backup `step`'s files: its checkpoint's and its ZeRO shards."""
         for path in tf.io.gfile.glob(os.path.join(self.backup_dir, f"ckpt-{step}[._]*")):
             (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
-        remove(shards.shard_dir(self.backup_dir, step))
+        for kind in shards.KINDS:
+            remove(shards.shard_dir(self.backup_dir, step, kind))
 
     def rollback(self, model, before):
         """Restores the newest backup of a step before `before` into `model` and removes every

@@ -49,6 +49,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import PeerLost
+from tfdist.parallel.zero import shards
 from tfdist.runtime import keeper
 
 
@@ -162,7 +163,7 @@ def restore(backup, model, plan, *, rank, size, local=None):
             whole = plan["size"] != size or rank not in owners  # (another size: every shard)
             for owner in (owners if whole else [rank, *(o for o in owners if o != rank)]):
                 names = None if whole or owner == rank else [
-                    f"zero/step-{step}/rank-{owner}.json"]
+                    f"{kind}/step-{step}/rank-{owner}.json" for kind in shards.KINDS]
                 meta = _fetch(plan, owner, step, scratch, local, names)
                 records = records or meta.get("log", [])
         else:  # any replica's snapshot is the whole state: the nearest

@@ -82,7 +82,8 @@ class Layout:
                      ffn_hidden=c.model.ffn_hidden or default_ffn_hidden(c.model.arch,
                                                                          c.model.n_embd))
         from tfdist.parallel import dp
-        dp.Settings.from_config(c.dp).require(plugin)  # (config.dp: a strategy that can route)
+        # (config.dp: a strategy that routes, a layout it can compress)
+        dp.Settings.from_config(c.dp).require(plugin, layout.zero, layout.split)
         if c.train.skip_nonfinite and not plugin.updates_together:
             raise UsageError(f"train.skip_nonfinite={c.train.skip_nonfinite} under {plugin.name}: "
                              f"its workers apply their updates on their own, with no step at "

@@ -81,7 +81,7 @@ def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", **option
     cls = get_class(name)
     from tfdist.parallel import dp
     settings = dp.Settings(**{k: options.pop(k) for k in dp.OPTIONS if k in options}).check()
-    settings.require(cls)
+    settings.require(cls, zero=zero)
     cls.check_options(options)
     if zero and (zero != 3 or not cls.shards_user_models):
         raise UsageError(f"zero={zero!r} under strategy {name}: a user's model is sharded with "

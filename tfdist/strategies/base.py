@@ -213,6 +213,9 @@ class Strategy(KerasProgram):
         if not getattr(optimizer, "tfdist_prepared", False):
             self.prepare_optimizer(optimizer)
             optimizer.tfdist_prepared = True
+            if self.dp_compression is not None:
+                from tfdist.parallel.dp import compression
+                compression.attach(optimizer, self.dp_compression)
         return optimizer
 
     def wrap_optimizer(self, optimizer):
@@ -245,6 +248,12 @@ class Strategy(KerasProgram):
     dp_collectives = None
     #: Its `tfdist.parallel.dp.Settings` (`config.dp`; set by `tfdist.strategies.get`).
     dp = None
+    #: Its `tfdist.parallel.dp.compression.Compression` (`dp.compression`), or None: the state a
+    #: backup keeps per worker, found through the optimizer (`prepared`).
+    dp_compression = None
+    #: The values of `dp.compression` that the strategy does itself, in its own all-reduce
+    #: (Horovod's fp16).
+    own_compression = ()
 
     def lost_peer(self, error):
         """Why this process lost its cluster, if the TF error `error`, raised while training,

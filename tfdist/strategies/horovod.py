@@ -57,7 +57,6 @@ from tfdist.parallel import buckets
 from tfdist.runtime.lazy import keras, tf
 from tfdist.strategies.base import Launch, Strategy
 
-_COMPRESSION = ("none", "fp16")
 _LR_SCALING = ("none", "linear")
 
 
@@ -167,10 +166,8 @@ class Horovod(Strategy):
     name = "horovod"
     supports_jit_compile = False  # Horovod's ops have no XLA kernels on CPU
     runs_keras_accumulation = True  # its allreduce is an op, not a merge_call
+    own_compression = ("fp16",)  # dp.compression=fp16: Horovod's Compression.fp16, in its ring
     options = {
-        "compression": ("none", lambda v: v in _COMPRESSION,
-                        "one of " + ", ".join(_COMPRESSION)
-                        + " (fp16 sends the gradients as float16)"),
         "lr_scaling": ("none", lambda v: v in _LR_SCALING,
                        "one of " + ", ".join(_LR_SCALING) + " (linear: lr x ranks)"),
         **buckets.OPTIONS,
@@ -181,8 +178,8 @@ class Horovod(Strategy):
                     recovery=None)
     process_wide = True  # a rank's every model trains under it
 
-    def __init__(self, compression="none", lr_scaling="none", bucket_mb=buckets.BUCKET_MB,
-                 overlap="auto", dp=None, **unused_options):
+    def __init__(self, lr_scaling="none", bucket_mb=buckets.BUCKET_MB, overlap="auto", dp=None,
+                 **unused_options):
         # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (default 1). With Gloo,
         # at 1 ms a rank spent 0.74-0.88 of a core doing nothing (measured here, 2 idle ranks on
         # 127.0.0.1); at 5 ms 0.05. A collective then waits up to 5 ms for the next cycle, which
@@ -194,8 +191,12 @@ class Horovod(Strategy):
         # the variables horovodrun and tfdist launch give every rank (mpirun does not: flat).
         several = int(os.environ.get("HOROVOD_LOCAL_SIZE", 1)) > 1 and \
             int(os.environ.get("HOROVOD_CROSS_SIZE", 1)) > 1
+        # dp.compression: fp16 is Horovod's own (its Compression.fp16, in its ring); bf16 and
+        # powersgd are tfdist's, over a process set of every rank.
+        compression = dp.compression if dp is not None else "none"
         hierarchy = dp is not None and (dp.hierarchy == "host" or
-                                        dp.hierarchy == "auto" and several)
+                                        dp.hierarchy == "auto" and several or
+                                        compression in ("bf16", "powersgd"))
         if hierarchy:
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         self.hvd.init()
@@ -208,9 +209,12 @@ class Horovod(Strategy):
         self._hosts = None  # (gathered once: `hosts`)
         self._dp = None
         if hierarchy:
-            # The gradients' route (config.dp): Horovod's flat ring, or tfdist's hierarchy.
+            # The gradients' route (config.dp): Horovod's flat ring, tfdist's hierarchy, or its
+            # compressed sums.
             if dp.route(self.hosts()) != "flat":
                 self._dp = self.dp_collectives()
+        self.dp_compression = (dp.compressor(self.local_variables, self.worker_index,
+                                               self.num_workers) if dp is not None else None)
 
     # -- who am I ------------------------------------------------------------------------------
     @property
@@ -317,14 +321,22 @@ class Horovod(Strategy):
         from tfdist.parallel.dp.collectives import Collectives
         hvd, hosts = self.hvd, self.hosts()
         sets = {"all": hvd.global_process_set}
+        made = {tuple(range(hvd.size())): hvd.global_process_set}  # (Horovod refuses a twin)
+
+        def process_set(ranks):
+            ranks = tuple(sorted(ranks))
+            if ranks not in made:
+                made[ranks] = hvd.add_process_set(list(ranks))
+            return made[ranks]
+
         for host in hosts.names:  # (every rank adds every set, in the same order)
-            made = hvd.add_process_set(list(hosts.workers_on(host)))
+            local = process_set(hosts.workers_on(host))
             if host == hosts.of_worker[hosts.rank]:
-                sets["local"] = made
+                sets["local"] = local
         for k in range(hosts.per_host):
-            made = hvd.add_process_set(sorted(hosts.workers_on(h)[k] for h in hosts.names))
+            cross = process_set(hosts.workers_on(h)[k] for h in hosts.names)
             if k == hosts.local_rank:
-                sets["cross"] = made
+                sets["cross"] = cross
 
         def named(name):  # (an op's name: no scopes)
             return dict(name=name.replace("/", "_"), ignore_name_scope=True)
@@ -336,6 +348,8 @@ class Horovod(Strategy):
             lambda x, group, name: hvd.allreduce(x, op=hvd.Sum, process_set=sets[group],
                                                  **named(name)),
             lambda x, group, name: hvd.allgather(x, process_set=sets[group], **named(name)),
+            lambda x, group, name: tf.reshape(hvd.alltoall(
+                x, process_set=sets[group], **named(name)), x.shape),
             1.0 / hvd.size())
 
     def reduce_gradients(self, grads_and_vars):
@@ -347,7 +361,7 @@ class Horovod(Strategy):
             from tfdist.parallel import dp
             return dp.reduce(grads_and_vars, self._dp,
                              self.bucket_bytes if self._bucketed else None,
-                             self.is_chief and "horovod")
+                             self.is_chief and "horovod", self.dp_compression)
         hvd = self.hvd
         compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
         return allreduce_gradients(hvd, grads_and_vars, compression=compression,

@@ -74,6 +74,8 @@ class MultiWorkerMirrored(Strategy):
         # The gradients' route (config.dp): the strategy's own flat ring, or tfdist's hierarchy.
         route = dp.route(self.hosts()) if dp is not None else "flat"
         self._dp = self.dp_collectives() if route != "flat" else None
+        self.dp_compression = (dp.compressor(self.local_variables, self.worker_index,
+                                               self.num_workers) if dp is not None else None)
 
     JOIN_TIMEOUT = 180.0  # seconds for every worker to join; TFDIST_JOIN_TIMEOUT overrides
 
@@ -103,7 +105,8 @@ class MultiWorkerMirrored(Strategy):
             from tfdist.parallel import dp
             return dp.reduce(grads_and_vars, self._dp,
                              self.bucket_bytes if self._bucketed else None,
-                             self.cluster.is_chief and "multi_worker_mirrored")
+                             self.cluster.is_chief and "multi_worker_mirrored",
+                             self.dp_compression)
         return buckets.reduce(
             grads_and_vars, lambda grads: context.all_reduce(tf.distribute.ReduceOp.SUM, grads),
             self.bucket_bytes if self._bucketed else None,
@@ -212,7 +215,8 @@ class MultiWorkerMirrored(Strategy):
         if self.num_replicas != self.num_workers:
             raise UsageError(f"config.dp's routes under {self.name} need one replica per worker "
                              f"(here {self.num_replicas} replicas on {self.num_workers} "
-                             f"workers); start one worker per device, or set dp.hierarchy=flat")
+                             f"workers); start one worker per device, or set dp.hierarchy=flat and "
+                             f"dp.compression=none")
         hosts = self.hosts()
         groups = {"all": (self.num_workers, 0),
                   "local": (len(hosts.local), 1 + hosts.host_index),
@@ -230,6 +234,8 @@ class MultiWorkerMirrored(Strategy):
             lambda x, group, name: tf.raw_ops.CollectiveReduceV2(
                 input=x, merge_op="Add", final_op="Id", **keys(group, name)),
             lambda x, group, name: tf.raw_ops.CollectiveGatherV2(input=x, **keys(group, name)),
+            lambda x, group, name: tf.reshape(
+                tf.raw_ops.CollectiveAllToAllV2(input=x, **keys(group, name)), x.shape),
             1.0)
 
     def describe(self):

@@ -69,7 +69,7 @@ def train_run(workdir, workers, steps, inter=None, extra=(), horovod=None):
     if workers == 1:
         cmd = harness.tfdist_argv("train", *flags_, "--strategy=single")
     elif horovod:
-        cmd = harness.launch_argv([*flags_, f"--config.strategy.compression={COMPRESSION.value}"],
+        cmd = harness.launch_argv([*flags_, f"--config.dp.compression={COMPRESSION.value}"],
                                   strategy="horovod", workers=workers, max_restarts=0)
     else:
         cmd = harness.launch_argv(flags_, workers=workers, max_restarts=0)

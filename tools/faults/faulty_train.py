@@ -116,6 +116,7 @@ def main():
     ap.add_argument("--kill-before-model-save", action="store_true")
     ap.add_argument("--slow-write", type=float, default=0.0)
     ap.add_argument("--skip-freeze", action="store_true")
+    ap.add_argument("--drop-dp-state", action="store_true")
     ap.add_argument("--signal-at-step", type=int, default=0)
     ap.add_argument("--signal", default="TERM")
     ap.add_argument("--hold-at-end", default="")
@@ -176,6 +177,15 @@ def main():
 
         def on_backup(self, backup):
             backup.freeze = not args.skip_freeze
+            if args.drop_dp_state:  # a companion: the compression's errors lost at a restore
+                restore = backup._restore_compression
+
+                def restore_without_errors(directory, step):
+                    restore(directory, step)
+                    for name, v in backup._dp.state.items():
+                        if name.startswith("tfdist_dp/error/"):
+                            v.assign(tf.zeros_like(v))
+                backup._restore_compression = restore_without_errors
             backups.append(backup)
 
         def on_memory(self, snapshots):

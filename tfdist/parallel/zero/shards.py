@@ -8,6 +8,10 @@ names step S, so a kill never leaves an index pointing at missing shards. A rest
 each slot it holds now, whichever shard has it: so the backup reshards to any number of
 replicas, or none. `tfdist.callbacks.backup` calls these.
 
+The same files, in <backup>/dp/step-S/, hold each worker's own state of a compressed all-reduce
+(`tfdist.parallel.dp.compression`: its errors, under the same names on every worker, read back
+by the worker that wrote them: `restore_own`).
+
 Example (a shard written and read back):
 
     >>> import tempfile, tensorflow as tf
@@ -53,26 +57,33 @@ class DamagedShards(UsageError):
         self.short = short
 
 
-def shard_dir(backup_dir, step):
-    return os.path.join(backup_dir, "zero", f"step-{step}")
+#: The kinds of shards (`shard_dir`).
+KINDS = ("zero", "dp")
 
 
-def save_shard(backup_dir, step, slots, rank, size, weights=None):
+def shard_dir(backup_dir, step, kind="zero"):
+    """Where step `step`'s shards of `kind` go: "zero" (ZeRO's), or "dp" (each worker's own
+    state of the compressed all-reduce: `tfdist.parallel.dp.compression`)."""
+    return os.path.join(backup_dir, kind, f"step-{step}")
+
+
+def save_shard(backup_dir, step, slots, rank, size, weights=None, kind="zero", shared=()):
     """Writes this replica's `slots` ({name: variable}; ZeRO-3: and its `weights`) for step
-    `step`, then its manifest."""
-    d = shard_dir(backup_dir, step)
+    `step`, then its manifest. `shared`: the names among `slots` that hold the same on every
+    replica (`restore_own` reads them into another number of replicas)."""
+    d = shard_dir(backup_dir, step, kind)
     tf.io.gfile.makedirs(d)
     parts = dict(optimizer=slots, **({"weights": weights} if weights else {}))
     tf.train.Checkpoint(**parts).write(os.path.join(d, f"rank-{rank}"))
     write_atomic(os.path.join(d, f"rank-{rank}.json"),
                  json.dumps({"rank": rank, "replicas": size, "names": sorted(slots),
-                             "weights": sorted(weights or {})}))
+                             "weights": sorted(weights or {}), "shared": sorted(shared)}))
 
 
-def manifests(backup_dir, step):
+def manifests(backup_dir, step, kind="zero"):
     """The manifests of step `step`'s shards, one per replica that wrote one (`DamagedShards`,
     one line, when one is missing)."""
-    d = shard_dir(backup_dir, step)
+    d = shard_dir(backup_dir, step, kind)
     found = []
     for path in sorted(tf.io.gfile.glob(os.path.join(d, "rank-*.json"))):
         with tf.io.gfile.GFile(path) as f:
@@ -80,21 +91,22 @@ def manifests(backup_dir, step):
     size = found[0]["replicas"] if found else 0
     missing = sorted(set(range(size)) - {m["rank"] for m in found})
     if not found or missing:
+        what = "ZeRO optimizer" if kind == "zero" else "compression state"
         raise DamagedShards(
-            short=f"lacks the ZeRO optimizer shard(s) of replica(s) {missing or 'all'}",
-            message=(f"backup {backup_dir} at step {step} lacks the ZeRO optimizer shard(s) of "
+            short=f"lacks the {what} shard(s) of replica(s) {missing or 'all'}",
+            message=(f"backup {backup_dir} at step {step} lacks the {what} shard(s) of "
                      f"replica(s) {missing or 'all'} in {d}; restore that directory, or remove "
                      f"the backup to start over"))
     return found
 
 
-def wait_for_shards(backup_dir, step, timeout):
+def wait_for_shards(backup_dir, step, timeout, kind="zero"):
     """Returns once every replica's shard of step `step` is on disk (its manifest, written
     last); TimeoutError after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return manifests(backup_dir, step)
+            return manifests(backup_dir, step, kind)
         except DamagedShards as e:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"step {step}'s shards are incomplete after {timeout:.0f} s: "
@@ -127,8 +139,25 @@ def shard_weight_names(backup_dir, step):
     return {n for m in manifests(backup_dir, step) for n in m.get("weights", [])}
 
 
+def restore_own(backup_dir, step, variables, rank, size, kind="dp"):
+    """Restores `variables` ({name: variable}: each replica's own, under the same names on
+    every replica) from replica `rank`'s shard of step `step`, written by `size` replicas.
+    Written by another number: only the names in `shared` are read (rank 0's), and the names
+    not read are returned (their values stay)."""
+    found = manifests(backup_dir, step, kind)
+    same = found[0]["replicas"] == size
+    source = rank if same else 0
+    names = [k for k in next(m for m in found if m["rank"] == source)["names"] if k in variables]
+    if not same:
+        names = [k for k in names if k in found[0].get("shared", ())]
+    tf.train.Checkpoint(optimizer={k: variables[k] for k in names}).read(
+        os.path.join(shard_dir(backup_dir, step, kind), f"rank-{source}")).expect_partial()
+    return sorted(set(variables) - set(names))
+
+
 def prune(backup_dir, oldest_kept):
     """Removes the shards of steps before `oldest_kept` (their checkpoints are gone)."""
-    for d in tf.io.gfile.glob(os.path.join(backup_dir, "zero", "step-*")):
-        if int(d.rsplit("-", 1)[1]) < oldest_kept:
+    for d in tf.io.gfile.glob(os.path.join(backup_dir, "*", "step-*")):
+        if os.path.basename(os.path.dirname(d)) in KINDS and \
+                int(d.rsplit("-", 1)[1]) < oldest_kept:
             tf.io.gfile.rmtree(d)
