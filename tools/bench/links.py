@@ -16,11 +16,16 @@ not counted. Runs:
   between the hosts twice);
 * `flat_interleaved`: the same ring, workers placed a, b, a, b (every hop crosses);
 * `hierarchy`: `dp.hierarchy=host` (tfdist/parallel/dp/hierarchy.py), placed a, b, a, b.
+* `bf16`: `dp.compression=bf16` (tfdist/parallel/dp/compression.py: an all-to-all and an
+  all-gather of bfloat16 over every worker), placed a, a, b, b;
+* `powersgd`: `dp.compression=powersgd`, rank 4, from the second step (two all-reduces of P
+  and Q over every worker), placed a, a, b, b.
 
 Each row beside the arithmetic: S the gradients' bytes (parameters x 4), a host's link carries at
 least 2(H-1)/H x S per step for every host to hold the sum (H hosts: S for 2), a flat ring of N
-workers 2(N-1)/N x S out of each worker, on each hop that crosses. Writes
-bench_results/links[-horovod]-<link>.json.
+workers 2(N-1)/N x S out of each worker, on each hop that crosses. The compressed runs have no
+arithmetic row: their bytes are given against the flat ring in host order's (`x plain`, when it
+ran). Writes bench_results/links[-horovod]-<link>.json.
 """
 import json
 import os
@@ -47,10 +52,15 @@ from tools.bench.common import (  # noqa: E402
 )
 from tools.faults import harness  # noqa: E402
 
+POWERSGD_RANK = 4
 RUNS = {  # name -> (placement of the 4 workers on hosts 0 and 1, config overrides)
     "flat_host_order": ((0, 0, 1, 1), ["--config.dp.hierarchy=flat"]),
     "flat_interleaved": ((0, 1, 0, 1), ["--config.dp.hierarchy=flat"]),
     "hierarchy": ((0, 1, 0, 1), ["--config.dp.hierarchy=host"]),
+    "bf16": ((0, 0, 1, 1), ["--config.dp.compression=bf16"]),
+    "powersgd": ((0, 0, 1, 1), ["--config.dp.compression=powersgd",
+                                f"--config.dp.powersgd_rank={POWERSGD_RANK}",
+                                "--config.dp.powersgd_start=1"]),
 }
 _RUNS = flags.DEFINE_list("runs", list(RUNS), "Which runs, of: " + ", ".join(RUNS) + ".")
 HOSTS, PER_HOST = 2, 2
@@ -140,33 +150,65 @@ def main(argv):
         s = gradient_bytes
         placement = RUNS[name][0]
         crossing = sum(placement[i] != placement[(i + 1) % n] for i in range(n)) // HOSTS
-        expected = (2 * (HOSTS - 1) / HOSTS * s if name == "hierarchy"
-                    else crossing * 2 * (n - 1) / n * s)  # per host
+        expected = {"hierarchy": 2 * (HOSTS - 1) / HOSTS * s, "bf16": None, "powersgd": None}.get(
+            name, crossing * 2 * (n - 1) / n * s)  # per host
         tx = max(t for t, _ in per_step)
+        plain = next((max(r["tx_bytes_per_step"]) for r in rows
+                      if r["run"] == "flat_host_order"), None)
         rows.append({"run": name, "placement": "".join("ab"[h] for h in placement),
                      "tokens_per_sec": tps, "tx_bytes_per_step": [t for t, _ in per_step],
                      "rx_bytes_per_step": [r for _, r in per_step],
-                     "arithmetic_bytes_per_step": expected, "tx_over_arithmetic": tx / expected,
-                     "tx_over_minimum": tx / (2 * (HOSTS - 1) / HOSTS * s)})
+                     "arithmetic_bytes_per_step": expected,
+                     "tx_over_arithmetic": tx / expected if expected else None,
+                     "tx_over_minimum": tx / (2 * (HOSTS - 1) / HOSTS * s),
+                     "tx_over_plain": tx / plain if plain else None})
         print(f"{name:18s} {tps:8.0f} tokens/s; each host's link sends "
-              f"{' / '.join(f'{t / 1e6:.1f}' for t, _ in per_step)} MB a step; the arithmetic "
-              f"{expected / 1e6:.1f} MB ({tx / expected:.3f}x)", flush=True)
+              f"{' / '.join(f'{t / 1e6:.1f}' for t, _ in per_step)} MB a step"
+              + (f"; the arithmetic {expected / 1e6:.1f} MB ({tx / expected:.3f}x)"
+                 if expected else "")
+              + (f"; {tx / plain:.3f}x the flat ring in host order's" if plain else ""),
+              flush=True)
     strategy = "horovod" if HOROVOD.value else "multi_worker_mirrored"
     print(f"\n{os.path.basename(config_filename())} on {HOSTS} hosts x {PER_HOST} workers, "
           f"{LINK.value} links, {strategy}; S = {gradient_bytes / 1e6:.1f} MB of gradients")
     print(f"{'run':18s} {'place':>6s} {'tokens/s':>9s} {'MB/step out of a host':>22s} "
-          f"{'arithmetic':>11s} {'x minimum':>10s}")
+          f"{'arithmetic':>11s} {'x minimum':>10s} {'x plain':>8s}")
     for r in rows:
+        arithmetic, plain = r["arithmetic_bytes_per_step"], r["tx_over_plain"]
         print(f"{r['run']:18s} {r['placement']:>6s} {r['tokens_per_sec']:9.0f} "
               f"{max(r['tx_bytes_per_step']) / 1e6:22.1f} "
-              f"{r['arithmetic_bytes_per_step'] / 1e6:11.1f} {r['tx_over_minimum']:10.3f}")
+              f"{arithmetic / 1e6 if arithmetic else float('nan'):11.1f} "
+              f"{r['tx_over_minimum']:10.3f} {plain if plain else float('nan'):8.3f}")
+    path = f"bench_results/links{'-horovod' if HOROVOD.value else ''}-{LINK.value}.json"
+    rows = merged(path, rows)
     write_json({"config": os.path.basename(config_filename()), "strategy": strategy,
                 "link": LINK.value, "hosts": HOSTS, "workers_per_host": PER_HOST,
                 "batch_per_worker": config().train.batch_size, "steps": STEPS.value,
                 "warmup": WARMUP.value, "gradient_bytes": gradient_bytes,
                 "minimum_bytes_per_host": 2 * (HOSTS - 1) / HOSTS * gradient_bytes,
-                "rows": rows},
-               f"bench_results/links{'-horovod' if HOROVOD.value else ''}-{LINK.value}.json")
+                "rows": rows}, path)
+
+
+def merged(path, rows):
+    """`rows`, and the rows of other runs that `path` (the JSON of an earlier run of this bench,
+    with the same config, strategy and link) holds, in RUNS' order: --runs=a,b measures a and b
+    again and keeps the rest."""
+    try:
+        with open(os.path.join(harness.ROOT, path)) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return rows
+    if old.get("config") != os.path.basename(config_filename()):
+        return rows
+    ran = {r["run"] for r in rows}
+    kept = [r for r in old.get("rows", []) if r["run"] not in ran and r["run"] in RUNS]
+    rows = sorted(rows + kept, key=lambda r: list(RUNS).index(r["run"]))
+    plain = next((max(r["tx_bytes_per_step"]) for r in rows if r["run"] == "flat_host_order"),
+                 None)
+    for r in rows:
+        if plain and r["run"] != "flat_host_order":
+            r["tx_over_plain"] = max(r["tx_bytes_per_step"]) / plain
+    return rows
 
 
 if __name__ == "__main__":
