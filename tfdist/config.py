@@ -23,6 +23,7 @@ from tfdist.errors import UsageError
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 DP_HIERARCHY = ("auto", "flat", "host")  # config.dp.hierarchy (tfdist/parallel/dp/)
 DP_COMPRESSION = ("none", "fp16", "bf16", "powersgd")  # config.dp.compression
+DP_EXCHANGE = ("bf16", "int8", "float32")  # config.dp.exchange (the islands' deltas)
 _SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")  # what a scheduler sends before it kills
 
 
@@ -195,6 +196,14 @@ def _dp():
     s.compression = "none"
     s.powersgd_rank = 1  # r (PyTorch's powerSGD_hook's default)
     s.powersgd_start = 10  # updates with the plain all-reduce before PowerSGD starts (warm start)
+    # Local-SGD islands (DiLoCo): groups of workers that train on their own and meet every
+    # sync_every updates at the exchange (`tfdist launch --islands=N`)
+    s.islands = 1
+    s.sync_every = 50  # updates between two syncs (DiLoCo's H)
+    s.outer_lr = 0.7  # the outer optimizer: SGD with Nesterov momentum (DiLoCo's settings)
+    s.outer_momentum = 0.9
+    s.exchange = "bf16"  # how the pseudo-gradients travel: bf16, int8 or float32
+    s.sync_timeout = 120.0  # seconds the others wait at a sync for an island that is not there
     return s
 
 
@@ -340,6 +349,14 @@ _RULES = {
                        "one of " + ", ".join(DP_COMPRESSION) + " (the gradients' all-reduce; "
                        "fp16: Horovod's own)"),
     "dp.powersgd_rank": (_positive_int, "an integer > 0 (the rank of PowerSGD's approximation)"),
+    "dp.islands": (_positive_int, "an integer > 0 (1: no islands)"),
+    "dp.sync_every": (_positive_int, "an integer > 0 (updates between the islands' syncs)"),
+    "dp.outer_lr": (lambda v: v > 0, "a number > 0 (the islands' outer learning rate)"),
+    "dp.outer_momentum": (lambda v: 0 <= v < 1, "a number in [0, 1) (the outer Nesterov "
+                                                 "momentum)"),
+    "dp.exchange": (lambda v: v in DP_EXCHANGE,
+                    "one of " + ", ".join(DP_EXCHANGE) + " (how the islands' deltas travel)"),
+    "dp.sync_timeout": (lambda v: v > 0, "a number of seconds > 0"),
     "dp.powersgd_start": (_non_negative_int,
                           "an integer >= 0 (updates with the plain all-reduce first)"),
     "sample.max_new_tokens": (_positive_int, "an integer > 0"),

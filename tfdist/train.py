@@ -46,6 +46,7 @@ from tfdist.models.gpt import loss_fn
 from tfdist.models.state import plain_gpt
 from tfdist.optimizers import make_optimizer
 from tfdist.parallel import zero
+from tfdist.parallel.dp import islands
 from tfdist.parallel.layout import Layout
 from tfdist.runtime import cluster, cpu
 from tfdist.runtime.lock import WorkdirLock, prepare_workdir
@@ -158,6 +159,10 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     SystemExit, status 75) once the backup of the step in progress is written.
     """
     c = config_lib.validate(huggingface.apply_init_from(c))  # (its shape, from its config.json)
+    place = islands.Place.here()
+    if place.islands > 1:  # local-SGD islands: each island's run in a directory of its own
+        workdir = os.path.join(workdir, f"island-{place.island}")
+        tf.io.gfile.makedirs(workdir)
     run = Run(c, workdir, hooks or Hooks())
     with contextlib.ExitStack() as held:  # the workdir's lock, the preemption signal handlers
         held.callback(lambda: run.offload and run.offload.close())
@@ -218,6 +223,7 @@ def prepare(c, workdir, overwrite=False, sizes=()):
     plugin = strategies.get_class(c.strategy.name)
     Layout.from_config(c, plugin)
     Layout.check_sizes(c, plugin, sizes)
+    islands.check_launch(c.dp.islands)  # (started as islands, as many as the config's)
     placed = os.environ.get("TFDIST_WORKER_HOSTS")  # (tfdist launch: each worker's host)
     if placed and plugin.dp_collectives is not None:
         from tfdist.parallel import dp
@@ -341,8 +347,9 @@ def _resume(run, held, overwrite):
     if run.start > t.steps:
         raise UsageError(f"the backup in {run.backup_dir} is at step {run.start}, beyond "
                          f"train.steps={t.steps}; raise train.steps or remove the backup")
-    run.log = cb.TrainingLog(
-        run.workdir, tokens_per_step=t.batch_size * c.model.block_size, initial_step=run.start,
+    run.log = cb.TrainingLog(  # (an island's step: its part of the global batch)
+        run.workdir, tokens_per_step=t.batch_size // c.dp.islands * c.model.block_size,
+        initial_step=run.start,
         total_steps=t.steps, is_chief=strategy.is_chief, log_every_steps=t.log_every_steps,
         flush_every_steps=c.backup.every_steps if c.backup.enabled else 0,
         val_bytes_per_token=data.split("val").bytes_per_token,

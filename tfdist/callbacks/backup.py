@@ -18,7 +18,7 @@ from tfdist.callbacks.snapshot import Snapshot, Writer
 from tfdist.errors import UsageError
 from tfdist.models import state
 from tfdist.parallel import zero
-from tfdist.parallel.dp import compression
+from tfdist.parallel.dp import compression, islands
 from tfdist.parallel.zero import shards
 
 
@@ -141,6 +141,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                                                                for i in g.indices])
             self._slots.update({k: stored[id(v)] for k, v in names.items() if id(v) in stored})
         self._opt.update(self._slots)
+        # The islands' outer state (config.dp.islands): the same on each of an island's workers.
+        outer = islands.of(model.optimizer)
+        if outer is not None:
+            self._parts["islands"] = dict(outer.build(model.trainable_weights))
         self._ckpt = tf.train.Checkpoint(optimizer=rest, **self._parts)
         # The compressed all-reduce's state (config.dp.compression): each worker's errors, in a
         # shard of its own beside the checkpoint, as a ZeRO shard is.

@@ -21,6 +21,7 @@ from absl import flags
 
 from tfdist import cli, strategies
 from tfdist.errors import UsageError
+from tfdist.launch import islands as islands_lib
 from tfdist.launch.hosts import Host
 from tfdist.launch.local import (
     DEFAULT_PORT,
@@ -56,6 +57,11 @@ _SPARES = flags.DEFINE_integer(
 _COLD = flags.DEFINE_bool("cold", False, "Start every process fresh (it imports TensorFlow, "
                           "Keras and tfdist itself) instead of as a fork of its host's warm agent, "
                           "which has imported them once (tfdist/launch/agent.py).")
+_ISLANDS = flags.DEFINE_integer(
+    "islands", None, "Local-SGD islands (DiLoCo, config.dp.islands): the workers as N groups "
+    "of --workers / N, each restarted on its own, meeting every dp.sync_every updates at an "
+    "exchange this launcher runs (tfdist/launch/islands.py). Default: --config.dp.islands after "
+    "--, else 1.")
 _LOG_DIR = flags.DEFINE_string("worker_logs", None, "Also write each process's output to "
                                "<worker_logs>/<name>.log (w0, w1, ..., c0, ps0).")
 
@@ -219,6 +225,14 @@ def main(argv):
     hosts, spares = _spares(hosts, spec, strategy, elastic, n)
     if (hosts or elastic) and not 1 <= _PORT.value <= 65535 - 64:
         raise UsageError(f"--port must be between 1 and {65535 - 64}, got {_PORT.value}")
+    islands = _ISLANDS.value or (islands_lib.islands_in(rest) if rest[0].startswith("-") else 1)
+    if islands > 1 and not islands_lib.is_island():
+        islands_lib.check(n, islands)
+        if elastic or _SPARES.value:
+            raise UsageError("--islands restarts each island on its own: give no --min_workers, "
+                             "--max_workers, --discovery or --spares with it")
+        islands_lib.split_hosts(hosts, islands)
+        at = islands_lib.host_of([Host(name) for name in hosts] if hosts else None)
     env = dict(os.environ)
     if _BIND.value == "loopback":  # (with --hosts each task binds its own host's address)
         env["LD_PRELOAD"] = " ".join(filter(None, [loopback_shim(), env.get("LD_PRELOAD")]))
@@ -228,8 +242,23 @@ def main(argv):
     agent = Agent({**env, "PYTHONUNBUFFERED": "1"}, host=here,
                   address=here.address if here else "127.0.0.1", warm=not _COLD.value)
     agents = {agent.address: agent}
+    if islands > 1 and not islands_lib.is_island():
+        try:
+            if rest[0].startswith("-"):  # (prepared once, for every island)
+                rest = _prepared(rest, strategy, {**env, islands_lib.ISLANDS: str(islands)},
+                                 None, agent)  # (as the islands' processes are told)
+        finally:
+            agent.close()
+        given = {"strategy": strategy, "max_restarts": _MAX_RESTARTS.value,
+                 "backoff": _BACKOFF.value, "bind": _BIND.value,
+                 "cold": _COLD.value or None, "worker_logs": _LOG_DIR.value}
+        sys.exit(islands_lib.run(rest, n, islands, hosts, at, islands_lib.launch_flags(given),
+                                 _PORT.value, dict(os.environ)))
     try:
-        if rest[0].startswith("-"):  # tfdist train flags
+        if rest[0].startswith("-") and islands_lib.is_island():  # (prepared by the islands')
+            argv = _train_argv([a for a in rest if a != "--overwrite"
+                                and not a.startswith("--overwrite=")], strategy)
+        elif rest[0].startswith("-"):  # tfdist train flags
             # (the prepare step judges config.dp's hierarchy against where the workers go: the
             # addresses the supervisor places them at)
             at = [Host(name) for name in hosts] if hosts else None

@@ -305,6 +305,22 @@ def recovery_plan(env=None):
     return _json_of((os.environ if env is None else env).get(RECOVERY), RECOVERY)
 
 
+#: What `tfdist launch --islands=N` tells each process of an island (`tfdist.parallel.dp.islands`):
+#: its island, the islands, and the address of their exchange.
+ISLAND, ISLANDS, EXCHANGE = "TFDIST_ISLAND", "TFDIST_ISLANDS", "TFDIST_EXCHANGE"
+
+
+def island(env=None):
+    """(this process's island, the islands, their exchange's "host:port"): (0, 1, "") when it
+    was not started as an island."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get(ISLAND, 0)), int(env.get(ISLANDS, 1)), env.get(EXCHANGE, "")
+    except ValueError:
+        raise UsageError(f"{ISLAND} and {ISLANDS} must be integers; they are set by tfdist "
+                         f"launch --islands, not by hand") from None
+
+
 def _json_of(text, name):
     if not text:
         return None

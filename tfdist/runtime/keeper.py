@@ -29,48 +29,21 @@ Example (a keeper in this process, for the example; `start` forks one):
     b'abc'
     >>> k.close(); server.shutdown()
 """
-import json
 import os
 import socket
 import socketserver
-import struct
 import sys
 import threading
 import time
 
-from tfdist.runtime import process
+from tfdist.runtime import process, wire
 
 KEEP = 2  # snapshots kept per owner (and its newest at a multiple of its anchor)
 CONNECT_TIMEOUT = 3.0  # seconds: a keeper that does not accept by then is lost (its host)
-_HEADER = struct.Struct("!I")
 
 
 class KeeperError(Exception):
     """A keeper could not be reached, or lost the connection, or lacks what was asked."""
-
-
-# -- the wire ------------------------------------------------------------------------------------
-def _recv_exact(sock, n):
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise KeeperError("the connection closed")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _send(sock, header, payload=()):
-    data = json.dumps(header).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
-    for part in payload:
-        sock.sendall(part)
-
-
-def _recv(sock):
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return json.loads(_recv_exact(sock, n))
 
 
 # -- the keeper ----------------------------------------------------------------------------------
@@ -134,43 +107,44 @@ class _Handler(socketserver.BaseRequestHandler):
                     store.changed.notify_all()
 
     def _serve(self, store, me):
-        """Answers this connection's requests until it closes (`_recv` raises then: `handle`
+        """Answers this connection's requests until it closes (`wire.recv` raises then: `handle`
         ends quietly)."""
         while True:
-            h = _recv(self.request)
+            h = wire.recv(self.request)
             op = h.get("op")
             if op == "pending":
                 with store.changed:
                     store.pending[me] = (h["owner"], h["step"])
                     store.last = time.monotonic()
-                _send(self.request, {"ok": True})
+                wire.send(self.request, {"ok": True})
             elif op == "put":
-                files = {name: _recv_exact(self.request, n) for name, n in h["files"]}
+                files = {name: wire.recv_exact(self.request, n) for name, n in h["files"]}
                 with store.changed:
                     store.pending.pop(me, None)
                 store.put(h["owner"], h["step"], h["meta"], files)
-                _send(self.request, {"ok": True})
+                wire.send(self.request, {"ok": True})
             elif op == "list":
-                _send(self.request, store.listing())
+                wire.send(self.request, store.listing())
             elif op == "settle":
-                _send(self.request, store.settle(float(h.get("timeout", 1.0)),
+                wire.send(self.request, store.settle(float(h.get("timeout", 1.0)),
                                                  float(h.get("quiet", 0.0))))
             elif op == "trim":
                 store.trim(int(h["after"]))
-                _send(self.request, {"ok": True})
+                wire.send(self.request, {"ok": True})
             elif op == "get":
                 self._get(store, h)
             else:
-                _send(self.request, {"error": f"unknown op {op!r}"})
+                wire.send(self.request, {"error": f"unknown op {op!r}"})
 
     def _get(self, store, h):
         with store.changed:
             snap = store.held.get((h["owner"], h["step"]))
         if snap is None:
-            _send(self.request, {"error": f"no snapshot of rank {h['owner']} at step {h['step']}"})
+            wire.send(self.request,
+                      {"error": f"no snapshot of rank {h['owner']} at step {h['step']}"})
             return
         names = [n for n in sorted(snap["files"]) if h.get("names") is None or n in h["names"]]
-        _send(self.request, {"meta": snap["meta"],
+        wire.send(self.request, {"meta": snap["meta"],
                              "files": [[n, len(snap["files"][n])] for n in names]},
               [snap["files"][n] for n in names])
 
@@ -249,8 +223,8 @@ class Client:
         sock = self._connect()
         try:
             sock.settimeout(timeout or self.timeout)
-            _send(sock, header, payload)
-            reply = _recv(sock)
+            wire.send(sock, header, payload)
+            reply = wire.recv(sock)
         except (OSError, KeeperError, ValueError) as e:
             self.close()
             raise KeeperError(f"keeper {self.address}: {e}") from None
@@ -290,11 +264,11 @@ class Client:
         sock = self._connect()
         try:
             sock.settimeout(self.timeout)
-            _send(sock, {"op": "get", "owner": owner, "step": step, "names": names})
-            reply = _recv(sock)
+            wire.send(sock, {"op": "get", "owner": owner, "step": step, "names": names})
+            reply = wire.recv(sock)
             if "error" in reply:
                 raise KeeperError(reply["error"])
-            return {name: _recv_exact(sock, n) for name, n in reply["files"]}, reply["meta"]
+            return {name: wire.recv_exact(sock, n) for name, n in reply["files"]}, reply["meta"]
         except (OSError, KeeperError, ValueError) as e:
             self.close()
             raise KeeperError(f"keeper {self.address}: {e}") from None

@@ -185,8 +185,13 @@ class Strategy(KerasProgram):
         with self.tf_strategy.scope() as tf_strategy, self.entered():
             yield tf_strategy
 
-    def distribute(self, dataset_fn):
-        """Per-replica datasets from `dataset_fn(input_context)`."""
+    def distribute(self, dataset_fn, whole=False):
+        """Per-replica datasets from `dataset_fn(input_context)`. Among islands (`dp.islands`)
+        each island's part of the data, unless `whole` (validation: every island sees it all)."""
+        if self.dp_outer is not None and not whole:
+            place = self.dp_outer.place
+            return self.tf_strategy.distribute_datasets_from_function(
+                lambda context: dataset_fn(place.input_context(context)))
         return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
 
     def reduce_gradients(self, grads_and_vars):
@@ -216,6 +221,9 @@ class Strategy(KerasProgram):
             if self.dp_compression is not None:
                 from tfdist.parallel.dp import compression
                 compression.attach(optimizer, self.dp_compression)
+            if self.dp_outer is not None:
+                from tfdist.parallel.dp import islands
+                islands.attach(optimizer, self.dp_outer)
         return optimizer
 
     def wrap_optimizer(self, optimizer):
@@ -251,6 +259,9 @@ class Strategy(KerasProgram):
     #: Its `tfdist.parallel.dp.compression.Compression` (`dp.compression`), or None: the state a
     #: backup keeps per worker, found through the optimizer (`prepared`).
     dp_compression = None
+    #: Its `tfdist.parallel.dp.islands.Outer` (`dp.islands` > 1), or None: its island's outer
+    #: state, which a backup keeps, found through the optimizer (`prepared`).
+    dp_outer = None
     #: The values of `dp.compression` that the strategy does itself, in its own all-reduce
     #: (Horovod's fp16).
     own_compression = ()
@@ -271,7 +282,16 @@ class Strategy(KerasProgram):
         return bool(flag)
 
     def callbacks(self):
-        return []
+        """What the strategy adds to `fit`, before the others' callbacks."""
+        return self.dp_callbacks()
+
+    def dp_callbacks(self):
+        """config.dp's: the islands' sync every `dp.sync_every` updates
+        (`tfdist.parallel.dp.islands`), before the backup of the step is written."""
+        if self.dp_outer is None:
+            return []
+        from tfdist.parallel.dp import islands
+        return [islands.Sync(self.dp_outer, chief=self.is_chief)]
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,
@@ -309,7 +329,7 @@ class Strategy(KerasProgram):
         if hasattr(validation_data, "dataset_fn"):
             validation_data = validation_data.dataset_fn(0, validation_steps, repeat=True)
         if callable(validation_data) and not isinstance(validation_data, tf.data.Dataset):
-            validation_data = self.distribute(validation_data)
+            validation_data = self.distribute(validation_data, whole=True)
         first_epoch, done_in_epoch = divmod(initial_step, steps_per_epoch or 1)
         positionable = callable(data) and not isinstance(data, tf.data.Dataset)
         if not positionable and done_in_epoch:

@@ -215,6 +215,8 @@ class Horovod(Strategy):
                 self._dp = self.dp_collectives()
         self.dp_compression = (dp.compressor(self.local_variables, self.worker_index,
                                                self.num_workers) if dp is not None else None)
+        # config.dp.islands: this worker's island's outer state (tfdist.parallel.dp.islands)
+        self.dp_outer = dp.outer(self.local_variables) if dp is not None else None
 
     # -- who am I ------------------------------------------------------------------------------
     @property
@@ -245,12 +247,16 @@ class Horovod(Strategy):
                 f"({'gloo' if self.hvd.gloo_enabled() else 'mpi'}), compression {self.compression}")
 
     # -- what it adds --------------------------------------------------------------------------
-    def distribute(self, dataset_fn):
-        """This rank's dataset: `dataset_fn` sees `hvd.size()` pipelines, one replica each."""
+    def distribute(self, dataset_fn, whole=False):
+        """This rank's dataset: `dataset_fn` sees `hvd.size()` pipelines, one replica each
+        (among islands, this island's after the others': unless `whole`)."""
         n = self.hvd.size()
-        dataset = dataset_fn(tf.distribute.InputContext(num_input_pipelines=n,
-                                                        input_pipeline_id=self.hvd.rank(),
-                                                        num_replicas_in_sync=n))
+        context = tf.distribute.InputContext(num_input_pipelines=n,
+                                             input_pipeline_id=self.hvd.rank(),
+                                             num_replicas_in_sync=n)
+        if self.dp_outer is not None and not whole:
+            context = self.dp_outer.place.input_context(context)
+        dataset = dataset_fn(context)
         self._per_rank.add(dataset)  # already this rank's share: `split` leaves it
         return dataset
 
@@ -371,7 +377,8 @@ class Horovod(Strategy):
     def callbacks(self):
         """Rank 0's model and optimizer state to every rank before the first step; the model's
         non-trainable state (BatchNormalization's statistics) averaged over the ranks before
-        validation and at the end; the logged metrics averaged over the ranks."""
+        validation and at the end; the logged metrics averaged over the ranks; config.dp's
+        (the islands' sync: `dp_callbacks`)."""
         from tfdist.callbacks import Calls
         hvd = self.hvd
         average_state = lambda model, *args, **kw: _average_state(hvd, model)  # noqa: E731
@@ -383,7 +390,7 @@ class Horovod(Strategy):
                       on_train_batch_end=lambda model, batch, logs=None: average_logs(
                           hvd, logs, "batch"),
                       on_epoch_end=lambda model, epoch, logs=None: average_logs(
-                          hvd, logs, "epoch"))]
+                          hvd, logs, "epoch"))] + self.dp_callbacks()
 
     # -- a user's Keras program --------------------------------------------------------------
     def keras_call(self, method, model, upstream, arguments):

@@ -76,6 +76,8 @@ class MultiWorkerMirrored(Strategy):
         self._dp = self.dp_collectives() if route != "flat" else None
         self.dp_compression = (dp.compressor(self.local_variables, self.worker_index,
                                                self.num_workers) if dp is not None else None)
+        # config.dp.islands: this worker's island's outer state (tfdist.parallel.dp.islands)
+        self.dp_outer = dp.outer(self.local_variables) if dp is not None else None
 
     JOIN_TIMEOUT = 180.0  # seconds for every worker to join; TFDIST_JOIN_TIMEOUT overrides
 

@@ -22,6 +22,8 @@ really ran, across restarts.
   (TFDIST_RESTART_COUNT=0), so the restarted group runs to the end. Under Horovod, where only
   rank 0 writes the backup, every rank first passes an allreduce after each step's backup, so the
   kill comes after rank 0 has written step K's.
+--kill-island I: under `tfdist launch --islands`, the faults above are island I's (its worker
+  --kill-worker) only. Each island's files are named i<island>w<worker> instead of w<worker>.
 --kill-host-at-step K: like --kill-at-step, but the process SIGKILLs its warm agent (its parent
   under `tfdist launch`), which takes down with it every process of its host, and the host's
   keeper: a host lost (tests/test_recovery.py). After step K's snapshot has been sent to its
@@ -101,6 +103,7 @@ def main():
     ap.add_argument("--config", default="gpt_nano")
     ap.add_argument("--kill-at-step", type=int, default=0)
     ap.add_argument("--kill-worker", type=int, default=0)
+    ap.add_argument("--kill-island", type=int, default=-1)
     ap.add_argument("--kill-host-at-step", type=int, default=0)
     ap.add_argument("--kill-in-save", type=int, default=0)
     ap.add_argument("--dump-inputs", type=int, default=0)
@@ -140,7 +143,11 @@ def main():
     # A Horovod rank (horovodrun sets HOROVOD_RANK, mpirun OMPI_COMM_WORLD_RANK) has no TF_CONFIG.
     rank = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     worker = spec.worker_index if spec else int(rank)
+    island, islands, _ = cluster.island()  # (tfdist launch --islands: this one's)
+    me = f"i{island}w{worker}" if islands > 1 else f"w{worker}"  # (its files' names)
     first_attempt = os.environ.get("TFDIST_RESTART_COUNT", "0") == "0"
+    if args.kill_island >= 0 and island != args.kill_island:
+        first_attempt = False  # (the faults are another island's)
     kill_here = args.kill_at_step and worker == args.kill_worker and first_attempt
     host_here = args.kill_host_at_step and worker == args.kill_worker and first_attempt
     signal_here = args.signal_at_step and worker == args.kill_worker and first_attempt
@@ -247,7 +254,7 @@ def main():
                 else:
                     values = [v.numpy() for v in self.model.weights]
                 digest = hashlib.sha256(b"".join(v.tobytes() for v in values))
-                with open(os.path.join(args.workdir, f"weight_hashes-w{worker}.txt"), "a") as f:
+                with open(os.path.join(args.workdir, f"weight_hashes-{me}.txt"), "a") as f:
                     f.write(f"{self.n} {digest.hexdigest()}\n")
             if kill_here and self.n == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -268,12 +275,12 @@ def main():
     record = Record()
     result = train(c, args.workdir, verbose=0, extra_callbacks=[record], hooks=Faults())
     if args.dump_weights:
-        np.savez(os.path.join(args.workdir, f"weights-w{worker}.npz"),
+        np.savez(os.path.join(args.workdir, f"weights-{me}.npz"),
                  *[v.numpy() for v in record.model.weights])
         optimizer = record.model.optimizer
         sums = [a for a in getattr(record.model.train_step, "accumulators", []) if a is not None]
         accumulator_bytes = sum(a.numpy().nbytes for a in sums)  # the step's gradient sums
-        with open(os.path.join(args.workdir, f"optimizer-w{worker}.json"), "w") as f:
+        with open(os.path.join(args.workdir, f"optimizer-{me}.json"), "w") as f:
             json.dump({"bytes": sum(v.numpy().nbytes for v in optimizer.variables)
                        + accumulator_bytes, "accumulator_bytes": accumulator_bytes,
                        "zero": zero.describe(record.model)}, f)
@@ -281,7 +288,7 @@ def main():
         windows, ctx = contexts[0]
         windows.on_input = None
         rows = [x.numpy() for x, _ in windows.dataset_fn(0, args.dump_inputs)(ctx)]
-        np.save(os.path.join(args.workdir, f"inputs-w{worker}.npy"), np.stack(rows))
+        np.save(os.path.join(args.workdir, f"inputs-{me}.npy"), np.stack(rows))
     print("DRIVER_RESULT " + json.dumps({**result, "worker": worker,
                                          "addresses": own_addresses()}), flush=True)
     if args.hold_at_end and spec is not None and spec.is_chief:

@@ -13,6 +13,11 @@ changes the route, for every layout and both strategies, on top of the sums a st
                    | fp16                   feedback (`compression`); fp16: Horovod's own
     powersgd_rank  1                        PowerSGD's rank r
     powersgd_start 10                       plain sums for the first updates (warm start)
+    islands        1                        local-SGD islands, DiLoCo (`islands`; `tfdist
+    sync_every     50                       launch --islands=N`): N groups that train on their
+    outer_lr, outer_momentum  0.7, 0.9      own and meet every sync_every updates; the outer
+    exchange       bf16 | int8 | float32    optimizer; how the deltas travel; how long the
+    sync_timeout   120                      others wait for a missing island
 
 The buckets and their overlap with the backward pass are kept: each bucket takes the route on its
 own, as soon as its gradients exist.
@@ -37,7 +42,7 @@ import itertools
 from tfdist import config
 from tfdist.errors import UsageError
 from tfdist.parallel import buckets
-from tfdist.parallel.dp import compression, hierarchy
+from tfdist.parallel.dp import compression, hierarchy, islands
 from tfdist.runtime.lazy import tf
 
 #: The keys of `config.dp` (their defaults and rules: tfdist/config.py).
@@ -52,6 +57,12 @@ class Settings:
     compression: str = "none"
     powersgd_rank: int = 1
     powersgd_start: int = 10
+    islands: int = 1
+    sync_every: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    exchange: str = "bf16"
+    sync_timeout: float = 120.0
 
     @classmethod
     def from_config(cls, section):
@@ -88,6 +99,14 @@ class Settings:
             raise UsageError(f"dp.compression={self.compression} is Horovod's own, and the "
                              f"strategy is {plugin.name}: use bf16 or powersgd here (with "
                              f"error feedback), or none")
+        if self.islands > 1 and plugin.dp_collectives is None:
+            raise UsageError(f"dp.islands={self.islands} under strategy {plugin.name}: an island "
+                             f"is a group of synchronous workers; use multi_worker_mirrored or "
+                             f"horovod")
+        if self.islands > 1 and (zero or split):
+            what = f"ZeRO stage {zero}" if zero else "a model split over devices"
+            raise UsageError(f"dp.islands={self.islands} with {what}: each island's worker "
+                             f"holds the whole model; set dp.islands=1, or train without it")
         if ours and (zero or split):
             what = f"ZeRO stage {zero}" if zero else "a model split over devices"
             raise UsageError(f"dp.compression={self.compression} with {what}: it compresses the "
@@ -108,6 +127,13 @@ class Settings:
         if self.compression != "none":  # (the strategy's own: Horovod's fp16, in its ring)
             return "flat"
         return "host" if several and self.hierarchy != "flat" else "flat"
+
+    def outer(self, local_variables):
+        """The islands' `islands.Outer` state of this process (None without islands), made in
+        scope `local_variables` (the strategy's). UsageError, one line, if the process was not
+        started as an island (`tfdist launch --islands`)."""
+        place = islands.check_launch(self.islands)
+        return islands.Outer(self, place, local_variables) if self.islands > 1 else None
 
     def compressor(self, local_variables, worker=0, workers=1):
         """The `compression.Compression` of these settings (None without compression), its
