@@ -6,8 +6,8 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-sample bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-links bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-disk bench-offload bench-offload-xl bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
-        chaos-ps chaos-horovod chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray chaos-spares \
+        bench-allreduce bench-links bench-dp-quality bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-disk bench-offload bench-offload-xl bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
+        chaos-ps chaos-horovod chaos-islands chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray chaos-spares \
         bench-node-loss bench-warm plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
@@ -128,6 +128,11 @@ chaos-horovod: $(HOROVOD)
 # ZeRO-1 under Horovod, then under multi_worker_mirrored: SIGKILL a replica at a random step, 5
 # trials each; each resumes from every replica's optimizer shard and must end bitwise equal to an
 # uninterrupted ZeRO run.
+# 5 trials: SIGKILL one island's worker between two syncs; the other island goes on, the killed
+# one restarts from its backup and rejoins (tools/faults/chaos_islands.py).
+chaos-islands: $(STAMP)
+	$(BIN)/python tools/faults/chaos_islands.py
+
 chaos-zero: $(HOROVOD)
 	$(BIN)/python tools/faults/chaos.py --strategy=horovod --zero=1
 	$(BIN)/python tools/faults/chaos.py --zero=1
@@ -185,6 +190,11 @@ LINKS := 1gbit 10gbit
 # Then 2 hosts x 2 workers (tools/bench/links.py): the bytes each host's link carries a step,
 # counted at the link, for the flat ring (workers in host order and interleaved) and dp.hierarchy.
 DP_LINKS := 1gbit 100mbit
+# gpt_mini on 2 and 4 workers: the validation loss of PowerSGD rank 4 and of 2 islands (H = 50)
+# against synchronous data parallelism, the same tokens (tools/bench/dp_quality.py).
+bench-dp-quality: $(STAMP)
+	$(BIN)/python tools/bench/dp_quality.py
+
 bench-links: $(HOROVOD) cluster-tools
 	for link in $(LINKS); do \
 	  $(BIN)/python tools/bench/allreduce.py --link=$$link --rounds=1 --iters=5 && \

@@ -20,6 +20,9 @@ not counted. Runs:
   all-gather of bfloat16 over every worker), placed a, a, b, b;
 * `powersgd`: `dp.compression=powersgd`, rank 4, from the second step (two all-reduces of P
   and Q over every worker), placed a, a, b, b.
+* `islands`: `tfdist launch --islands=2`, an island of 2 workers on each host (DiLoCo, a sync
+  every 50 updates, int8 deltas; the exchange on host a), timed over --island_steps steps (2
+  syncs); its tokens/s is both islands'.
 
 Each row beside the arithmetic: S the gradients' bytes (parameters x 4), a host's link carries at
 least 2(H-1)/H x S per step for every host to hold the sum (H hosts: S for 2), a flat ring of N
@@ -53,6 +56,10 @@ from tools.bench.common import (  # noqa: E402
 from tools.faults import harness  # noqa: E402
 
 POWERSGD_RANK = 4
+ISLANDS_H = 50
+_ISLAND_STEPS = flags.DEFINE_integer(
+    "island_steps", 2 * ISLANDS_H, "Timed steps of the islands run (it must span syncs: its "
+    "bytes come every sync_every steps).")
 RUNS = {  # name -> (placement of the 4 workers on hosts 0 and 1, config overrides)
     "flat_host_order": ((0, 0, 1, 1), ["--config.dp.hierarchy=flat"]),
     "flat_interleaved": ((0, 1, 0, 1), ["--config.dp.hierarchy=flat"]),
@@ -61,7 +68,11 @@ RUNS = {  # name -> (placement of the 4 workers on hosts 0 and 1, config overrid
     "powersgd": ((0, 0, 1, 1), ["--config.dp.compression=powersgd",
                                 f"--config.dp.powersgd_rank={POWERSGD_RANK}",
                                 "--config.dp.powersgd_start=1"]),
+    # two islands of 2 workers, one on each host (DiLoCo): a sync every ISLANDS_H updates
+    "islands": ((0, 0, 1, 1), ["--config.dp.islands=2", f"--config.dp.sync_every={ISLANDS_H}",
+                               "--config.dp.exchange=int8"]),
 }
+ISLAND_RUNS = ("islands",)
 _RUNS = flags.DEFINE_list("runs", list(RUNS), "Which runs, of: " + ", ".join(RUNS) + ".")
 HOSTS, PER_HOST = 2, 2
 
@@ -109,7 +120,8 @@ def one_run(name, workdir):
     """One run: (tokens/s, [(tx, rx) bytes per step of each host], launcher stdout)."""
     from tools.cluster.netcluster import NetCluster
     placement, extra = RUNS[name]
-    steps = WARMUP.value + STEPS.value
+    islands = 2 if name in ISLAND_RUNS else 1
+    steps = WARMUP.value + (_ISLAND_STEPS.value if islands > 1 else STEPS.value)
     c = config()
     rest = train_flags(workdir, steps, c.train.batch_size * len(placement), INTER.value,
                        [*extra, "--config.train.log_every_steps=1"])
@@ -117,20 +129,27 @@ def one_run(name, workdir):
     with NetCluster(HOSTS, rate=LINK.value) as net:
         hosts = ",".join(net.address(h) for h in placement)
         cmd = harness.launch_argv(rest, strategy=strategy, workers=len(placement),
-                                  max_restarts=0, extra=[f"--hosts={hosts}"])
+                                  max_restarts=0, extra=[f"--hosts={hosts}",
+                                                         f"--islands={islands}"])
         env = {**os.environ, "PATH": net.ssh_path() + os.pathsep + os.environ["PATH"]}
         with Counters(net) as counters:
             p = net.run(0, cmd, timeout=3600, env=env, cwd=harness.ROOT)
         if p.returncode:
             sys.exit(f"bench: {name} failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n"
                      f"{p.stderr[-2000:]}")
-    log = harness.metrics(workdir)["steps"]
+    logs = [harness.metrics(os.path.join(workdir, f"island-{k}") if islands > 1 else workdir)
+            ["steps"] for k in range(islands)]
+    log = logs[0]  # (island 0's steps time the bytes)
     first, last = log[WARMUP.value - 1], log[-1]
     n = last["step"] - first["step"]
     a, b = counters.at(first["time"]), counters.at(last["time"])
     per_step = [((bt - at) / n, (br - ar) / n) for (at, ar), (bt, br) in zip(a, b)]
-    rates = [s["tokens_per_sec"] for s in log[WARMUP.value:]]
-    return sorted(rates)[len(rates) // 2], per_step, p.stdout
+    # tokens/s: every island's (the median of each, summed)
+    tps = 0.0
+    for island_log in logs:
+        rates = sorted(s["tokens_per_sec"] for s in island_log[WARMUP.value:])
+        tps += rates[len(rates) // 2]
+    return tps, per_step, p.stdout
 
 
 def main(argv):
@@ -150,8 +169,8 @@ def main(argv):
         s = gradient_bytes
         placement = RUNS[name][0]
         crossing = sum(placement[i] != placement[(i + 1) % n] for i in range(n)) // HOSTS
-        expected = {"hierarchy": 2 * (HOSTS - 1) / HOSTS * s, "bf16": None, "powersgd": None}.get(
-            name, crossing * 2 * (n - 1) / n * s)  # per host
+        expected = {"hierarchy": 2 * (HOSTS - 1) / HOSTS * s, "bf16": None, "powersgd": None,
+                    "islands": None}.get(name, crossing * 2 * (n - 1) / n * s)  # per host
         tx = max(t for t, _ in per_step)
         plain = next((max(r["tx_bytes_per_step"]) for r in rows
                       if r["run"] == "flat_host_order"), None)
