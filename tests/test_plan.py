@@ -644,3 +644,42 @@ def test_every_layout_the_planner_calls_runnable_is_what_its_command_runs(name, 
                                p.layout.accumulate, p.layout.zero, p.layout.recompute,
                                p.layout.batch), (cmd, p.layout)
     assert 0 < ran < len(plans), (ran, len(plans))
+
+
+# -- the gradients' routes across hosts (tfdist/plan/comm.py) -------------------------------------
+#: Rows the planner's bytes miss, and why: Horovod's controller talks with rank 0 every cycle
+#: (HOROVOD_CYCLE_TIME, 5 ms here) about every tensor ready, about 0.5 MB a 4-s step of
+#: gpt_mini, which only shows beside PowerSGD's 1.1 MB.
+LINK_MISSES = {("horovod", "powersgd"): "Horovod's controller messages"}
+
+
+@pytest.mark.parametrize("name", ["links-1gbit.json", "links-horovod-1gbit.json"])
+def test_the_planner_prices_the_bytes_the_links_carried(name):
+    """Every committed row of tools/bench/links.py (bytes counted at the links) within 10 % of
+    tfdist.plan.comm's bytes out of the busiest host, but the misses named above."""
+    from tfdist.plan import comm
+    with open(os.path.join(ROOT, "bench_results", name)) as f:
+        bench = json.load(f)
+    model = plan.model_from_config(
+        plan.load_config(os.path.join(ROOT, "configs", bench["config"])), "bench")
+    for row in bench["rows"]:
+        order = "interleaved" if row["placement"] == "abab" and row["run"] != "hierarchy" \
+            else "hosts"
+        route = row["run"].split("_")[0]
+        predicted = comm.routes(model, bench["hosts"], bench["workers_per_host"], rank=4,
+                                order=order)[route]
+        ratio = max(row["tx_bytes_per_step"]) / predicted
+        if (bench["strategy"], route) in LINK_MISSES:
+            assert ratio > 1.1, "a named miss that no longer misses: drop it"
+            continue
+        assert 0.9 <= ratio <= 1.1, (row["run"], ratio)
+
+
+def test_a_slow_link_recommends_islands_and_a_fast_one_the_ring():
+    from tfdist.plan import comm
+    m = plan.model_from_config(plan.load_config(os.path.join(ROOT, "configs", "gpt_mini.py")),
+                               "gpt_mini")
+    assert comm.recommend(m, 2, 2, 10e9 / 8, compute_seconds=4.0)[0] == "flat"
+    assert comm.recommend(m, 2, 2, 1e9 / 8, compute_seconds=0.3)[0] == "powersgd"
+    route, why = comm.recommend(m, 2, 2, 1e6 / 8, compute_seconds=0.3)
+    assert route == "islands" and "0.001 Gbit/s" in why

@@ -38,6 +38,7 @@ import sys
 
 from tfdist import cli
 from tfdist.errors import UsageError
+from tfdist.plan import comm
 from tfdist.plan.benchmarks import measured
 from tfdist.plan.machine import (
     cpu_device,
@@ -273,6 +274,8 @@ def main(argv):
                          f"{model.n_layer} layers as asked; change --batch, --devices or the "
                          f"fixed dims")
     report(model, cluster, batch, plans, opts, config_arg, F.top, F.out, config)
+    for line in comm.describe(model, cluster, plans[0]):
+        print(line)
 
 
 def _check_fixed(model, cluster, batch, fixed):
