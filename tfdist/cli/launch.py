@@ -213,6 +213,8 @@ def main(argv):
     if "ps" in spec.roles and not 1 <= _PS.value <= 16:
         raise UsageError(f"--ps must be between 1 and 16, got {_PS.value}")
     if _ENGINE.value == "ray":
+        if (_ISLANDS.value or 1) > 1 or islands_lib.islands_in(rest) > 1:
+            raise UsageError("--islands runs on tfdist's own launcher: drop --engine=ray")
         sys.exit(_on_ray(rest, n, strategy, spec))
     if _ADDRESS.value is not None:
         raise UsageError("--address is the Ray cluster's, for --engine=ray")
