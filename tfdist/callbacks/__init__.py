@@ -1,7 +1,7 @@
 """tfdist's Keras callbacks: the step-exact backup (`backup.py`) and its snapshots in the keepers'
 memory (`memory.py`), what a run reports (`log.py`),
-the loss-spike rollback's watch (`spike.py`), and Keras's own file-writing callbacks on a process
-that is not the chief (`workers.py`).
+the loss-spike rollback's watch (`spike.py`), the local-SGD islands' sync (`islands.py`), and
+Keras's own file-writing callbacks on a process that is not the chief (`workers.py`).
 
 Example (the first 6 of 10 steps, backed up every 2 steps; a restarted run resumes at step 6):
 

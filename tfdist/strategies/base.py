@@ -290,8 +290,8 @@ class Strategy(KerasProgram):
         (`tfdist.parallel.dp.islands`), before the backup of the step is written."""
         if self.dp_outer is None:
             return []
-        from tfdist.parallel.dp import islands
-        return [islands.Sync(self.dp_outer, chief=self.is_chief)]
+        from tfdist.callbacks.islands import Sync
+        return [Sync(self.dp_outer, chief=self.is_chief)]
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, model, data, *, epochs=1, steps_per_epoch=None, initial_step=0, callbacks=None,

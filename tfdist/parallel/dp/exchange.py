@@ -10,14 +10,17 @@ which every worker and the exchange apply alike with the outer optimizer (`outer
 with Nesterov momentum, DiLoCo's). So every party holds the same outer weights and momentum, bit
 for bit, and the exchange can hand them to an island that comes back (`hello`).
 
-A round closes once every live island's chief has sent (an island is live from its chief's
-hello until its connection closes), or `timeout` seconds after its first delta: an island cut
-off without a word is left out of that round, and finds itself behind at its next sync.
+A round closes once every live island's chief has sent (every island is live from the start, and
+again from its chief's hello, until its connection closes), or `timeout` seconds after its first
+delta: an island cut off without a word, or late to start, is left out of that round, and finds
+itself behind at its next sync.
 
-Messages (`tfdist.runtime.wire`): `hello` {island, chief, round, settings, size} (+ the chief's
-outer weights and momentum, float32) -> {status: ok | behind, round} (+ behind: the current
-outer weights and momentum); `sync` {island, chief, round} (+ the chief's encoded delta) ->
-{status: ok, round} + the encoded mean, or {status: behind, round} + weights and momentum.
+Messages (`tfdist.runtime.wire`): `hello` {island, chief, round, settings, size} ->
+{status: ok | behind, round} (+ behind: the current outer weights and momentum), or to a chief
+whose state is newer than the exchange's (a new exchange) {status: state}, and it says hello
+again with its outer weights and momentum (float32); `sync` {island, chief, round} (+ the
+chief's encoded delta) -> {status: ok, round} + the encoded mean, or {status: behind, round} +
+weights and momentum.
 Each island's workers get the same answer for a round: it is kept per round (and per island,
 for an island behind).
 
@@ -121,7 +124,7 @@ class Rounds:
         self.round = 0
         self.theta = self.momentum = None
         self.settings = None
-        self.live = set()
+        self.live = set(range(islands))  # (at the start every island is waited for)
         self.deltas = {}  # island -> float32 delta of the open round
         self.first = None  # when the open round's first delta came
         self.closed = {}  # round -> the answer of every island's workers (the last two)
@@ -136,7 +139,10 @@ class Rounds:
             elif h["settings"] != self.settings:
                 return {"error": f"island {h['island']}'s settings {h['settings']} differ from "
                                  f"the others' {self.settings}"}, []
-            if h["chief"] and payload and (self.theta is None or h["round"] > self.round):
+            newer = self.theta is None or h["round"] > self.round
+            if h["chief"] and newer and not payload:
+                return {"status": "state"}, []  # (asked only when needed: it is the model's size)
+            if h["chief"] and newer:
                 n = h["size"]
                 self.theta = np.frombuffer(payload, np.float32, n).copy()
                 self.momentum = np.frombuffer(payload, np.float32, n, offset=4 * n).copy()
@@ -292,12 +298,14 @@ class Client:
                 np.frombuffer(data, np.float32, n, offset=4 * n).copy())
 
     def hello(self, round_, settings, theta, momentum):
-        """Joins at `round_` with this island's outer state (the chief's is offered). Returns
-        ("ok", round) or ("behind", round, theta, momentum): the exchange's newer state."""
+        """Joins at `round_` with this island's outer state (the chief's, sent when the exchange
+        asks). Returns ("ok", round) or ("behind", round, theta, momentum): the exchange's newer
+        state."""
         self.settings, self.size = settings, theta.size
-        payload = [theta.tobytes(), momentum.tobytes()] if self.chief else []
-        reply, data = self._call({"op": "hello", "round": round_, "settings": settings,
-                                  "size": theta.size}, payload)
+        header = {"op": "hello", "round": round_, "settings": settings, "size": theta.size}
+        reply, data = self._call(header)
+        if reply["status"] == "state":  # (the exchange has none this new: the chief's)
+            reply, data = self._call(header, [theta.tobytes(), momentum.tobytes()])
         if reply["status"] == "ok":
             return "ok", reply["round"]
         return ("behind", reply["round"], *self._state(data))

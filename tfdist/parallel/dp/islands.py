@@ -15,6 +15,9 @@ stops no other: the others wait for it at the next sync for at most `dp.sync_tim
 then go on; when it is back (its group restarted from its backup) it rejoins, with the current
 outer weights if rounds closed without it.
 
+The meeting itself is a callback, `tfdist.callbacks.islands.Sync`, which the strategy adds to
+`fit` before tfdist's own (the sync of a step precedes its backup).
+
 Each island reads its own part of every global batch (`input_context`: island k's workers are
 pipelines k x W/N + j of all W), so with plain SGD inside, one update between syncs
 (`sync_every=1`) and an outer step of lr 1 without momentum, the islands train as synchronous
@@ -36,9 +39,8 @@ import dataclasses
 import numpy as np
 
 from tfdist.errors import UsageError
-from tfdist.parallel.dp import exchange
 from tfdist.runtime import cluster
-from tfdist.runtime.lazy import keras, tf
+from tfdist.runtime.lazy import tf
 
 PREFIX = "tfdist_outer"
 
@@ -119,95 +121,7 @@ def of(optimizer):
     return getattr(optimizer, "tfdist_outer", None)
 
 
-def _flat(variables):
-    return np.concatenate([np.asarray(v.numpy(), np.float32).ravel() for v in variables])
-
-
-def _assign(variables, flat):
-    at = 0
-    for v in variables:
-        n = int(np.prod(v.shape))
-        v.assign(flat[at:at + n].reshape(v.shape))
-        at += n
-
-
-class Sync(keras.callbacks.Callback):
-    """Meets the other islands every `sync_every` updates (before the backup of that step is
-    written: it goes before tfdist's callbacks). `outer`: this island's `Outer`; `chief`: this
-    worker sends the island's pseudo-gradient."""
-
-    def __init__(self, outer, chief):
-        super().__init__()
-        self.outer, self.chief = outer, chief
-        self.client = None
-        self.last = None  # the optimizer's iterations at the last check
-        self.rounds = 0  # rounds joined by this process
-        self.behind = 0  # times it found rounds closed without it
-
-    def on_train_begin(self, logs=None):
-        s, place = self.outer.settings, self.outer.place
-        variables = self.model.trainable_weights
-        self.outer.build(variables)
-        anchor, momentum, round_ = (self.outer.variable(k) for k in ("anchor", "momentum",
-                                                                      "round"))
-        if int(round_.numpy()) < 0:  # a new run: the outer weights are the first ones
-            anchor.assign(_flat(variables))
-            round_.assign(0)
-        self.client = exchange.Client(place.exchange, place.island, self.chief,
-                                      timeout=2 * s.sync_timeout + 120)
-        answer = self.client.hello(int(round_.numpy()), _settings(s), anchor.numpy(),
-                                   momentum.numpy())
-        if answer[0] == "behind":
-            self._take(*answer[1:])
-        elif self.chief:
-            print(f"tfdist: island {place.island} of {place.islands}: meeting the others every "
-                  f"{s.sync_every} update(s) at {place.exchange} (round {answer[1]}; outer SGD, "
-                  f"lr {s.outer_lr:g}, Nesterov momentum {s.outer_momentum:g}; deltas in "
-                  f"{s.exchange})", flush=True)
-        self.last = int(self.model.optimizer.iterations.numpy())
-
-    def _take(self, round_, theta, momentum):
-        """Rounds closed without this island: it goes on from the outer state of now."""
-        self.behind += 1
-        if self.chief:
-            print(f"tfdist: island {self.outer.place.island}: rejoining at round {round_} with "
-                  f"the current outer weights", flush=True)
-        self.outer.variable("anchor").assign(theta)
-        self.outer.variable("momentum").assign(momentum)
-        self.outer.variable("round").assign(round_)
-        _assign(self.model.trainable_weights, theta)
-
-    def on_train_batch_end(self, batch, logs=None):
-        s = self.outer.settings
-        now = int(self.model.optimizer.iterations.numpy())
-        if now == self.last:
-            return
-        self.last = now
-        if now % s.sync_every:
-            return
-        anchor_var = self.outer.variable("anchor")
-        round_ = int(self.outer.variable("round").numpy())
-        anchor = np.array(anchor_var.numpy())  # (a copy: the outer step works in place)
-        delta = anchor - _flat(self.model.trainable_weights) if self.chief else None
-        status, got = self.client.sync(round_, delta)
-        if status == "behind":
-            self._take(*got)
-            return
-        momentum = np.array(self.outer.variable("momentum").numpy())
-        exchange.outer_step(anchor, momentum, got, s.outer_lr, s.outer_momentum)
-        anchor_var.assign(anchor)
-        self.outer.variable("momentum").assign(momentum)
-        self.outer.variable("round").assign(round_ + 1)
-        _assign(self.model.trainable_weights, anchor)
-        self.rounds += 1
-
-    def on_train_end(self, logs=None):
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-
-
-def _settings(s):
+def settings_of(s):
     """What every island must share (the exchange checks it)."""
     return {"outer_lr": s.outer_lr, "outer_momentum": s.outer_momentum, "exchange": s.exchange,
             "sync_every": s.sync_every, "sync_timeout": s.sync_timeout}
