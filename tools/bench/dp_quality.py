@@ -1,7 +1,7 @@
 """Benchmark: what compression and islands cost in quality (`make bench-dp-quality`).
 
     python tools/bench/dp_quality.py                    # gpt_mini, 2 and 4 workers, 150 steps
-    python tools/bench/dp_quality.py --workers=2 --steps=300
+    python tools/bench/dp_quality.py --worker_counts=2 --train_steps=300
 
 gpt_mini on the stdlib corpus (the config's), `tfdist launch` on this machine, the same global
 batch and steps (so the same tokens) for every run of a worker count:
@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tools.bench.common import config, config_filename, host, write_json  # noqa: E402
 from tools.faults import harness  # noqa: E402
 
-_WORKERS = flags.DEFINE_list("workers", ["2", "4"], "Worker counts.")
-_STEPS = flags.DEFINE_integer("steps", 150, "Steps of every run (each an update).")
-_EVERY = flags.DEFINE_integer("sync_every", 50, "The islands' H.")
-_RANK = flags.DEFINE_integer("rank", 4, "PowerSGD's rank.")
+_WORKERS = flags.DEFINE_list("worker_counts", ["2", "4"], "Worker counts.")
+_STEPS = flags.DEFINE_integer("train_steps", 150, "Steps of every run (each an update).")
+_EVERY = flags.DEFINE_integer("islands_h", 50, "The islands' sync_every.")
+_RANK = flags.DEFINE_integer("powersgd_rank", 4, "PowerSGD's rank.")
 
 RUNS = {
     "synchronous": (1, []),
@@ -63,7 +63,7 @@ def one_run(name, workers, workdir):
 def main(argv):
     del argv
     if _STEPS.value % 3 or _STEPS.value % _EVERY.value:
-        sys.exit(f"bench: --steps must be a multiple of 3 (epochs) and of --sync_every "
+        sys.exit(f"bench: --train_steps must be a multiple of 3 (epochs) and of --islands_h "
                  f"({_EVERY.value}): the islands' last sync is the last step")
     tmp = tempfile.mkdtemp(prefix="tfdist-dp-quality-")
     rows, curves = [], {}
