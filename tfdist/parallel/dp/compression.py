@@ -38,6 +38,7 @@ Example (one worker: the sum is its own gradient, rounded; the rounding is its e
 import contextlib
 import zlib
 
+from tfdist.parallel.dp import hierarchy
 from tfdist.runtime.lazy import keras, tf
 
 KINDS = ("none", "bf16", "powersgd")
@@ -225,11 +226,7 @@ def sum_bf16(rounded, c, name):
 
 def _sum_plain(tensors, c, name):
     """`tensors` summed over every worker (one all-reduce of their concatenation, float32)."""
-    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
-    total = c.all_reduce(flat, "all", name)
-    sizes = [t.shape.num_elements() for t in tensors]
-    return [tf.cast(tf.reshape(part, t.shape), t.dtype)
-            for part, t in zip(tf.split(total, sizes), tensors)]
+    return hierarchy.concatenated(tensors, lambda flat: c.all_reduce(flat, "all", name))
 
 
 def _matrix_shape(shape):

@@ -46,8 +46,14 @@ def sum_flat(flat, c, name):
 def sum_tensors(tensors, c, name):
     """Each of `tensors` summed over every worker (`sum_flat` of their concatenation, in
     float32), at its own shape and dtype."""
+    return concatenated(tensors, lambda flat: sum_flat(flat, c, name))
+
+
+def concatenated(tensors, flat_sum):
+    """`tensors` summed as one: `flat_sum` of their float32 concatenation (1-D) split back,
+    each at its own shape and dtype (the hierarchy's, and the compressed sums' plain part)."""
     flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
-    total = sum_flat(flat, c, name)
+    total = flat_sum(flat)
     sizes = [t.shape.num_elements() for t in tensors]
     return [tf.cast(tf.reshape(part, tf.shape(t)), t.dtype)
             for part, t in zip(tf.split(total, sizes), tensors)]
