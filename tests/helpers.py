@@ -205,6 +205,27 @@ def run_group(cmd, timeout):
         raise AssertionError(str(e)) from None
 
 
+def in_threads(n, work):
+    """Runs `work(rank)` on `n` threads at once (workers, islands); returns {rank: its result}
+    (the first exception raised in a thread, raised here)."""
+    out, errors = {}, []
+
+    def worker(r):
+        try:
+            out[r] = work(r)
+        except Exception as e:  # noqa: BLE001 (raised below, in the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return out
+
+
 def hashes(workdir, rank):
     """The weights' hashes after each step that the driver's worker `rank` wrote
     (`--hash-weights`)."""

@@ -15,6 +15,7 @@ from tests.helpers import (
     assert_usage_error,
     driver_group,
     hashes,
+    in_threads,
     losses,
     max_diff,
     reference_run,
@@ -103,26 +104,6 @@ def _thread_collectives(hosts, exchange, leave_out=()):
     return Collectives(hosts, reduce_scatter, all_reduce, all_gather, all_to_all, 1.0)
 
 
-def _threads(n, work):
-    """Runs `work(rank)` on `n` threads (the workers); returns {rank: its result}."""
-    out, errors = {}, []
-
-    def worker(r):
-        try:
-            out[r] = work(r)
-        except Exception as e:  # noqa: BLE001 (raised below, in the test)
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return out
-
-
 def _sums(placement, values, leave_out=()):
     exchange = _Exchange()
 
@@ -130,7 +111,7 @@ def _sums(placement, values, leave_out=()):
         c = _thread_collectives(Hosts(tuple(placement), r), exchange, leave_out)
         return hierarchy.sum_tensors([tf.constant(v) for v in values[r]], c, "g")
 
-    return _threads(len(placement), worker)
+    return in_threads(len(placement), worker)
 
 
 @pytest.mark.parametrize("placement", ["aabb", "abab", "abcabc"])
@@ -184,7 +165,7 @@ def _compressed_run(kind, steps, grads_of, workers=4, drop_errors=False, **optio
                   if "/error/" in name}
         return sums, errors
 
-    return _threads(workers, worker)
+    return in_threads(workers, worker)
 
 
 def _random_grads(step, rank):

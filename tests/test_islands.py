@@ -4,12 +4,11 @@ model whose islands sync after every SGD update equal to synchronous data parall
 island's worker that rejoins, and bad input in one line."""
 import json
 import sys
-import threading
 
 import numpy as np
 import pytest
 
-from tests.helpers import DRIVER, ROOT, assert_usage_error, run_group, tfdist
+from tests.helpers import DRIVER, ROOT, assert_usage_error, in_threads, run_group, tfdist
 from tfdist import config
 from tfdist.errors import UsageError
 from tfdist.parallel.dp import exchange
@@ -43,23 +42,18 @@ def _islands(n, timeout=5.0):
     return server, clients
 
 
-def _together(calls):
-    out = {}
-    threads = [threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f()))
-               for k, f in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+def _together(*calls):
+    """Each of `calls` on a thread of its own, at once; their results in order."""
+    out = in_threads(len(calls), lambda k: calls[k]())
     return [out[k] for k in range(len(calls))]
 
 
 def test_a_round_is_the_islands_mean_and_every_party_takes_the_same_step():
     server, (a, b) = _islands(2)
     zero = np.zeros(4, np.float32)
-    _together([lambda: a.hello(0, SETTINGS, zero, zero), lambda: b.hello(0, SETTINGS, zero, zero)])
-    got = _together([lambda: a.sync(0, np.full(4, 1.0, np.float32)),
-                     lambda: b.sync(0, np.full(4, 3.0, np.float32))])
+    _together(lambda: a.hello(0, SETTINGS, zero, zero), lambda: b.hello(0, SETTINGS, zero, zero))
+    got = _together(lambda: a.sync(0, np.full(4, 1.0, np.float32)),
+                    lambda: b.sync(0, np.full(4, 3.0, np.float32)))
     assert [g[0] for g in got] == ["ok", "ok"]
     assert got[0][1].tolist() == got[1][1].tolist() == [2.0] * 4
     theta, m = zero.copy(), zero.copy()
@@ -73,7 +67,7 @@ def test_an_island_that_leaves_is_not_waited_for_and_one_behind_gets_the_state()
     back (a new hello at round 0, its backup's) and is given round 1's weights."""
     server, (a, b) = _islands(2, timeout=60)
     zero = np.zeros(2, np.float32)
-    _together([lambda: a.hello(0, SETTINGS, zero, zero), lambda: b.hello(0, SETTINGS, zero, zero)])
+    _together(lambda: a.hello(0, SETTINGS, zero, zero), lambda: b.hello(0, SETTINGS, zero, zero))
     b.close()
     status, mean = a.sync(0, np.array([1.0, -1.0], np.float32))  # (not 60 s: b left)
     assert status == "ok" and mean.tolist() == [1.0, -1.0]
