@@ -76,6 +76,33 @@ def test_a_store_in_use_is_refused_and_a_dead_ones_emptied(tmp_path):
     live.close()
 
 
+def test_a_store_killed_while_removing_itself_is_still_a_stores(tmp_path, monkeypatch):
+    """A run killed while its store removes its files (CI: a rank SIGKILLed in its close) leaves
+    a directory the next run still empties: the marker goes last. Each point of interruption is
+    tried; the removal order of the old `shutil.rmtree` (the marker anywhere) fails one."""
+    unlink = os.unlink
+    for stop in range(4):
+        directory = str(tmp_path / f"s{stop}")
+        store = Store("disk", directory)
+        for name in "abc":
+            store.put(name, np.ones(3, "float32"))
+        done = []
+
+        def dying(path, *args, **kwargs):
+            if len(done) == stop:
+                raise SystemExit("killed")
+            done.append(path)
+            return unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", dying)
+        with pytest.raises(SystemExit):
+            store.close()
+        monkeypatch.setattr(os, "unlink", unlink)
+        assert os.path.exists(os.path.join(directory, ".tfdist-offload")), (stop, done)
+        Store("disk", directory).close()  # (recognised, emptied, and removed)
+        assert not os.path.exists(directory)
+
+
 def test_a_short_or_failed_write_is_one_line(tmp_path, monkeypatch):
     store = Store("disk", str(tmp_path / "s"))
     monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: 100)

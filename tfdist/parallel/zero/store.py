@@ -26,6 +26,7 @@ Example:
     >>> store.close()
 """
 import concurrent.futures
+import contextlib
 import errno
 import mmap
 import os
@@ -158,7 +159,7 @@ class Store:
             if self.kind == "disk":
                 if self._mark is not None:
                     self._mark.close()  # (its lock)
-                shutil.rmtree(self.directory, ignore_errors=True)
+                _remove(self.directory)
 
     # -- files ---------------------------------------------------------------------------------
     def _check(self, name):
@@ -251,6 +252,20 @@ def _padded(size):
 _MARK = ".tfdist-offload"  # the file that makes a directory a store's (which it may empty)
 
 
+def _remove(directory):
+    """Removes a store's directory, its marker last: a process killed while removing it leaves
+    a directory the next run still recognises as a store's (and empties)."""
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        if name != _MARK:
+            path = os.path.join(directory, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 def _prepare(directory):
     """`directory` made, or emptied when a killed run's store left it (its state comes from
     the backup), and writable; a one-line UsageError otherwise. Returns the open marker file,
@@ -269,7 +284,7 @@ def _prepare(directory):
             except OSError:
                 raise UsageError(f"the offload store {directory} is in use by another run; give "
                                  f"each run a zero.offload_dir of its own") from None
-        shutil.rmtree(directory)
+        _remove(directory)
     try:
         os.makedirs(directory, exist_ok=True)
         f = open(mark, "wb")
