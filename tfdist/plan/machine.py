@@ -94,10 +94,11 @@ def link_rate(link):
     raise UsageError(f"unknown link rate {link!r} in bench_results")
 
 
-def cpu_device(bench_dir):
-    """One core of this machine: its share of the matmul peak that `make bench` measured, its
-    share of the RAM, and the all-reduce bandwidth `make bench-allreduce` measured between two
-    processes (over loopback, so 'inside a node')."""
+def cpu_device(bench_dir, peak=None):
+    """One core of this machine: its share of the matmul peak that `make bench` measured (or
+    `peak`, FLOP/s on every core, measured another day), its share of the RAM, and the
+    all-reduce bandwidth `make bench-allreduce` measured between two processes (over loopback,
+    so 'inside a node')."""
     bench = read_bench(bench_dir, "bench.json")
     if not bench:
         raise UsageError(f"this CPU has not been measured: no "
@@ -106,10 +107,11 @@ def cpu_device(bench_dir):
     cores = bench.get("cores") or os.cpu_count()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     bw = allreduce_bandwidth(bench_dir) or 0.3 * GB  # 0.29-0.35 GB/s measured on this machine
-    fp32 = bench["matmul_peak_flops"] / cores
+    fp32 = (peak or bench["matmul_peak_flops"]) / cores
     bf16 = bf16_over_fp32(bench_dir)  # the bf16 peak, where `make bench-peer` measured it
     return Device(CPU, fp32 * (bf16 or 1.0), ram / cores, None, bw, bw, cores,
-                  f"{bench_dir}/bench.json (fp32 2048^3 matmul peak / {cores} cores)"
+                  f"{bench_dir}/{'scaling' if peak else 'bench'}.json (fp32 2048^3 matmul peak / "
+                  f"{cores} cores)"
                   + (f", peer.json (bf16 peak {bf16:.2f}x fp32's)" if bf16 else "")
                   + " and allreduce.json", fp32_flops=fp32)
 
@@ -185,8 +187,11 @@ def host(bench_dir, model):
     step is the unsplit model's work on two threads of one process, with no network and partial
     sums at 0.09 % of its op time: what it loses against half the one-thread step is two cores
     computing."""
-    dev = cpu_device(bench_dir)
     s = read_bench(bench_dir, "scaling.json")
+    # The peak of the reference's own day where it was measured with it: the same machine type
+    # has run at half and at twice bench.json's peak on other days (a fit at more than the peak
+    # is capped, and every prediction would start from a step this CPU cannot take).
+    dev = cpu_device(bench_dir, (s or {}).get("matmul_peak_flops"))
     unloaded = fit_to_one_process(dev, model, s) if s else 1.0
     rounds = [r["tokens_per_sec_1"] for r in (s or {}).get("rounds", [])]
     spread = min(rounds) / s["tokens_per_sec_1"] if rounds else 1.0

@@ -27,6 +27,7 @@ from tools.bench.common import (  # noqa: E402
     HOROVOD,
     INTER,
     LINK,
+    OUT,
     ROUNDS,
     STEPS,
     STRAGGLER,
@@ -36,7 +37,7 @@ from tools.bench.common import (  # noqa: E402
     config,
     config_filename,
     link_suffix,
-    params,
+    matmul_peak,
     ps_run,
     train_run,
     write_json,
@@ -46,20 +47,18 @@ _PS = flags.DEFINE_bool("ps", False, "The parameter server instead: 2 workers + 
                         "+ 1 ps, in steps/s.")
 
 
-def predicted_efficiency(stdout, tps1, tokens_1, fp16):
-    """The planner's model (tfdist.plan.model: no overlap of compute and communication) of the
-    2-process efficiency on a link of --link: T1 / (T1 + ring all-reduce of the gradients)."""
-    from tfdist.plan.model import allreduce_seconds
-    from tools.cluster.netcluster import _bits
-    n = params(stdout)
-    if not (LINK.value and n):
-        return None
-    t1 = tokens_1 / tps1
-    slowest = STRAGGLER.value or LINK.value  # a ring goes at its slowest link's pace
-    comm = allreduce_seconds(n * (2 if fp16 else 4), WORKERS.value, _bits(slowest) / 8)
-    return t1 / (t1 + comm)
-
-
+def predicted(result, out):
+    """The planner's efficiency for this run: `tfdist plan --measured`'s row for it
+    (tfdist.plan.benchmarks.scaling_row: the one-process step of this run, two processes on the
+    cores as the host model has them, the collective's copies as allreduce[-<link>].json measured
+    them, and the link's wire time), read once `out` is written (a loopback run is its own
+    reference)."""
+    from tfdist.plan import benchmarks, load_config, machine, model_from_config
+    name = os.path.basename(config_filename())
+    model = model_from_config(load_config(config_filename()), name.removesuffix(".py"))
+    h = machine.host(os.path.dirname(out), model)
+    row = benchmarks.scaling_row(h, model, os.path.dirname(out), os.path.basename(out), result)
+    return row.get("predicted"), row.get("note")
 
 
 def ps_scaling():
@@ -105,6 +104,7 @@ def scaling():
     c = config()
     tokens_1 = c.train.batch_size * c.model.block_size
     tmp = tempfile.mkdtemp(prefix="tfdist-scaling-")
+    peak = matmul_peak()  # (the planner fits the one-process step against this day's peak)
     rounds = []
     for r in range(ROUNDS.value):
         row = {}
@@ -127,12 +127,17 @@ def scaling():
               "inter_op_threads": INTER.value or "TF default",
               "timed_steps_per_run": STEPS.value, "rounds": rounds,
               "tokens_per_sec_1": tps1, f"tokens_per_sec_{n}": tpsn, "scaling_efficiency": eff,
-              "link": LINK.value or "loopback", "straggler": LINK.value and STRAGGLER.value}
-    predicted = predicted_efficiency(train_run.stdout, tps1, tokens_1,
-                                      HOROVOD.value and COMPRESSION.value == "fp16")
-    if predicted is not None:
-        result["planner_predicted_efficiency"] = predicted
-        result["planner_error"] = predicted / eff - 1
+              "link": LINK.value or "loopback", "straggler": LINK.value and STRAGGLER.value,
+              "matmul_peak_flops": peak}
+    out = OUT.value or (f"bench_results/scaling{link_suffix()}.json" if not HOROVOD.value else
+                        f"bench_results/scaling-horovod"
+                        f"{'-fp16' if COMPRESSION.value == 'fp16' else ''}{link_suffix()}.json")
+    write_json(result, out)
+    prediction, note = predicted(result, out)
+    if prediction is not None:
+        result["planner_predicted_efficiency"] = prediction
+        result["planner_error"] = prediction / eff - 1
+        result["planner_note"] = note
     print(f"\n{result['config']}: batch {c.train.batch_size} x {c.model.block_size} per worker, "
           f"1 intra-op and {INTER.value or 'default'} inter-op thread(s) per worker, median of "
           f"{ROUNDS.value} interleaved rounds")
@@ -140,11 +145,9 @@ def scaling():
     print(f"{'1 process (single)':34s} {tps1:10.0f} {tokens_1 / tps1:8.2f}")
     print(f"{f'{n} workers ({strategy})':34s} {tpsn:10.0f} {n * tokens_1 / tpsn:8.2f}")
     print(f"scaling efficiency: {100 * eff:.1f}% (target >= 90%)"
-          + (f"; on {LINK.value} links the planner predicts {100 * predicted:.1f}% "
-             f"({100 * result['planner_error']:+.1f}%)" if predicted is not None else ""))
-    write_json(result, (f"bench_results/scaling{link_suffix()}.json" if not HOROVOD.value else
-               f"bench_results/scaling-horovod{'-fp16' if COMPRESSION.value == 'fp16' else ''}"
-               f"{link_suffix()}.json"))
+          + (f"; the planner predicts {100 * prediction:.1f}% "
+             f"({100 * result['planner_error']:+.1f}%: {note})" if prediction is not None else ""))
+    write_json(result, out)
 
 
 
