@@ -300,6 +300,7 @@ def stdlib_bpe(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # time (~1 min): the small BPE round trip above stays in make test
 def test_bpe_8192_on_the_stdlib_round_trips_every_file(stdlib_bpe):
     tok = stdlib_bpe.tokenizer()
     assert tok.vocab_size == BPE_VOCAB and stdlib_bpe.vocab_size == BPE_VOCAB

@@ -110,8 +110,10 @@ def test_a_killed_ps_task_makes_ray_restart_the_group_from_its_backup(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.skipif(missing() is not None, reason=str(missing()))
-@pytest.mark.parametrize("strategy", ["multi_worker_mirrored",
-                                      pytest.param("horovod", marks=pytest.mark.horovod)])
+@pytest.mark.parametrize("strategy", [
+    "multi_worker_mirrored",
+    # (long: the suite's time; Horovod under Ray stays in make test in the user's program's test)
+    pytest.param("horovod", marks=[pytest.mark.horovod, pytest.mark.long])])
 def test_tfdist_train_on_a_3_node_ray_cluster(tmp_path, data_dir, single_reference, strategy):
     """A head and two worker nodes, each `ray start` in a network namespace of its own
     (tools/cluster/ray_cluster.py); `tfdist launch --engine=ray --address=<head>` on the head's
