@@ -76,6 +76,16 @@ def test_a_store_in_use_is_refused_and_a_dead_ones_emptied(tmp_path):
     live.close()
 
 
+def _dying_after(stop, done, unlink):
+    """An os.unlink that unlinks `stop` files (listed in `done`), then 'is killed'."""
+    def dying(path, *args, **kwargs):
+        if len(done) == stop:
+            raise SystemExit("killed")
+        done.append(path)
+        return unlink(path, *args, **kwargs)
+    return dying
+
+
 def test_a_store_killed_while_removing_itself_is_still_a_stores(tmp_path, monkeypatch):
     """A run killed while its store removes its files (CI: a rank SIGKILLed in its close) leaves
     a directory the next run still empties: the marker goes last. Each point of interruption is
@@ -87,14 +97,7 @@ def test_a_store_killed_while_removing_itself_is_still_a_stores(tmp_path, monkey
         for name in "abc":
             store.put(name, np.ones(3, "float32"))
         done = []
-
-        def dying(path, *args, **kwargs):
-            if len(done) == stop:
-                raise SystemExit("killed")
-            done.append(path)
-            return unlink(path, *args, **kwargs)
-
-        monkeypatch.setattr(os, "unlink", dying)
+        monkeypatch.setattr(os, "unlink", _dying_after(stop, done, unlink))
         with pytest.raises(SystemExit):
             store.close()
         monkeypatch.setattr(os, "unlink", unlink)
