@@ -176,6 +176,18 @@ def test_islands_killed_between_two_syncs_resume_exactly(tmp_path, data_dir, who
 
 
 @pytest.mark.slow
+@pytest.mark.long  # time: the resume above shows the state is kept; this shows the test sees it
+def test_a_resume_without_the_outer_momentum_is_caught(tmp_path, data_dir, whole_islands):
+    """The companion: the same kill and resume, but the outer momentum zeroed after the restore
+    (`--drop-outer-state`): the final weights are not the run never killed's."""
+    p = _islands_run(tmp_path, data_dir, "--kill-at-step", "6", check=False)
+    assert p.returncode != 0
+    _islands_run(tmp_path, data_dir, "--drop-outer-state")
+    assert any(not np.array_equal(a, b)
+               for a, b in zip(_weights(tmp_path, 0), _weights(whole_islands, 0)))
+
+
+@pytest.mark.slow
 def test_a_killed_island_rejoins_and_the_other_goes_on(tmp_path, data_dir):
     """Island 1's worker SIGKILLed after step 6: island 0 is not held up (it runs its 12 steps
     once), island 1's launcher restarts it from its backup and it rejoins the others' rounds with

@@ -120,6 +120,7 @@ def main():
     ap.add_argument("--slow-write", type=float, default=0.0)
     ap.add_argument("--skip-freeze", action="store_true")
     ap.add_argument("--drop-dp-state", action="store_true")
+    ap.add_argument("--drop-outer-state", action="store_true")
     ap.add_argument("--signal-at-step", type=int, default=0)
     ap.add_argument("--signal", default="TERM")
     ap.add_argument("--hold-at-end", default="")
@@ -193,6 +194,14 @@ def main():
                         if name.startswith("tfdist_dp/error/"):
                             v.assign(tf.zeros_like(v))
                 backup._restore_compression = restore_without_errors
+            if args.drop_outer_state:  # a companion: the islands' outer momentum lost at a restore
+                restore_from = backup._restore_from
+
+                def restore_without_momentum(path, directory=None):
+                    restore_from(path, directory)
+                    momentum = backup._parts["islands"]["tfdist_outer/momentum"]
+                    momentum.assign(tf.zeros_like(momentum))
+                backup._restore_from = restore_without_momentum
             backups.append(backup)
 
         def on_memory(self, snapshots):
