@@ -285,8 +285,12 @@ def measured(bench_dir, model):
     reason when not within; fitted rows say so; inputs and missing benches are rows too."""
     h = host(bench_dir, model)
     bench = read_bench(bench_dir, "bench.json")
+    peak = h.dev.fp32_flops * h.dev.per_node
+    day = (f" (scaling.json's day: {peak / 1e9:.1f})"
+           if abs(peak / bench["matmul_peak_flops"] - 1) > 1e-9 else "")
     rows = [{"figure": "bench.json: matmul peak",
-             "input": f"{bench['matmul_peak_flops'] / 1e9:.1f} GFLOP/s on {h.dev.per_node} cores; "
+             "input": f"{bench['matmul_peak_flops'] / 1e9:.1f} GFLOP/s{day} on {h.dev.per_node} "
+                      f"cores; "
                       f"one unloaded core at {h.unloaded:.1%} of its share on gpt_mini "
                       f"(scaling.json, 1 process), rounds down to {h.spread:.2f} of it"}]
     for r in bench.get("rows", [])[1:]:  # the planner models the arithmetic, not the framework

@@ -25,6 +25,11 @@ BENCH_HINT = {"bench.json": "make bench", "scaling.json": "make bench-scaling",
               "tensor.json": "make bench-model-parallel", "zero.json": "make bench-zero",
               "peer.json": "make bench-peer", "disk.json": "make bench-disk"}
 FP32 = Options(precision="float32")
+# Two one-process runs of the same day differ by up to this much (scaling.json's rounds, the
+# references of one bench's runs): a reference that much slower is noise, not another thread.
+# (On 2 cores, one thread more is what a slower reference implies at the least: the fit would
+# jump from no load to 2 processes at 2/3 of a core for a run 1 % slower.)
+NOISE = 0.05
 RING = "tf ring (MWMS)"  # TF's collectives and its parameter server both move tensors over gRPC
 # The allreduce*.json column that measured a bench's collective, by the bench's `strategy` label
 # ("multi_worker_mirrored", "horovod", "horovod, compression fp16").
@@ -171,10 +176,10 @@ class Host:
 
     def load(self, fraction):
         """Other runnable threads implied by a one-process reference at `fraction` of peak: none
-        while it is within the unloaded reference's spread; else L, from cores / (1 + L) of a
-        core."""
+        while it is within the unloaded reference's spread, or within NOISE of it; else L, from
+        cores / (1 + L) of a core."""
         r = fraction / self.unloaded
-        return 0.0 if r >= self.spread else self.dev.per_node / r - 1
+        return 0.0 if r >= min(self.spread, 1 - NOISE) else self.dev.per_node / r - 1
 
     def share(self, processes, load):
         """A core's share for each of `processes` busy threads beside `load` others, shared
