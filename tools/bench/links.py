@@ -202,7 +202,14 @@ def main(argv):
               f"{predicted / 1e6 if predicted else float('nan'):10.1f} "
               f"{r['tx_over_minimum']:10.3f} {plain if plain else float('nan'):8.3f}")
     path = f"bench_results/links{'-horovod' if HOROVOD.value else ''}-{LINK.value}.json"
-    rows = merged(path, rows)
+    from tools.cluster.netcluster import _bits
+    rows = predicted_rates(merged(path, rows),
+                           n * config().train.batch_size * config().model.block_size,
+                           _bits(LINK.value) / 8)
+    print(f"{'run':18s} {'tokens/s':>9s} {'planner':>9s}")
+    for r in rows:
+        print(f"{r['run']:18s} {r['tokens_per_sec']:9.0f} "
+              f"{r.get('predicted_tokens_per_sec') or float('nan'):9.0f}")
     write_json({"config": os.path.basename(config_filename()), "strategy": strategy,
                 "link": LINK.value, "hosts": HOSTS, "workers_per_host": PER_HOST,
                 "batch_per_worker": config().train.batch_size, "steps": STEPS.value,
@@ -220,6 +227,21 @@ def _predicted(name, placement):
     route = {"flat_host_order": "flat", "flat_interleaved": "flat"}.get(name, name)
     return comm.routes(model, HOSTS, PER_HOST, rank=POWERSGD_RANK, sync_every=ISLANDS_H,
                        order="interleaved" if interleaved else "hosts")[route]
+
+
+def predicted_rates(rows, tokens_per_step, rate):
+    """`rows` with the planner's tokens/s for each (tfdist.plan.comm.step_seconds): every run
+    computes the same on the same cores (4 workers), so the compute is the least that any run's
+    step leaves after its predicted bytes at the link's rate (bytes/s; that run is fitted, the
+    others predicted), and each run adds its own bytes."""
+    from tfdist.plan import comm
+    compute = min(tokens_per_step / r["tokens_per_sec"] - r["predicted_bytes_per_step"] / rate
+                  for r in rows)
+    for r in rows:
+        step = comm.step_seconds(compute, {"run": r["predicted_bytes_per_step"]}, rate)["run"]
+        r["predicted_tokens_per_sec"] = tokens_per_step / step
+        r["tokens_over_predicted"] = r["tokens_per_sec"] / r["predicted_tokens_per_sec"]
+    return rows
 
 
 def merged(path, rows):
