@@ -85,10 +85,34 @@ def main(argv):
     for r in rows:
         print(f"{r['run']:12s} {r['workers']:7d} {r['val_loss']:9.4f} "
               f"{r['val_over_synchronous']:7.3f}")
-    plot(curves, "bench_results/dp-quality.png")
-    write_json({"config": os.path.basename(config_filename()), "steps": _STEPS.value,
-                "sync_every": _EVERY.value, "islands": 2, "powersgd_rank": _RANK.value,
-                "rows": rows, "host": host()}, "bench_results/dp-quality.json")
+    result = {"config": os.path.basename(config_filename()), "steps": _STEPS.value,
+              "sync_every": _EVERY.value, "islands": 2, "powersgd_rank": _RANK.value,
+              "rows": rows, "curves": {k: {"train": t, "val": v} for k, (t, v) in curves.items()},
+              "host": host()}
+    result = merged("bench_results/dp-quality.json", result)
+    plot({k: (c["train"], c["val"]) for k, c in result["curves"].items()},
+         "bench_results/dp-quality.png")
+    write_json(result, "bench_results/dp-quality.json")
+
+
+def merged(path, result):
+    """`result` with the rows (and curves, where kept) of the other worker counts that `path`
+    (an earlier run with the same config, steps, H and rank) holds: `--worker_counts=4` adds
+    to the 2-worker figures."""
+    import json
+    try:
+        with open(os.path.join(harness.ROOT, path)) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return result
+    if any(old.get(k) != result[k] for k in ("config", "steps", "sync_every", "powersgd_rank")):
+        return result
+    ran = {r["workers"] for r in result["rows"]}
+    kept = [r for r in old["rows"] if r["workers"] not in ran]
+    curves = {k: c for k, c in old.get("curves", {}).items()
+              if int(k.split(", ")[1].split()[0]) not in ran}
+    return {**result, "rows": sorted(kept + result["rows"], key=lambda r: r["workers"]),
+            "curves": {**curves, **result["curves"]}}
 
 
 def plot(curves, path):
