@@ -649,11 +649,16 @@ def test_every_layout_the_planner_calls_runnable_is_what_its_command_runs(name, 
 # -- the gradients' routes across hosts (tfdist/plan/comm.py) -------------------------------------
 #: Rows the planner's bytes miss, and why: Horovod's controller talks with rank 0 every cycle
 #: (HOROVOD_CYCLE_TIME, 5 ms here) about every tensor ready, about 0.5 MB a 4-s step of
-#: gpt_mini, which only shows beside PowerSGD's 1.1 MB.
-LINK_MISSES = {("horovod", "powersgd"): "Horovod's controller messages"}
+#: gpt_mini, which only shows beside PowerSGD's 1.1 MB. At 100 Mbit/s MWMS's PowerSGD sent
+#: 1.27 MB a step against 1.11 at 1 Gbit/s: likely TCP's resends of what the tbf queue (50 ms of
+#: the rate, 625 KB) dropped when both workers of a host send at once (the flat ring's 1.044x
+#: against 1.016x at 1 Gbit/s says the same, smaller); not checked.
+LINK_MISSES = {("horovod", "powersgd", "1gbit"): "Horovod's controller messages",
+               ("multi_worker_mirrored", "powersgd", "100mbit"): "resends at 100 Mbit/s"}
 
 
-@pytest.mark.parametrize("name", ["links-1gbit.json", "links-horovod-1gbit.json"])
+@pytest.mark.parametrize("name", ["links-1gbit.json", "links-horovod-1gbit.json",
+                                  "links-100mbit.json"])
 def test_the_planner_prices_the_bytes_the_links_carried(name):
     """Every committed row of tools/bench/links.py (bytes counted at the links) within 10 % of
     tfdist.plan.comm's bytes out of the busiest host, but the misses named above."""
@@ -669,7 +674,7 @@ def test_the_planner_prices_the_bytes_the_links_carried(name):
         predicted = comm.routes(model, bench["hosts"], bench["workers_per_host"], rank=4,
                                 order=order)[route]
         ratio = max(row["tx_bytes_per_step"]) / predicted
-        if (bench["strategy"], route) in LINK_MISSES:
+        if (bench["strategy"], route, bench["link"]) in LINK_MISSES:
             assert ratio > 1.1, "a named miss that no longer misses: drop it"
             continue
         assert 0.9 <= ratio <= 1.1, (row["run"], ratio)
