@@ -11,11 +11,13 @@ def pytest_configure(config):
 
 
 #: The test files that take longest here (their summed test times in a fresh-clone `make test`,
-#: 2026-11-29, most first; those of 15 s and more). `make test` runs 3 pytest processes, each
-#: taking the next whole file when it is free (pytest-xdist's loadfile, in the order of
-#: collection): the longest first, so that none ends the suite alone on a long one.
+#: 2026-11-29, most first; those of 15 s and more; test_islands and test_dp, 200-340 s each,
+#: added after they had run last and ended the suite alone). `make test` runs 3 pytest
+#: processes, each taking the next whole file when it is free (pytest-xdist's loadfile, in the
+#: order of collection): the longest first, so that none ends the suite alone on a long one.
 SLOWEST_FIRST = ("test_ray", "test_elastic", "test_zero", "test_netcluster", "test_keras_programs",
-                 "test_multi_worker", "test_offload", "test_accumulation", "test_backup",
+                 "test_multi_worker", "test_offload", "test_islands", "test_dp",
+                 "test_accumulation", "test_backup",
                  "test_horovod", "test_recovery", "test_store", "test_tensor_parallel",
                  "test_spike", "test_launch", "test_plan", "test_parameter_server",
                  "test_zero_user", "test_horovod_keras_elastic", "test_llama_layouts", "test_data",
