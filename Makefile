@@ -182,11 +182,11 @@ chaos-spares: $(HOROVOD) cluster-tools
 	$(BIN)/python tools/faults/chaos_spares.py --fault=during_transfer
 
 # Horovod: 2 ranks x 1 thread vs 1 process x 1 thread, gpt_mini; then with fp16 gradients.
-# On shaped links between tools/cluster/netcluster.py's hosts (root), at 1 and 10 Gbit/s: allreduce bus
+# On shaped links between tools/cluster/netcluster.py's hosts (root), at 10, 1 and 0.1 Gbit/s: allreduce bus
 # bandwidth and the 2-process scaling of gpt_mini (MWMS, Horovod +- fp16, parameter server), each
-# beside the planner's prediction. One round each (about 25 minutes in all). Then a straggler: the
+# beside the planner's prediction. One round each (about 40 minutes in all). Then a straggler: the
 # second worker's host at 100 Mbit/s, the others at 1 Gbit/s (MWMS and the parameter server).
-LINKS := 1gbit 10gbit
+LINKS := 10gbit 1gbit 100mbit
 # Then 2 hosts x 2 workers (tools/bench/links.py): the bytes each host's link carries a step,
 # counted at the link, for the flat ring (workers in host order and interleaved) and dp.hierarchy.
 DP_LINKS := 1gbit 100mbit
