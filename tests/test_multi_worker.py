@@ -322,3 +322,40 @@ def test_a_worker_whose_peer_never_joins_gives_up_in_one_line(tmp_path, data_dir
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stdout[-2000:] + p.stderr[-3000:]
     assert "not every worker joined within 5 s" in one_error_line(p)
+
+
+_HEARTBEAT = """
+import sys
+sys.path.insert(0, {root!r})
+from tfdist import strategies
+strategies.get("multi_worker_mirrored")
+from tensorflow.python.eager import context
+print("heartbeat_timeout_in_ms", context.context().coordination_service.heartbeat_timeout_in_ms)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value, expected", [("60", 60000), (None, 0)])
+def test_the_heartbeat_timeout_reaches_tfs_coordination_service(value, expected):
+    """TFDIST_HEARTBEAT_TIMEOUT=60 makes the coordination service of a (one-worker) group wait
+    60 s for a heartbeat; without it the strategy configures TF's own (0: its default, 10 s):
+    the companion that shows the check sees the difference."""
+    from tests.helpers import free_port
+    env = {k: v for k, v in os.environ.items() if k != "TFDIST_HEARTBEAT_TIMEOUT"}
+    env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{free_port()}"]},
+                                   "task": {"type": "worker", "index": 0}})
+    if value:
+        env["TFDIST_HEARTBEAT_TIMEOUT"] = value
+    p = subprocess.run([sys.executable, "-c", _HEARTBEAT.format(root=ROOT)], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"heartbeat_timeout_in_ms {expected}\n" in p.stdout
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5"])
+def test_a_bad_heartbeat_timeout_is_one_line(monkeypatch, value):
+    from tfdist.errors import UsageError
+    from tfdist.strategies.multi_worker import _configure_heartbeats
+    monkeypatch.setenv("TFDIST_HEARTBEAT_TIMEOUT", value)
+    with pytest.raises(UsageError, match=f"TFDIST_HEARTBEAT_TIMEOUT='{value}': give the seconds"):
+        _configure_heartbeats(None)

@@ -24,6 +24,35 @@ _DP_GROUP = 0x7D00
 _DP_INSTANCE = 1 << 30
 
 
+def _configure_heartbeats(cluster):
+    """TFDIST_HEARTBEAT_TIMEOUT (seconds): how long TF's coordination service (leader: worker 0)
+    waits for a worker's heartbeat before it takes the worker as gone and aborts the group (TF's
+    default: 10 s). On a slow link a heartbeat can wait longer than that behind the gradients
+    (10 Mbit/s, the hierarchy's phase across hosts: 43 MB out of a host, 35 s), and the group
+    restarts for nothing. MultiWorkerMirroredStrategy configures the service only when nothing
+    has (TF 2.21, collective_all_reduce_strategy.py: `if context.context().coordination_service
+    is None`), so this configures it first as the strategy would, with the timeout."""
+    value = os.environ.get("TFDIST_HEARTBEAT_TIMEOUT")
+    if not value:
+        return
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise UsageError(f"TFDIST_HEARTBEAT_TIMEOUT={value!r}: give the seconds TF's coordination "
+                         f"service waits for a worker's heartbeat, a number > 0 (TF's default: 10)")
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+    spec = cluster.resolver().cluster_spec()
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+            for job in ("chief", "worker") if job in spec.jobs]
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs, heartbeat_timeout_in_ms=int(seconds * 1000))
+
+
 class MultiWorkerMirrored(Strategy):
     name = "multi_worker_mirrored"
     supports_jit_compile = False
@@ -61,6 +90,7 @@ class MultiWorkerMirrored(Strategy):
         # option for that wait (cluster_register_timeout does not bound it: measured), so a
         # watchdog process ends this one (SIGKILL, after one line) if the wait runs out.
         timeout = float(os.environ.get("TFDIST_JOIN_TIMEOUT", self.JOIN_TIMEOUT))
+        _configure_heartbeats(self.cluster)
         with cluster_lib.watchdog(timeout, (
                 f"worker {self.cluster.worker_index} of {self.cluster.num_workers}: not every "
                 f"worker joined within {timeout:g} s (one is not started, down, or cut off); "
