@@ -335,7 +335,8 @@ print("heartbeat_timeout_in_ms", context.context().coordination_service.heartbea
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("value, expected", [("60", 60000), (None, 0)])
+@pytest.mark.parametrize("value, expected", [
+    ("60", 60000), pytest.param(None, 0, marks=pytest.mark.long)])  # (long: the suite's time)
 def test_the_heartbeat_timeout_reaches_tfs_coordination_service(value, expected):
     """TFDIST_HEARTBEAT_TIMEOUT=60 makes the coordination service of a (one-worker) group wait
     60 s for a heartbeat; without it the strategy configures TF's own (0: its default, 10 s):
