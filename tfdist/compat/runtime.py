@@ -5,6 +5,21 @@ import tensorflow as tf
 from tfdist.compat.table import using
 
 
+def configure_heartbeats(cluster_spec, milliseconds):
+    """TF's coordination service for the workers of `cluster_spec`, configured as
+    MultiWorkerMirroredStrategy would (it configures it only when nothing has), but with a
+    heartbeat timeout of `milliseconds` ("coordination_heartbeat")."""
+    using("coordination_heartbeat")
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker") if job in cluster_spec.jobs]
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=multi_worker_util.coordination_leader(
+            cluster_spec), coordinated_jobs=jobs, heartbeat_timeout_in_ms=milliseconds)
+
+
 def pending_closures(coordinator):
     """A `ClusterCoordinator`'s closures queued or running ("pending_closures": its own queue;
     TF 2.21 has no count)."""

@@ -264,6 +264,17 @@ PATCHES = {
         "started (its thread pools' locks held by threads the fork does not have)",
         "tests/test_warm.py::test_a_process_whose_runtime_started_forks_no_worker",
         "ef0bea55722a"),
+    "coordination_heartbeat": Patch(
+        ("configure_heartbeats",),
+        ("tensorflow.python.distribute.collective_all_reduce_strategy:"
+         "CollectiveAllReduceExtended._initialize_multi_worker",
+         "tensorflow.python.eager.context:Context.configure_coordination_service"),
+        "none found: MultiWorkerMirroredStrategy configures TF's coordination service with its "
+        "default heartbeat timeout (10 s) and takes no option for it",
+        "on a slow link a heartbeat waits behind a bucket of gradients longer than 10 s and the "
+        "service aborts a healthy group (10 Mbit/s, the hierarchy: exit 69)",
+        "tests/test_multi_worker.py::test_the_heartbeat_timeout_reaches_tfs_coordination_service",
+        "b5c15031701f"),
     "horovod_built_check": Patch(
         ("horovod_built", "patch_horovodrun"),
         ("horovod.common.util:_check_extension_lambda", "horovod.runner.launch:check_build"),

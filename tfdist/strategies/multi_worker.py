@@ -31,7 +31,8 @@ def _configure_heartbeats(cluster):
     (10 Mbit/s, the hierarchy's phase across hosts: 43 MB out of a host, 35 s), and the group
     restarts for nothing. MultiWorkerMirroredStrategy configures the service only when nothing
     has (TF 2.21, collective_all_reduce_strategy.py: `if context.context().coordination_service
-    is None`), so this configures it first as the strategy would, with the timeout."""
+    is None`), so this configures it first as the strategy would, with the timeout (a row of
+    tfdist/compat/table.py: TF has no public option for it)."""
     value = os.environ.get("TFDIST_HEARTBEAT_TIMEOUT")
     if not value:
         return
@@ -42,15 +43,8 @@ def _configure_heartbeats(cluster):
     if not seconds > 0:
         raise UsageError(f"TFDIST_HEARTBEAT_TIMEOUT={value!r}: give the seconds TF's coordination "
                          f"service waits for a worker's heartbeat, a number > 0 (TF's default: 10)")
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.eager import context
-    spec = cluster.resolver().cluster_spec()
-    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
-            for job in ("chief", "worker") if job in spec.jobs]
-    context.context().configure_coordination_service(
-        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
-        coordinated_jobs=jobs, heartbeat_timeout_in_ms=int(seconds * 1000))
+    from tfdist import compat
+    compat.configure_heartbeats(cluster.resolver().cluster_spec(), int(seconds * 1000))
 
 
 class MultiWorkerMirrored(Strategy):
