@@ -237,9 +237,10 @@ def predicted_rates(rows, tokens_per_step, rate):
     from tfdist.plan import comm
     compute = min(tokens_per_step / r["tokens_per_sec"] - r["predicted_bytes_per_step"] / rate
                   for r in rows)
+    steps = comm.step_seconds(compute, {r["run"]: r["predicted_bytes_per_step"] for r in rows},
+                              rate)
     for r in rows:
-        step = comm.step_seconds(compute, {"run": r["predicted_bytes_per_step"]}, rate)["run"]
-        r["predicted_tokens_per_sec"] = tokens_per_step / step
+        r["predicted_tokens_per_sec"] = tokens_per_step / steps[r["run"]]
         r["tokens_over_predicted"] = r["tokens_per_sec"] / r["predicted_tokens_per_sec"]
     return rows
 
