@@ -16,6 +16,7 @@ need no patch import nothing from here.
                     whether TF's runtime has started
     variables.py    a Keras variable without its storage, and with it again (ZeRO-3)
     horovod.py      horovodrun's build check, answered without importing TensorFlow
+    distribution.py keras.distribution on the TF backend (tfdist.parallel.mesh)
 
 Each module is imported at the first use of one of its functions: `horovod.py` imports neither
 Keras nor TensorFlow, so `tfdist.launch.horovodrun` uses it without them; the others import
@@ -48,6 +49,8 @@ _MODULES = {
     "variables": ("empty_storage", "fill_storage", "has_storage", "make_stageable",
                   "release_storage", "restore_storage", "storage"),
     "horovod": ("horovod_built", "patch_horovodrun"),
+    "distribution": ("current_distribution", "install_mesh_backend", "install_mesh_trainer",
+                     "install_mesh_variables", "symbolic_build"),
 }
 _HOLDER = {name: module for module, names in _MODULES.items() for name in names}
 

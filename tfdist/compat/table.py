@@ -275,6 +275,39 @@ PATCHES = {
         "service aborts a healthy group (10 Mbit/s, the hierarchy: exit 69)",
         "tests/test_multi_worker.py::test_the_heartbeat_timeout_reaches_tfs_coordination_service",
         "b5c15031701f"),
+    "mesh_backend": Patch(
+        ("install_mesh_backend",),
+        ("keras.src.backend.tensorflow.distribution_lib",
+         "keras.src.distribution.distribution_lib:list_devices",
+         "keras.src.distribution.distribution_lib:Distribution.__init__"),
+        "keras-team/keras#18983 (the ModelParallel example fails on TF in num_processes); the "
+        "TF backend's distribution_lib is headed '!!!DO NOT USE!!! This is just a prototype'",
+        "keras.distribution on TF: no num_processes, process_id or distribute_tensor, and "
+        "list_devices names a second process's devices as the first's",
+        "tests/test_mesh.py::test_without_the_backend_keras_lists_no_mesh",
+        "4b6f14b78305"),
+    "mesh_variables": Patch(
+        ("install_mesh_variables", "current_distribution"),
+        ("keras.src.backend.tensorflow.core:Variable",
+         "keras.src.backend.common.variables:Variable.__init__"),
+        "keras-team/keras#18473 (open: variables are laid out on JAX only); keras-io's "
+        "distribution guide: TensorFlow support 'is currently in development'",
+        "under ModelParallel on TF every variable is a whole tf.Variable on CPU:0, without a "
+        "word, and fit gives one device's losses",
+        "tests/test_mesh.py::test_a_layout_map_that_matches_nothing_leaves_kernels_whole",
+        "fa54528cf16a"),
+    "mesh_trainer": Patch(
+        ("install_mesh_trainer", "symbolic_build"),
+        (f"{_K}.make_train_function", f"{_K}.make_test_function",
+         f"{_K}.make_predict_function", f"{_K}._make_function",
+         "keras.src.trainers.trainer:Trainer._symbolic_build"),
+        "none found: Keras's TF trainer reads its batches inside a tf.function, which DTensor "
+        "cannot lay out, and runs the step in one function, where DTensor (TF 2.21) loses the "
+        "order of a variable's write and a later read",
+        "fit on a mesh fails ('Could not find tf._element_layouts'), or with batches laid out "
+        "Adam reads its moments as zero and no weight moves",
+        "tests/test_mesh.py::test_one_function_step_loses_the_update",
+        "bd8983a2aeb7"),
     "horovod_built_check": Patch(
         ("horovod_built", "patch_horovodrun"),
         ("horovod.common.util:_check_extension_lambda", "horovod.runner.launch:check_build"),

@@ -1,0 +1,131 @@
+"""Keras's `keras.distribution` on the TensorFlow backend (tfdist's mesh:
+`tfdist.parallel.mesh`): the places in Keras 3.15 where the TF backend ignores a distribution.
+
+* "mesh_backend": the TF backend's `distribution_lib` is a prototype ("!!!DO NOT USE!!!"): no
+  `num_processes` (keras-team/keras#18983), no `distribute_tensor`, and `list_devices` names a
+  second process's devices as the first's. tfdist gives it the mesh's functions.
+* "mesh_variables": the TF backend's `Variable` creates a whole `tf.Variable` on one device
+  under any distribution (keras-team/keras#18473: variables are sharded on JAX only). Under a
+  distribution, tfdist creates each as a DTensor variable in the layout the distribution gives.
+* "mesh_trainer": Keras's train, test and predict functions read their batches inside a
+  `tf.function`, which DTensor cannot lay out ("Could not find `tf._element_layouts`
+  attribute"), and run the whole step in one function, where DTensor loses the order of a
+  variable's write and a later read of it (Adam read its moments as zero, and no weight moved).
+
+Each function names its row of the patch table (`tfdist/compat/table.py`).
+"""
+import tensorflow as tf
+from keras.src.backend.common import global_state
+from keras.src.backend.tensorflow import core as _core
+from keras.src.backend.tensorflow import distribution_lib as _tf_distribution_lib
+from keras.src.backend.tensorflow import trainer as _tf_trainer
+
+from tfdist.compat.table import using
+
+_KERAS = {}  # what each hook replaced: Keras's own
+
+
+def install_mesh_backend(functions):
+    """Gives the TF backend's `distribution_lib` tfdist's functions (name -> function), once
+    ("mesh_backend")."""
+    using("mesh_backend")
+    for name, function in functions.items():
+        _KERAS.setdefault(("lib", name), getattr(_tf_distribution_lib, name, None))
+        setattr(_tf_distribution_lib, name, function)
+
+
+def current_distribution():
+    """The distribution `keras.distribution.set_distribution` set (or None)."""
+    return global_state.get_global_attribute("distribution")
+
+
+def install_mesh_variables(create, read, on_mesh, to_local):
+    """A Keras variable created under a distribution gets the storage `create(variable, value,
+    layout, explicit)` makes (`layout`: the one given, `explicit`, else the distribution's); a
+    read of a variable whose storage is `on_mesh` is `read(storage, tensor)`, and its numpy value
+    `to_local(storage)` ("mesh_variables")."""
+    using("mesh_variables")
+    if ("var", "_initialize") in _KERAS:
+        return
+    cls = _core.Variable
+    own = {name: cls.__dict__[name] for name in ("_initialize", "__tf_tensor__", "numpy")}
+    _KERAS.update({("var", k): v for k, v in own.items()})
+
+    def _initialize(self, value):
+        distribution = current_distribution()
+        if distribution is None or isinstance(value, tf.Variable):
+            return own["_initialize"](self, value)
+        if self._shape is None:
+            self._shape = self._validate_shape(value.shape)
+        explicit = self._layout is not None
+        if not explicit:
+            self._layout = distribution.get_variable_layout(self)
+        self._value = create(self, value, self._layout, explicit)
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        tensor = own["__tf_tensor__"](self, dtype=dtype, name=name)
+        return read(self._value, tensor) if on_mesh(self._value) else tensor
+
+    def numpy(self):
+        if on_mesh(self._value):
+            return to_local(self._value).numpy()
+        return own["numpy"](self)
+
+    def __array__(self, dtype=None):
+        import numpy as np
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    cls._initialize, cls.__tf_tensor__, cls.numpy = _initialize, __tf_tensor__, numpy
+    cls.__array__ = __array__
+
+
+def install_mesh_trainer(train, test, predict, on_mesh):
+    """A model whose variables `on_mesh` gets its train, test and predict functions from
+    `train(model)`, `test(model, keras_function)` and `predict(model, keras_function)`
+    ("mesh_trainer")."""
+    using("mesh_trainer")
+    cls = _tf_trainer.TensorFlowTrainer
+    if ("trainer", "make_train_function") in _KERAS:
+        return
+    own = {name: cls.__dict__[name] for name in
+           ("make_train_function", "make_test_function", "make_predict_function")}
+    _KERAS.update({("trainer", k): v for k, v in own.items()})
+
+    def mesh_model(model):
+        return any(on_mesh(v._value) for v in model.variables)
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        if not mesh_model(self):
+            return own["make_train_function"](self, force)
+        self.train_function = train(self)
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        own["make_test_function"](self, force)
+        if mesh_model(self):
+            self.test_function = test(self, self.test_function)
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        if self.predict_function is not None and not force:
+            return self.predict_function
+        own["make_predict_function"](self, force)
+        if mesh_model(self):
+            self.predict_function = predict(self, self.predict_function)
+        return self.predict_function
+
+    cls.make_train_function = make_train_function
+    cls.make_test_function = make_test_function
+    cls.make_predict_function = make_predict_function
+
+
+def symbolic_build(model, batch):
+    """Builds the model, its compiled loss and metrics from a first batch, before any step
+    ("mesh_trainer": variables made inside the first step's function are made as that
+    function's first trace runs, and that step's update was lost)."""
+    using("mesh_trainer")
+    model._symbolic_build(data_batch=batch)
