@@ -129,3 +129,37 @@ def symbolic_build(model, batch):
     function's first trace runs, and that step's update was lost)."""
     using("mesh_trainer")
     model._symbolic_build(data_batch=batch)
+
+
+def install_mesh_slice_update(slice_update):
+    """Keras's `ops.slice_update` on the TF backend becomes `slice_update(inputs, start_indices,
+    updates)` ("mesh_slice_update": Keras's is XLA's DynamicUpdateSlice, for which DTensor has no
+    layout propagation; keras-hub's generate updates its KV cache with it)."""
+    using("mesh_slice_update")
+    _KERAS.setdefault(("core", "slice_update"), _core.slice_update)
+    _core.slice_update = slice_update
+
+
+def install_mesh_generate(wrap, on_mesh):
+    """keras-hub's `CausalLM.generate` on a model whose variables `on_mesh`: its generate
+    function becomes `wrap(model, function)` ("mesh_generate": keras-hub hands it numpy prompts
+    and concatenates its outputs as numpy, neither of which a mesh's DTensors are). Nothing
+    where keras-hub is not installed."""
+    import importlib.util
+    if importlib.util.find_spec("keras_hub") is None:
+        return
+    from keras_hub.src.models import causal_lm
+    using("mesh_generate")
+    cls = causal_lm.CausalLM
+    if ("hub", "make_generate_function") in _KERAS:
+        return
+    own = _KERAS.setdefault(("hub", "make_generate_function"), cls.make_generate_function)
+
+    def make_generate_function(self):
+        already = self.generate_function is not None
+        own(self)
+        if not already and any(on_mesh(v._value) for v in self.variables):
+            self.generate_function = wrap(self, self.generate_function)
+        return self.generate_function
+
+    cls.make_generate_function = make_generate_function

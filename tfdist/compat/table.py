@@ -308,6 +308,24 @@ PATCHES = {
         "Adam reads its moments as zero and no weight moves",
         "tests/test_mesh.py::test_one_function_step_loses_the_update",
         "bd8983a2aeb7"),
+    "mesh_slice_update": Patch(
+        ("install_mesh_slice_update",),
+        ("keras.src.backend.tensorflow.core:slice_update",),
+        "none found: DTensor has no layout propagation for XlaDynamicUpdateSlice ('Please file "
+        "a feature request to TF DTensor', TF 2.21)",
+        "keras-hub's generate on a mesh fails at its KV cache's update",
+        "tests/test_mesh.py::test_llama_on_a_mesh_equals_one_device",
+        "c82d674898f6"),
+    "mesh_generate": Patch(
+        ("install_mesh_generate",),
+        ("keras_hub.src.models.causal_lm:CausalLM.make_generate_function",
+         "keras_hub.src.models.causal_lm:CausalLM._normalize_generate_outputs"),
+        "none found: keras-hub's generate passes numpy prompts to its generate function and "
+        "concatenates the outputs as numpy",
+        "generate on a mesh fails when it gathers its outputs (a DTensor sharded over the "
+        "batch axis has no numpy value)",
+        "tests/test_mesh.py::test_llama_on_a_mesh_equals_one_device",
+        "25e0d6af3032"),
     "horovod_built_check": Patch(
         ("horovod_built", "patch_horovodrun"),
         ("horovod.common.util:_check_extension_lambda", "horovod.runner.launch:check_build"),

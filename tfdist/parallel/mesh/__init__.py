@@ -34,7 +34,7 @@ import json
 import os
 
 from tfdist.errors import UsageError
-from tfdist.parallel.mesh import layouts, processes, step, variables
+from tfdist.parallel.mesh import layouts, ops, processes, step, variables
 
 _STATE = {"enabled": False}
 
@@ -62,6 +62,8 @@ def enable(cpu_devices=None):
     from tfdist import compat
     compat.install_mesh_backend(processes.backend_functions())
     compat.install_mesh_variables(_create, variables.read, variables.on_mesh, _to_local)
+    compat.install_mesh_slice_update(ops.slice_update)
+    compat.install_mesh_generate(step.generate_function, variables.on_mesh)
     compat.install_mesh_trainer(step.train_function, step.test_function, step.predict_function,
                                 variables.on_mesh)
     _STATE["enabled"] = True

@@ -137,3 +137,12 @@ def predict_function(model, keras_function):
         out = keras_function([onto_mesh(batch) for batch in data])
         return tf.nest.map_structure(layouts.to_local, out)
     return function
+
+
+def generate_function(model, keras_function):
+    """keras-hub's generate function, fed prompts on the mesh; its outputs whole on this
+    process."""
+    def function(inputs, *args, **kwargs):
+        out = keras_function(onto_mesh(inputs), *args, **kwargs)
+        return tf.nest.map_structure(layouts.to_local, out)
+    return function
