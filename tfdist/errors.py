@@ -42,6 +42,18 @@ class Moved(UsageError, ModuleNotFoundError):
         super().__init__(f"{old} moved to {new} in tfdist 0.2; import that instead")
 
 
+#: Functions (exception, traceback) -> a one-line message, or None: an upstream library's own
+#: error about bad input that tfdist reports as a UsageError (`translate_usage_errors`).
+_TRANSLATIONS = []
+
+
+def translate_usage_errors(translate):
+    """Also reports as a UsageError an uncaught exception for which `translate(value, traceback)`
+    gives a message (Keras's own check of a DeviceMesh under `tfdist.parallel.mesh`)."""
+    if translate not in _TRANSLATIONS:
+        _TRANSLATIONS.append(translate)
+
+
 def install_excepthook(report=lambda code: None):
     """An uncaught UsageError in any program that imported tfdist: one line, exit status 2
     (`report(2)` first: a launched process records it, `tfdist.runtime.cluster.report_exit`)."""
@@ -51,7 +63,10 @@ def install_excepthook(report=lambda code: None):
 
     def hook(kind, value, traceback):
         if not isinstance(value, UsageError):
-            return previous(kind, value, traceback)
+            message = next(filter(None, (t(value, traceback) for t in _TRANSLATIONS)), None)
+            if message is None:
+                return previous(kind, value, traceback)
+            value = UsageError(message)
         sys.stdout.flush()
         print(f"tfdist: error: {value}", file=sys.stderr, flush=True)
         report(2)

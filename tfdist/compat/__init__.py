@@ -49,8 +49,9 @@ _MODULES = {
     "variables": ("empty_storage", "fill_storage", "has_storage", "make_stageable",
                   "release_storage", "restore_storage", "storage"),
     "horovod": ("horovod_built", "patch_horovodrun"),
-    "distribution": ("current_distribution", "install_mesh_backend", "install_mesh_trainer",
-                     "install_mesh_generate", "install_mesh_slice_update", "install_mesh_variables", "symbolic_build"),
+    "distribution": ("current_distribution", "install_mesh_backend", "install_mesh_generate",
+                     "install_mesh_saving", "install_mesh_slice_update", "install_mesh_trainer",
+                     "install_mesh_variables", "symbolic_build"),
 }
 _HOLDER = {name: module for module, names in _MODULES.items() for name in names}
 

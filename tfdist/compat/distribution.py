@@ -163,3 +163,26 @@ def install_mesh_generate(wrap, on_mesh):
         return self.generate_function
 
     cls.make_generate_function = make_generate_function
+
+
+def install_mesh_saving(where, on_mesh):
+    """`Model.save` and `save_weights` of a model whose variables `on_mesh` write to
+    `where(filepath)` ("mesh_saving": every process of a mesh must read the variables, a
+    collective, but only one may write the file; Keras's save writes from every process)."""
+    using("mesh_saving")
+    from keras.src.models import model as _model
+    cls = _model.Model
+    if ("model", "save") in _KERAS:
+        return
+    own = {name: cls.__dict__[name] for name in ("save", "save_weights")}
+    _KERAS.update({("model", k): v for k, v in own.items()})
+
+    def wrap(name):
+        def method(self, filepath, *args, **kwargs):
+            if any(on_mesh(v._value) for v in self.variables):
+                filepath = where(filepath)
+            return own[name](self, filepath, *args, **kwargs)
+        method.__name__ = name
+        return method
+
+    cls.save, cls.save_weights = wrap("save"), wrap("save_weights")

@@ -326,6 +326,14 @@ PATCHES = {
         "batch axis has no numpy value)",
         "tests/test_mesh.py::test_llama_on_a_mesh_equals_one_device",
         "25e0d6af3032"),
+    "mesh_saving": Patch(
+        ("install_mesh_saving",),
+        ("keras.src.models.model:Model.save", "keras.src.models.model:Model.save_weights"),
+        "none found: Keras's save writes the file from every process (on JAX too)",
+        "on a mesh of several processes, reading the variables is a collective: a save by the "
+        "chief alone hangs, and a save by all writes one file from each",
+        "tests/test_mesh.py::test_llama_on_two_processes_equals_one_device",
+        "9dd3cc517045"),
     "horovod_built_check": Patch(
         ("horovod_built", "patch_horovodrun"),
         ("horovod.common.util:_check_extension_lambda", "horovod.runner.launch:check_build"),

@@ -64,9 +64,28 @@ def enable(cpu_devices=None):
     compat.install_mesh_variables(_create, variables.read, variables.on_mesh, _to_local)
     compat.install_mesh_slice_update(ops.slice_update)
     compat.install_mesh_generate(step.generate_function, variables.on_mesh)
+    compat.install_mesh_saving(processes.where_to_write, variables.on_mesh)
     compat.install_mesh_trainer(step.train_function, step.test_function, step.predict_function,
                                 variables.on_mesh)
+    from tfdist.errors import install_excepthook, translate_usage_errors
+    from tfdist.runtime import cluster
+    install_excepthook(cluster.report_exit)
+    translate_usage_errors(_keras_mesh_error)
     _STATE["enabled"] = True
+
+
+def _keras_mesh_error(value, traceback):
+    """Keras's own check of a DeviceMesh or LayoutMap (a ValueError raised in
+    keras/src/distribution/), as one line naming the devices there are."""
+    import traceback as tb
+    frames = tb.extract_tb(traceback)
+    if not isinstance(value, ValueError) or not frames or \
+            "keras/src/distribution/" not in frames[-1].filename.replace("\\", "/"):
+        return None
+    there = len(processes.list_devices())
+    return (f"keras.distribution: {' '.join(str(value).split())} (there are {there} devices, "
+            f"over {processes.count()} process(es); tfdist.parallel.mesh.enable("
+            f"cpu_devices=N) makes N on a CPU)")
 
 
 def _create(variable, value, layout, explicit):

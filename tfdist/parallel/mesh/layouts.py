@@ -72,9 +72,10 @@ def backend_mesh(device_mesh):
 
 
 def device_type():
-    """The kind of device the mesh spans: GPU or TPU where there are, else CPU."""
+    """The kind of device the mesh spans: GPU or TPU where there are, else CPU (read from the
+    physical devices: listing the logical ones would start TF's runtime before DTensor's)."""
     for kind in ("TPU", "GPU"):
-        if tf.config.list_logical_devices(kind):
+        if tf.config.list_physical_devices(kind):
             return kind
     return "CPU"
 

@@ -61,20 +61,35 @@ def get_device_count(device_type=None):
 
 
 def num_processes():
-    return layouts.dtensor().num_clients()
+    """1, as Keras's input path is to see it: on tfdist's mesh every process reads the whole
+    global batch and keeps its devices' shards of it (`tfdist.parallel.mesh.step`), so Keras's
+    own split of a dataset by process (and its refusal of numpy input with several processes)
+    stays off. The processes there are: `count()`."""
+    return 1
 
 
 def process_id():
+    """0 (see `num_processes`); this process's index among the mesh's: `index()`."""
+    return 0
+
+
+def count():
+    """The processes the mesh spans (DTensor's clients)."""
+    return layouts.dtensor().num_clients()
+
+
+def index():
+    """This process's index among them."""
     return layouts.dtensor().client_id()
 
 
 def initialize(job_addresses=None, num_processes=None, process_id=None):
     """`keras.distribution.initialize`: the processes join in `enable`, from TF_CONFIG; here
     only a contradiction is refused."""
-    if num_processes is not None and num_processes != layouts.dtensor().num_clients():
+    if num_processes is not None and num_processes != count():
         raise UsageError(f"keras.distribution.initialize(num_processes={num_processes}) but "
-                         f"{layouts.dtensor().num_clients()} processes joined the mesh; launch "
-                         f"them with tfdist launch --workers {num_processes}")
+                         f"{count()} processes joined the mesh; launch them with tfdist launch "
+                         f"--workers {num_processes}")
 
 
 def distribute_tensor(tensor, layout):
@@ -91,6 +106,20 @@ def distribute_variable(value, layout):
         layout = layouts.backend_layout(layout)
     with tf.init_scope():
         return variables.mesh_variable_class()(layouts.to_mesh(value, layout))
+
+
+def where_to_write(filepath):
+    """Where this process writes a file every process of the mesh saves: process 0 to
+    `filepath`; the others to a file of the same name in a temporary directory of their own,
+    removed when the process exits."""
+    if index() == 0:
+        return filepath
+    import atexit
+    import shutil
+    import tempfile
+    directory = tempfile.mkdtemp(prefix="tfdist-mesh-")
+    atexit.register(shutil.rmtree, directory, True)
+    return os.path.join(directory, os.path.basename(str(filepath)))
 
 
 def backend_functions():

@@ -11,7 +11,8 @@ training step in two DTensor functions.
    optimizer's own all-reduce is switched off.
 3. **The update**: the optimizer's `apply`, in a second function. In one function with the
    forward pass, DTensor lost the order of a variable's write and a later read of it: Adam read
-   its moments as zero and no weight moved (TF 2.21, measured here).
+   its moments as zero and no weight moved (TF 2.21, measured here). For the same reason a
+   step's logs read its metrics again after it (`fresh`).
 
 Example (what a batch of 8 looks like on a (2, 2) mesh: each device holds 4 rows):
 
@@ -90,6 +91,15 @@ def dense_in(grad, variable):
     return layouts.dtensor().relayout(tf.convert_to_tensor(grad), storage.layout)
 
 
+def fresh(model, logs):
+    """A step's logs, whole on this process, its metrics read again after the step: inside the
+    step's function DTensor reads a metric's variables as they were before the step's own update
+    (the same lost order as the update's; the loss logged 0.0 at every step)."""
+    if isinstance(logs, dict):
+        logs = {**logs, **model.get_metrics_result()}
+    return tf.nest.map_structure(layouts.to_local, logs)
+
+
 def train_function(model):
     """Keras's train function for a model on the mesh (see the module's docstring)."""
     if not compat.has_gradient_reduction(model.optimizer):
@@ -120,14 +130,14 @@ def train_function(model):
             update(grads)
         if logs is None:
             raise StopIteration
-        return logs
+        return fresh(model, logs)
     return function
 
 
 def test_function(model, keras_function):
     """Keras's test function, fed batches on the mesh."""
     def function(iterator):
-        return keras_function(batches(model, iterator))
+        return fresh(model, keras_function(batches(model, iterator)))
     return function
 
 
@@ -140,9 +150,14 @@ def predict_function(model, keras_function):
 
 
 def generate_function(model, keras_function):
-    """keras-hub's generate function, fed prompts on the mesh; its outputs whole on this
-    process."""
+    """keras-hub's generate function, fed prompts on the mesh, whole on every device (its loop
+    builds masks of a shape known only as it runs, which DTensor cannot split over the batch
+    axis: "EmitAllScatter requires slice on input axis 0 which is dynamic"); its outputs whole
+    on this process."""
     def function(inputs, *args, **kwargs):
-        out = keras_function(onto_mesh(inputs), *args, **kwargs)
+        mesh = layouts.backend_mesh(keras.distribution.distribution().device_mesh)
+        whole = tf.nest.map_structure(
+            lambda t: layouts.to_mesh(t, layouts.replicated(mesh, len(t.shape))), inputs)
+        out = keras_function(whole, *args, **kwargs)
         return tf.nest.map_structure(layouts.to_local, out)
     return function
