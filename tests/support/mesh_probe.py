@@ -26,6 +26,8 @@ p.add_argument("--steps", type=int, default=5)
 p.add_argument("--no-reference", action="store_true")
 p.add_argument("--backup", default="", help="a BackupAndRestore directory (resume test)")
 p.add_argument("--die-after", type=int, default=0, help="SIGKILL itself after this many steps")
+p.add_argument("--one-function", action="store_true",
+               help="also run Keras's train_step as one DTensor function: do the weights move?")
 args = p.parse_args()
 shape = tuple(int(s) for s in args.mesh.split("x"))
 workers = len(json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {}).get("worker", []))
@@ -88,16 +90,19 @@ class Losses(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.losses.append(float(logs["loss"]))
-        if args.die_after and len(self.losses) == args.die_after:
+        marker = os.path.join(os.path.dirname(os.path.abspath(args.out)), "killed-once")
+        if (args.die_after and len(self.losses) == args.die_after and not os.path.exists(marker)
+                and os.environ.get("DTENSOR_CLIENT_ID") == "1"):
+            open(marker, "w").close()  # a dead worker, once: the restarted group resumes
             os.kill(os.getpid(), 9)
 
 
-def train(model):
+def train(model, backup=False):
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
     losses = Losses()
     callbacks = [losses]
-    if args.backup:
-        callbacks.append(keras.callbacks.BackupAndRestore(args.backup, save_freq=1))
+    if backup:  # (before the losses: a kill at a step's end comes after its epoch's backup)
+        callbacks.insert(0, keras.callbacks.BackupAndRestore(args.backup))
     model.fit(x, y, batch_size=8, epochs=args.steps, verbose=0, shuffle=False,
               callbacks=callbacks)
     return losses.losses, model.predict(x, batch_size=8, verbose=0)
@@ -123,7 +128,18 @@ keras.distribution.set_distribution(keras.distribution.ModelParallel(
     layout_map=layout_map(device_mesh), batch_dim_name="batch"))
 model = build()
 result = {"devices": keras.distribution.list_devices(), "sharding": sharding(model)}
-result["mesh_losses"], mesh_predictions = train(model)
+if args.one_function:  # what tfdist's two functions avoid (tfdist/parallel/mesh/step.py)
+    import tensorflow as tf
+
+    from tfdist.parallel.mesh import step
+    once = build()
+    once.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    batch = next(step.batches(once, [(x, y)]))  # built, and on the mesh
+    before = [w.numpy() for w in once.trainable_weights]
+    tf.function(once.train_step)(batch)
+    result["one_function_moved"] = float(max(
+        np.abs(w.numpy() - b).max() for w, b in zip(once.trainable_weights, before)))
+result["mesh_losses"], mesh_predictions = train(model, backup=bool(args.backup))
 prompt = None
 if args.model == "llama":
     model.compile(sampler="greedy")

@@ -49,7 +49,8 @@ _MODULES = {
     "variables": ("empty_storage", "fill_storage", "has_storage", "make_stageable",
                   "release_storage", "restore_storage", "storage"),
     "horovod": ("horovod_built", "patch_horovodrun"),
-    "distribution": ("current_distribution", "install_mesh_backend", "install_mesh_generate",
+    "distribution": ("current_distribution", "install_mesh_backend", "install_mesh_backups",
+                     "install_mesh_generate",
                      "install_mesh_saving", "install_mesh_slice_update", "install_mesh_trainer",
                      "install_mesh_variables", "symbolic_build"),
 }

@@ -28,7 +28,8 @@ _KERAS = {}  # what each hook replaced: Keras's own
 def install_mesh_backend(functions):
     """Gives the TF backend's `distribution_lib` tfdist's functions (name -> function), once
     ("mesh_backend")."""
-    using("mesh_backend")
+    if not using("mesh_backend"):
+        return
     for name, function in functions.items():
         _KERAS.setdefault(("lib", name), getattr(_tf_distribution_lib, name, None))
         setattr(_tf_distribution_lib, name, function)
@@ -44,7 +45,8 @@ def install_mesh_variables(create, read, on_mesh, to_local):
     layout, explicit)` makes (`layout`: the one given, `explicit`, else the distribution's); a
     read of a variable whose storage is `on_mesh` is `read(storage, tensor)`, and its numpy value
     `to_local(storage)` ("mesh_variables")."""
-    using("mesh_variables")
+    if not using("mesh_variables"):
+        return
     if ("var", "_initialize") in _KERAS:
         return
     cls = _core.Variable
@@ -83,7 +85,8 @@ def install_mesh_trainer(train, test, predict, on_mesh):
     """A model whose variables `on_mesh` gets its train, test and predict functions from
     `train(model)`, `test(model, keras_function)` and `predict(model, keras_function)`
     ("mesh_trainer")."""
-    using("mesh_trainer")
+    if not using("mesh_trainer"):
+        return
     cls = _tf_trainer.TensorFlowTrainer
     if ("trainer", "make_train_function") in _KERAS:
         return
@@ -135,7 +138,8 @@ def install_mesh_slice_update(slice_update):
     """Keras's `ops.slice_update` on the TF backend becomes `slice_update(inputs, start_indices,
     updates)` ("mesh_slice_update": Keras's is XLA's DynamicUpdateSlice, for which DTensor has no
     layout propagation; keras-hub's generate updates its KV cache with it)."""
-    using("mesh_slice_update")
+    if not using("mesh_slice_update"):
+        return
     _KERAS.setdefault(("core", "slice_update"), _core.slice_update)
     _core.slice_update = slice_update
 
@@ -149,7 +153,8 @@ def install_mesh_generate(wrap, on_mesh):
     if importlib.util.find_spec("keras_hub") is None:
         return
     from keras_hub.src.models import causal_lm
-    using("mesh_generate")
+    if not using("mesh_generate"):
+        return
     cls = causal_lm.CausalLM
     if ("hub", "make_generate_function") in _KERAS:
         return
@@ -166,10 +171,12 @@ def install_mesh_generate(wrap, on_mesh):
 
 
 def install_mesh_saving(where, on_mesh):
-    """`Model.save` and `save_weights` of a model whose variables `on_mesh` write to
-    `where(filepath)` ("mesh_saving": every process of a mesh must read the variables, a
-    collective, but only one may write the file; Keras's save writes from every process)."""
-    using("mesh_saving")
+    """`Model.save` and `save_weights` of a model whose variables `on_mesh` write to the path
+    the context manager `where(filepath)` gives ("mesh_saving": every process of a mesh must
+    read the variables, a collective, but only one may write the file; Keras's save writes from
+    every process)."""
+    if not using("mesh_saving"):
+        return
     from keras.src.models import model as _model
     cls = _model.Model
     if ("model", "save") in _KERAS:
@@ -179,10 +186,36 @@ def install_mesh_saving(where, on_mesh):
 
     def wrap(name):
         def method(self, filepath, *args, **kwargs):
-            if any(on_mesh(v._value) for v in self.variables):
-                filepath = where(filepath)
-            return own[name](self, filepath, *args, **kwargs)
+            if not any(on_mesh(v._value) for v in self.variables):
+                return own[name](self, filepath, *args, **kwargs)
+            with where(filepath) as path:
+                return own[name](self, path, *args, **kwargs)
         method.__name__ = name
         return method
 
     cls.save, cls.save_weights = wrap("save"), wrap("save_weights")
+
+
+def install_mesh_backups(private_directory, on_mesh):
+    """Keras's `BackupAndRestore` on a model whose variables `on_mesh`: every process restores
+    from the backup, and then every process but the first writes (and at the end removes) its
+    copies in `private_directory()` ("mesh_backups": Keras's callback writes and removes its
+    files from every process; the last to end removed the directory while the first still
+    wrote its last backup)."""
+    if not using("mesh_backups"):
+        return
+    from keras.src.callbacks import backup_and_restore
+    cls = backup_and_restore.BackupAndRestore
+    if ("backup", "on_train_begin") in _KERAS:
+        return
+    own = _KERAS.setdefault(("backup", "on_train_begin"), cls.on_train_begin)
+
+    def on_train_begin(self, logs=None):
+        own(self, logs)
+        if any(on_mesh(v._value) for v in self.model.variables):
+            directory = private_directory()
+            if directory is not None:
+                from tfdist.compat.trainer import redirect_backup
+                redirect_backup(self, directory)
+
+    cls.on_train_begin = on_train_begin

@@ -82,8 +82,20 @@ class KerasProgram:
     def before_compile(self, model, arguments):
         """An optimizer built before the scope was entered belongs to another tf.distribute
         strategy (TF: "Mixing different tf.distribute.Strategy objects"): it is rebuilt from its
-        config in this scope, or refused when it already holds state."""
+        config in this scope, or refused when it already holds state. A model on Keras's mesh
+        (`tfdist.parallel.mesh`) is refused: the mesh is its strategy."""
         from tfdist import compat
+        if "tfdist.parallel.mesh" in sys.modules and sys.modules["tfdist.parallel.mesh"].enabled():
+            from tfdist.parallel import mesh
+            if mesh.model_on_mesh(model):
+                raise UsageError(
+                    f"the model is on keras.distribution's mesh (its variables laid out by "
+                    f"{type(compat.current_distribution()).__name__}), and is compiled under "
+                    f"tfdist's strategy {self.name}{' with ZeRO-3' if self.user_zero else ''}: "
+                    f"the two do not compose. The mesh is the strategy: its batch axis is the "
+                    f"data parallelism, and a layout over it (keras-hub's maps shard kernels "
+                    f"over 'batch' too) shards the weights as ZeRO-3 would; compile the model "
+                    f"outside the strategy's scope")
         optimizer = arguments.get("optimizer")
         if (not isinstance(optimizer, keras.optimizers.Optimizer)
                 or compat.optimizer_strategy(optimizer) is tf.distribute.get_strategy()):

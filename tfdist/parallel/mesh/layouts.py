@@ -18,7 +18,7 @@ Example (a kernel of 6 columns on a mesh of 4 devices along 'model'):
     ...     layouts.check_divides("d/kernel", (8, 6), (None, "model"), {"batch": 1, "model": 4})
     ... except Exception as e:
     ...     print(str(e)[:70])
-    the layout of d/kernel shards its dimension 1 (6) over mesh axis 'mod
+    the layout (None, 'model') of d/kernel (shape (8, 6)) shards its dimen
 """
 import numpy as np
 
@@ -101,10 +101,11 @@ def check_divides(path, shape, axes, sizes):
                          f"dimension")
     for dim, (n, axis) in enumerate(zip(shape, axes)):
         if axis is not None and n % sizes[axis]:
-            raise UsageError(f"the layout of {path} shards its dimension {dim} ({n}) over mesh "
-                             f"axis {axis!r} ({sizes[axis]} devices), which does not divide it: "
-                             f"give a layout whose sharded dimensions divide by their axes' "
-                             f"sizes, or change the mesh")
+            raise UsageError(f"the layout {tuple(axes)} of {path} (shape {tuple(shape)}) shards "
+                             f"its dimension {dim} ({n}) over mesh axis {axis!r} "
+                             f"({sizes[axis]} devices), which does not divide it: give a layout "
+                             f"whose sharded dimensions divide by their axes' sizes, or change "
+                             f"the mesh")
 
 
 def sizes_of(device_mesh):

@@ -15,7 +15,9 @@ Example (the environment a worker of a 2-worker TF_CONFIG gets):
     >>> env["DTENSOR_CLIENT_ID"], env["DTENSOR_NUM_CLIENTS"], env["DTENSOR_JOBS"]
     ('1', '2', '127.0.0.1:5000,127.0.0.1:5001')
 """
+import contextlib
 import os
+import tempfile
 
 from tfdist.errors import UsageError
 from tfdist.parallel.mesh import layouts
@@ -108,18 +110,37 @@ def distribute_variable(value, layout):
         return variables.mesh_variable_class()(layouts.to_mesh(value, layout))
 
 
+@contextlib.contextmanager
 def where_to_write(filepath):
-    """Where this process writes a file every process of the mesh saves: process 0 to
-    `filepath`; the others to a file of the same name in a temporary directory of their own,
-    removed when the process exits."""
+    """Where this process writes a file every process of the mesh saves: process 0 to a file
+    beside `filepath`, renamed onto it once whole (a process killed while writing leaves the
+    last file whole: Keras's BackupAndRestore writes its backup in place); the others to a
+    temporary directory of their own, removed at once."""
+    filepath = os.fspath(filepath)
+    if index() != 0:
+        with tempfile.TemporaryDirectory(prefix="tfdist-mesh-") as directory:
+            yield os.path.join(directory, os.path.basename(filepath))
+        return
+    directory, name = os.path.split(os.path.abspath(filepath))
+    partial = os.path.join(directory, f".{os.getpid()}.partial.{name}")  # (its suffix: Keras's)
+    try:
+        yield partial
+        os.replace(partial, filepath)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def private_directory():
+    """None on process 0; on the others a temporary directory of their own, removed when the
+    process exits (where a Keras BackupAndRestore of theirs writes)."""
     if index() == 0:
-        return filepath
+        return None
     import atexit
     import shutil
-    import tempfile
-    directory = tempfile.mkdtemp(prefix="tfdist-mesh-")
+    directory = tempfile.mkdtemp(prefix="tfdist-mesh-backup-")
     atexit.register(shutil.rmtree, directory, True)
-    return os.path.join(directory, os.path.basename(str(filepath)))
+    return directory
 
 
 def backend_functions():

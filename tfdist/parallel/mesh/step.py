@@ -22,6 +22,7 @@ Example (what a batch of 8 looks like on a (2, 2) mesh: each device holds 4 rows
 """
 import contextlib
 import itertools
+import sys
 
 from tfdist import compat
 from tfdist.errors import UsageError
@@ -100,8 +101,22 @@ def fresh(model, logs):
     return tf.nest.map_structure(layouts.to_local, logs)
 
 
+def say_if_whole(model):
+    """One line when a `ModelParallel` layout map matched none of the model's weights (each is
+    then whole on every device: what Keras does, on any backend)."""
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.ModelParallel):
+        return
+    d = layouts.dtensor()
+    if all(spec == d.UNSHARDED for v in model.weights for spec in v.value.layout.sharding_specs):
+        print(f"tfdist: warning: the LayoutMap matched none of the model's {len(model.weights)} "
+              f"weights: each is whole on every device (their paths: model.weights[i].path)",
+              file=sys.stderr, flush=True)
+
+
 def train_function(model):
     """Keras's train function for a model on the mesh (see the module's docstring)."""
+    say_if_whole(model)
     if not compat.has_gradient_reduction(model.optimizer):
         compat.reduce_nothing_in_apply(model.optimizer)
     held = {}
