@@ -89,6 +89,18 @@ def test_a_users_functional_model_with_a_two_entry_map(tmp_path):
     assert_equal_to_one_device(result, generate=False)
 
 
+def test_tfdists_llama_with_its_own_layout_map(tmp_path):
+    """tfdist's own GPT (architecture llama, GQA) sharded by `tfdist.models.gpt.layout_map` on a
+    (2, 2) mesh; its architecture gpt2 is refused in one line (DTensor crashes in its step)."""
+    result = probe(tmp_path, "gpt_llama", "--mesh=2x2")
+    assert_sharded(result, (2, 2))
+    assert result["sharding"]["gpt/h_0/c_fc/kernel"]["spec"] == ["model", "unsharded"]
+    assert_equal_to_one_device(result, generate=False)
+    p = run([sys.executable, PROBE, "gpt2", "--mesh=1x2", f"--out={tmp_path / 'gpt2.json'}"],
+            timeout=120, check=False)
+    assert_usage_error(p, "architecture gpt2 does not run on a DTensor mesh")
+
+
 def test_a_layout_map_that_matches_nothing_leaves_kernels_whole(tmp_path):
     """The companion of the sharding check: a map whose one key matches no weight leaves every
     kernel whole on every device (what Keras does, on any backend), and the check sees it."""

@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 p = argparse.ArgumentParser()
-p.add_argument("model", choices=["llama", "plain", "plain_nomatch"])
+p.add_argument("model", choices=["llama", "plain", "plain_nomatch", "gpt2", "gpt_llama"])
 p.add_argument("--mesh", default="1x2")
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=5)
@@ -60,7 +60,18 @@ def plain():
     return keras.Model(inputs, keras.layers.Dense(4, name="down")(hidden))
 
 
-if args.model == "llama":
+def tfdist_gpt():
+    from tfdist.models.gpt import GPT
+    keras.utils.set_random_seed(1)
+    arch = "gpt2" if args.model == "gpt2" else "llama"
+    return GPT(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=16, arch=arch,
+               **({"n_kv_head": 2} if arch == "llama" else {}))
+
+
+if args.model in ("gpt2", "gpt_llama"):
+    build, x, y = tfdist_gpt, tokens[:, :-1], tokens[:, 1:]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+elif args.model == "llama":
     build, x, y = llama, {"token_ids": tokens[:, :-1], "padding_mask": np.ones((8, 8), "int32")}, \
         tokens[:, 1:]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -71,6 +82,9 @@ else:
 
 
 def layout_map(device_mesh):
+    if args.model in ("gpt2", "gpt_llama"):
+        from tfdist.models import gpt
+        return gpt.layout_map(device_mesh)
     if args.model == "llama":
         import keras_hub
         return keras_hub.models.LlamaBackbone.get_layout_map(device_mesh)
@@ -127,7 +141,7 @@ device_mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"),
 keras.distribution.set_distribution(keras.distribution.ModelParallel(
     layout_map=layout_map(device_mesh), batch_dim_name="batch"))
 model = build()
-result = {"devices": keras.distribution.list_devices(), "sharding": sharding(model)}
+result = {"devices": keras.distribution.list_devices()}
 if args.one_function:  # what tfdist's two functions avoid (tfdist/parallel/mesh/step.py)
     import tensorflow as tf
 
@@ -140,6 +154,7 @@ if args.one_function:  # what tfdist's two functions avoid (tfdist/parallel/mesh
     result["one_function_moved"] = float(max(
         np.abs(w.numpy() - b).max() for w, b in zip(once.trainable_weights, before)))
 result["mesh_losses"], mesh_predictions = train(model, backup=bool(args.backup))
+result["sharding"] = sharding(model)  # (tfdist's GPT is built by its first batch)
 prompt = None
 if args.model == "llama":
     model.compile(sampler="greedy")

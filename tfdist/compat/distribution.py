@@ -94,7 +94,9 @@ def install_mesh_trainer(train, test, predict, on_mesh):
            ("make_train_function", "make_test_function", "make_predict_function")}
     _KERAS.update({("trainer", k): v for k, v in own.items()})
 
-    def mesh_model(model):
+    def mesh_model(model):  # (a model not yet built: it will be built on the mesh)
+        if not model.variables:
+            return current_distribution() is not None
         return any(on_mesh(v._value) for v in model.variables)
 
     def make_train_function(self, force=False):

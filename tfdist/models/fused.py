@@ -38,9 +38,20 @@ _K1 = 2 * math.sqrt(2 / math.pi)  # GELU's tanh approximation: 0.5 (1 + tanh(u))
 _K2 = _K1 * 0.044715
 
 
+_XLA = {"on": True}  # off: no XLA-compiled function here (`use_xla`)
+
+
+def use_xla(on):
+    """Whether GELU may take its XLA-compiled path at all: off where no XLA-compiled function can
+    run, as on a DTensor mesh (`tfdist.parallel.mesh` turns it off: in TF 2.21 such a function in
+    a mesh's step fails with an undecodable error)."""
+    _XLA["on"] = bool(on)
+
+
 def _xla(x):
     """Whether `x` takes GELU's XLA-fused path (see the module's docstring)."""
-    return keras.backend.backend() == "tensorflow" and x.shape.is_fully_defined()
+    return (_XLA["on"] and keras.backend.backend() == "tensorflow"
+            and x.shape.is_fully_defined())
 
 
 def _jit(fn):

@@ -471,3 +471,37 @@ class GPT(keras.Model):
 def loss_fn():
     """Next-token cross entropy (nats per token) on logits."""
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def layout_map(device_mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch"):
+    """A `keras.distribution.LayoutMap` of the GPT's weights, as keras-hub's backbones give one
+    (`LlamaBackbone.get_layout_map`), for `keras.distribution.ModelParallel` on TensorFlow through
+    `tfdist.parallel.mesh` (docs/parallelism.md), over the mesh axis `model_parallel_dim_name`:
+    the token embedding by vocabulary rows, an untied head by vocabulary columns, and each
+    block's first kernels, the attention's q|k|v (`c_attn`) and the MLP's (`c_fc`), by their
+    input rows (each device holds 1/model of them and computes its part of their matmuls, summed
+    by an all-reduce). The output projections stay whole, and Megatron's column split is not
+    used, for DTensor's sake (TF 2.21): the model splits q|k|v and SwiGLU's gate|up by columns,
+    which DTensor cannot do over a sharded dimension ("Spliting over sharded dimension is not
+    supported"), and a row-sharded output projection fed a whole activation fails its SPMD
+    expansion ("op output inconsistent with the provided layout"). The architecture "gpt2" does
+    not run on a mesh at all (docs/parallelism.md); tfdist's own tensor parallelism
+    (`tensor.parallel`) splits both architectures Megatron's way. The data axis
+    (`data_parallel_dim_name`) shards the batch, not the weights.
+
+        >>> import keras
+        >>> mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), ["cpu:0"])
+        >>> layout_map(mesh)["gpt/h_0/attn/c_attn/kernel"].axes  # (a weight's path)
+        ('model', None)
+    """
+    if model_parallel_dim_name not in device_mesh.axis_names:
+        raise ValueError(f"{model_parallel_dim_name!r} is not an axis of the DeviceMesh "
+                         f"{device_mesh.axis_names}")
+    del data_parallel_dim_name  # (the batch's axis: the data's layout, not a weight's)
+    model = model_parallel_dim_name
+    layouts = keras.distribution.LayoutMap(device_mesh)
+    layouts[r".*wte/embeddings"] = (model, None)  # (Keras matches a key to a whole path)
+    layouts[r".*attn/c_attn/kernel"] = (model, None)
+    layouts[r".*/c_fc/kernel"] = (model, None)
+    layouts[r".*lm_head/kernel"] = (None, model)
+    return layouts
