@@ -12,7 +12,7 @@ Example (after `tfdist.parallel.mesh.enable`, under a `ModelParallel` distributi
 variable a model creates is one):
 
     >>> from tfdist.parallel.mesh import variables
-    >>> variables.mesh_variable_class().__mro__[2].__name__
+    >>> variables.mesh_variable_class().__mro__[1].__name__
     'DVariable'
 """
 import functools
