@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-sample bench-scaling bench-scaling-ps bench-scaling-horovod \
-        bench-allreduce bench-links bench-dp-quality bench-overlap bench-pipeline bench-model-parallel bench-zero bench-zero-cap bench-disk bench-offload bench-offload-xl bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
+        bench-allreduce bench-links bench-dp-quality bench-overlap bench-pipeline bench-model-parallel bench-mesh bench-zero bench-zero-cap bench-disk bench-offload bench-offload-xl bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
         chaos-ps chaos-horovod chaos-islands chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray chaos-spares \
         bench-node-loss bench-warm plan-validate plan-measured clean cluster-tools
 
@@ -232,6 +232,11 @@ bench-pipeline: $(STAMP)
 # activation bytes per shard with and without sequence parallelism.
 bench-model-parallel: $(STAMP)
 	$(BIN)/python tools/bench/model_parallel.py --schedules --tensor --sequence
+
+# Keras's ModelParallel on TF (tfdist.parallel.mesh): keras-hub's Llama on a (1, 2) mesh against
+# one device and ZeRO-3 on 2 replicas: time, memory, bytes sent against the Megatron count.
+bench-mesh: $(HOROVOD)
+	$(BIN)/python tools/bench/mesh.py --rounds=2
 
 # ZeRO-1/2/3 against plain data parallel, 2 Horovod ranks then 2 MWMS workers of gpt_mini: time,
 # memory, bytes sent.

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_usage_error, run, run_group
+from tests.helpers import ROOT, assert_usage_error, run, run_group, tf_noise
 
 PROBE = os.path.join(ROOT, "tests", "support", "mesh_probe.py")
 BAD = os.path.join(ROOT, "tests", "support", "mesh_bad.py")
@@ -99,6 +99,36 @@ def test_tfdists_llama_with_its_own_layout_map(tmp_path):
     p = run([sys.executable, PROBE, "gpt2", "--mesh=1x2", f"--out={tmp_path / 'gpt2.json'}"],
             timeout=120, check=False)
     assert_usage_error(p, "architecture gpt2 does not run on a DTensor mesh")
+
+
+KERAS_ALONE = """
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), keras.distribution.list_devices())
+layout_map = keras.distribution.LayoutMap(mesh)
+layout_map["up/kernel"] = (None, "model")
+keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                     batch_dim_name="batch"))
+inputs = keras.Input((4,))
+model = keras.Model(inputs, keras.layers.Dense(16, name="up")(inputs))
+kernel = model.weights[0].value
+print(type(kernel).__name__, kernel.device, tuple(kernel.shape))
+"""
+
+
+def test_without_tfdist_keras_leaves_every_variable_whole():
+    """What tfdist's line is for (and cannot change where tfdist is not imported; the docs and
+    the patch table say so): Keras 3.15 on TensorFlow takes ModelParallel without a word and
+    leaves the kernel a whole variable on one device. When this fails, Keras's own TF backend
+    shards: see whether `tfdist.parallel.mesh` is still needed."""
+    p = run([sys.executable, "-c", KERAS_ALONE], timeout=120)
+    kind, device, shape = p.stdout.split(" ", 2)
+    assert kind == "ResourceVariable" and device.endswith("CPU:0"), p.stdout
+    assert shape.strip() == "(4, 16)"  # whole
+    said = [line for line in p.stderr.splitlines() if line.strip() and not tf_noise(line)]
+    assert not any("distribut" in line.lower() for line in said), said  # not a word
 
 
 def test_a_layout_map_that_matches_nothing_leaves_kernels_whole(tmp_path):
