@@ -26,6 +26,8 @@ p.add_argument("--steps", type=int, default=5)
 p.add_argument("--no-reference", action="store_true")
 p.add_argument("--backup", default="", help="a BackupAndRestore directory (resume test)")
 p.add_argument("--die-after", type=int, default=0, help="SIGKILL itself after this many steps")
+p.add_argument("--data-parallel", action="store_true",
+               help="keras.distribution.DataParallel over every device instead of ModelParallel")
 p.add_argument("--one-function", action="store_true",
                help="also run Keras's train_step as one DTensor function: do the weights move?")
 args = p.parse_args()
@@ -119,7 +121,8 @@ def train(model, backup=False):
         callbacks.insert(0, keras.callbacks.BackupAndRestore(args.backup))
     model.fit(x, y, batch_size=8, epochs=args.steps, verbose=0, shuffle=False,
               callbacks=callbacks)
-    return losses.losses, model.predict(x, batch_size=8, verbose=0)
+    evaluated = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    return losses.losses + [evaluated["loss"]], model.predict(x, batch_size=8, verbose=0)
 
 
 def sharding(model):
@@ -128,7 +131,7 @@ def sharding(model):
     for v in model.weights:
         storage = v.value
         spec = storage.layout.sharding_specs
-        sizes = layouts.sizes_of(keras.distribution.distribution().device_mesh)
+        sizes = layouts.sizes_of(device_mesh)
         split = int(np.prod([sizes[a] for a in spec if a in sizes]))
         whole = int(np.prod(v.shape)) * storage.dtype.size
         out[v.path] = {"spec": list(spec), "whole": whole, "expected": whole // split,
@@ -138,10 +141,21 @@ def sharding(model):
 
 device_mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"),
                                             keras.distribution.list_devices())
-keras.distribution.set_distribution(keras.distribution.ModelParallel(
-    layout_map=layout_map(device_mesh), batch_dim_name="batch"))
+if args.data_parallel:
+    keras.distribution.set_distribution(keras.distribution.DataParallel(
+        keras.distribution.DeviceMesh((int(np.prod(shape)),), ("batch",),
+                                      keras.distribution.list_devices())))
+else:
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=layout_map(device_mesh), batch_dim_name="batch"))
 model = build()
 result = {"devices": keras.distribution.list_devices()}
+placed = keras.distribution.distribute_tensor(  # Keras's own call: rows over the first axis
+    np.arange(8 * 4, dtype="float32").reshape(8, 4),
+    keras.distribution.TensorLayout((device_mesh.axis_names[-1], None), device_mesh))
+result["distributed_tensor"] = {"devices": layouts.shard_bytes(placed),
+                                "whole": bool((layouts.to_local(placed).numpy()
+                                               == np.arange(32).reshape(8, 4)).all())}
 if args.one_function:  # what tfdist's two functions avoid (tfdist/parallel/mesh/step.py)
     import tensorflow as tf
 
