@@ -107,25 +107,19 @@ def install_mesh_trainer(train, test, predict, on_mesh):
         self.train_function = train(self)
         return self.train_function
 
-    def make_test_function(self, force=False):
-        if self.test_function is not None and not force:
-            return self.test_function
-        own["make_test_function"](self, force)
-        if mesh_model(self):
-            self.test_function = test(self, self.test_function)
-        return self.test_function
-
-    def make_predict_function(self, force=False):
-        if self.predict_function is not None and not force:
-            return self.predict_function
-        own["make_predict_function"](self, force)
-        if mesh_model(self):
-            self.predict_function = predict(self, self.predict_function)
-        return self.predict_function
+    def wrapping(kind, wrap):  # Keras's own function, then wrapped for a model on the mesh
+        def make(self, force=False):
+            if getattr(self, f"{kind}_function") is not None and not force:
+                return getattr(self, f"{kind}_function")
+            own[f"make_{kind}_function"](self, force)
+            if mesh_model(self):
+                setattr(self, f"{kind}_function", wrap(self, getattr(self, f"{kind}_function")))
+            return getattr(self, f"{kind}_function")
+        return make
 
     cls.make_train_function = make_train_function
-    cls.make_test_function = make_test_function
-    cls.make_predict_function = make_predict_function
+    cls.make_test_function = wrapping("test", test)
+    cls.make_predict_function = wrapping("predict", predict)
 
 
 def symbolic_build(model, batch):

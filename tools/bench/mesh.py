@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from tools.bench import common  # noqa: E402  (--steps, --rounds, --warmup, --out)
+from tools.bench.loopback import loopback_tx  # noqa: E402
 
 _WIDTH = flags.DEFINE_integer("width", 512, "The model's width (hidden_dim).")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Transformer blocks.")
@@ -54,14 +55,6 @@ VARIANTS = {  # name -> (worker kind, launcher flags or None: one process)
     "mesh (1, 2), 2 processes": ("mesh", ["--workers=2"]),
     "ZeRO-3, 2 replicas": ("zero3", ["--strategy=horovod", "--workers=2"]),
 }
-
-
-def loopback_tx():
-    with open("/proc/net/dev") as f:
-        for line in f:
-            if line.strip().startswith("lo:"):
-                return int(line.split(":")[1].split()[8])
-    return 0
 
 
 def peak_rss():

@@ -41,6 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from tools.bench.loopback import loopback_tx  # noqa: E402
+
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per run (after one traced step).")
 _BATCH = flags.DEFINE_integer("batch", 4, "Sequences of 256 tokens per rank and step.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of the variants.")
@@ -56,14 +58,6 @@ _STRATEGY = flags.DEFINE_enum("strategy", "horovod", ["horovod", "multi_worker_m
 KEPT = 4  # (the variant's number: ZeRO-3 without the regather)
 SIZES = dict(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0)
 WIDE = dict(vocab_size=256, block_size=64, n_layer=8, n_head=12, n_embd=768, dropout=0.0)
-
-
-def loopback_tx():
-    with open("/proc/net/dev") as f:
-        for line in f:
-            if line.strip().startswith("lo:"):
-                return int(line.split(":")[1].split()[8])
-    return 0
 
 
 def worker(stage):
