@@ -184,6 +184,17 @@ def test_a_killed_worker_resumes_at_its_backup(tmp_path):
     assert max(abs(a - b) for a, b in zip(resumed, whole[2:])) < TOLERANCE, (resumed, whole)
 
 
+@pytest.mark.slow
+def test_a_backup_within_an_epoch_is_said_to_resume_at_its_start(tmp_path):
+    """Keras's BackupAndRestore resumes a backup made within an epoch at the epoch's start (on
+    every backend); on the mesh process 0 says so in one line at the start of fit."""
+    out = tmp_path / "result.json"
+    p = run([sys.executable, PROBE, "plain", "--mesh=1x2", "--no-reference", "--steps=1",
+             f"--backup={tmp_path / 'backup'}", "--save-freq=1", f"--out={out}"], timeout=TIMEOUT)
+    said = [line for line in p.stderr.splitlines() if line.startswith("tfdist: warning:")]
+    assert len(said) == 1 and "resumes a backup made within an epoch" in said[0], p.stderr[-2000:]
+
+
 @pytest.mark.parametrize("case, needle", [
     ("larger_mesh", "Shape does not match the number of devices"),
     ("missing_device", "names device 7, but there are 2"),

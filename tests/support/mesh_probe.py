@@ -25,6 +25,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--no-reference", action="store_true")
 p.add_argument("--backup", default="", help="a BackupAndRestore directory (resume test)")
+p.add_argument("--save-freq", default="epoch", help="the BackupAndRestore's save_freq")
 p.add_argument("--die-after", type=int, default=0, help="SIGKILL itself after this many steps")
 p.add_argument("--data-parallel", action="store_true",
                help="keras.distribution.DataParallel over every device instead of ModelParallel")
@@ -118,7 +119,8 @@ def train(model, backup=False):
     losses = Losses()
     callbacks = [losses]
     if backup:  # (before the losses: a kill at a step's end comes after its epoch's backup)
-        callbacks.insert(0, keras.callbacks.BackupAndRestore(args.backup))
+        save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
+        callbacks.insert(0, keras.callbacks.BackupAndRestore(args.backup, save_freq=save_freq))
     model.fit(x, y, batch_size=8, epochs=args.steps, verbose=0, shuffle=False,
               callbacks=callbacks)
     evaluated = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)

@@ -192,12 +192,12 @@ def install_mesh_saving(where, on_mesh):
     cls.save, cls.save_weights = wrap("save"), wrap("save_weights")
 
 
-def install_mesh_backups(private_directory, on_mesh):
+def install_mesh_backups(began, on_mesh):
     """Keras's `BackupAndRestore` on a model whose variables `on_mesh`: every process restores
-    from the backup, and then every process but the first writes (and at the end removes) its
-    copies in `private_directory()` ("mesh_backups": Keras's callback writes and removes its
-    files from every process; the last to end removed the directory while the first still
-    wrote its last backup)."""
+    from the backup, then `began(save_freq)` gives None (process 0: it writes the backups) or a
+    directory of the process's own where it writes (and at the end removes) its copies
+    ("mesh_backups": Keras's callback writes and removes its files from every process; the last
+    to end removed the directory while the first still wrote its last backup)."""
     if not using("mesh_backups"):
         return
     from keras.src.callbacks import backup_and_restore
@@ -209,7 +209,7 @@ def install_mesh_backups(private_directory, on_mesh):
     def on_train_begin(self, logs=None):
         own(self, logs)
         if any(on_mesh(v._value) for v in self.model.variables):
-            directory = private_directory()
+            directory = began(self.save_freq)
             if directory is not None:
                 from tfdist.compat.trainer import redirect_backup
                 redirect_backup(self, directory)

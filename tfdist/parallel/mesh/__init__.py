@@ -65,7 +65,7 @@ def enable(cpu_devices=None):
     compat.install_mesh_slice_update(ops.slice_update)
     compat.install_mesh_generate(step.generate_function, variables.on_mesh)
     compat.install_mesh_saving(processes.where_to_write, variables.on_mesh)
-    compat.install_mesh_backups(processes.private_directory, variables.on_mesh)
+    compat.install_mesh_backups(processes.backup_began, variables.on_mesh)
     from tfdist.models import fused
     fused.use_xla(False)  # DTensor runs no XLA-compiled function (tfdist's GPT-2's GELU)
     compat.install_mesh_trainer(step.train_function, step.test_function, step.predict_function,

@@ -17,6 +17,7 @@ Example (the environment a worker of a 2-worker TF_CONFIG gets):
 """
 import contextlib
 import os
+import sys
 import tempfile
 
 from tfdist.errors import UsageError
@@ -131,10 +132,17 @@ def where_to_write(filepath):
             os.remove(partial)
 
 
-def private_directory():
-    """None on process 0; on the others a temporary directory of their own, removed when the
-    process exits (where a Keras BackupAndRestore of theirs writes)."""
+def backup_began(save_freq):
+    """Where a Keras BackupAndRestore of this process writes: None on process 0 (the backup
+    directory), on the others a temporary directory of their own, removed when the process
+    exits. Process 0 says in one line that a backup made mid-epoch (`save_freq` in batches)
+    resumes at its epoch's start, as Keras's callback does on every backend."""
     if index() == 0:
+        if save_freq != "epoch":
+            print(f"tfdist: warning: BackupAndRestore(save_freq={save_freq}) resumes a backup made "
+                  f"within an epoch at that epoch's start (Keras's callback): its steps before "
+                  f"the backup run again; back up per epoch (shorter epochs: steps_per_epoch) for "
+                  f"a resume at the backed-up step", file=sys.stderr, flush=True)
         return None
     import atexit
     import shutil
