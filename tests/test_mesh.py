@@ -118,6 +118,16 @@ def test_tfdists_llama_with_its_own_layout_map(tmp_path):
     assert_usage_error(p, "architecture gpt2 does not run on a DTensor mesh")
 
 
+@pytest.mark.slow
+def test_the_example_program_runs(tmp_path):
+    """launchers/examples/keras_hub_llama_mesh.py, as docs/parallelism.md shows it: on a (2, 2)
+    mesh the query kernel's first device holds a quarter of it, and it generates."""
+    example = os.path.join(ROOT, "launchers", "examples", "keras_hub_llama_mesh.py")
+    p = run([sys.executable, example, "--mesh=2x2", "--steps=2"], timeout=TIMEOUT)
+    assert "query/kernel" in p.stdout and "1024/4096 of its values" in p.stdout, p.stdout[-2000:]
+    assert "generated [" in p.stdout
+
+
 KERAS_ALONE = """
 import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
