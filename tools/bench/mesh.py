@@ -13,7 +13,9 @@ AdamW. Variants, each its own process(es), in turn for --rounds rounds:
 * `mesh (1, 2), 2 processes`: the same mesh over 2 processes of one device each (`tfdist launch
   --workers 2`): its collectives cross the loopback interface, where they are counted;
 * `ZeRO-3, 2 replicas`: the model under `tfdist.strategies.get("horovod", zero=3)` on 2 Horovod
-  ranks (`tfdist launch --strategy=horovod`), each half of the same global batch.
+  ranks (`tfdist launch --strategy=horovod`), each half of the same global batch;
+* `mesh (1, 2), Megatron's map, 2 processes`: the 2-process mesh with Megatron-LM's layout of the
+  same model (`megatron_map`) instead of keras-hub's.
 
 Per variant: the median step time (a callback's wall time per batch, after --warmup steps), its
 ratio to one device's of the same round, each process's peak RSS (VmHWM), and the bytes a
@@ -54,7 +56,22 @@ VARIANTS = {  # name -> (worker kind, launcher flags or None: one process)
     "mesh (1, 2), 1 process": ("mesh", None),
     "mesh (1, 2), 2 processes": ("mesh", ["--workers=2"]),
     "ZeRO-3, 2 replicas": ("zero3", ["--strategy=horovod", "--workers=2"]),
+    "mesh (1, 2), Megatron's map, 2 processes": ("megatron", ["--workers=2"]),
 }
+
+
+def megatron_map(device_mesh):
+    """Megatron-LM's layout of keras-hub's Llama (the bench's own, beside keras-hub's map):
+    q/k/v and the MLP's gate and up kernels by heads or columns, the attention's and the MLP's
+    output kernels by rows, embeddings whole: two all-reduces a block each way."""
+    import keras
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    layout_map["transformer_layer.*self_attention.*(query|key|value).kernel"] = (None, "model",
+                                                                                None)
+    layout_map["transformer_layer.*attention_output.kernel"] = ("model", None, None)
+    layout_map["transformer_layer.*feedforward_(intermediate|gate)_dense.kernel"] = (None, "model")
+    layout_map["transformer_layer.*feedforward_output_dense.kernel"] = ("model", None)
+    return layout_map
 
 
 def peak_rss():
@@ -66,17 +83,19 @@ def worker(kind):
     import numpy as np
     workers = (len(json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
                    .get("worker", [])) or int(os.environ.get("HOROVOD_SIZE", 0)))
-    if kind == "mesh":
+    on_mesh = kind in ("mesh", "megatron")
+    if on_mesh:
         from tfdist.parallel import mesh
         mesh.enable(cpu_devices=2 // max(workers, 1))
     import keras
     import keras_hub
-    if kind == "mesh":
+    if on_mesh:
         device_mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"),
                                                     keras.distribution.list_devices())
+        layout_map = (megatron_map(device_mesh) if kind == "megatron" else
+                      keras_hub.models.LlamaBackbone.get_layout_map(device_mesh))
         keras.distribution.set_distribution(keras.distribution.ModelParallel(
-            layout_map=keras_hub.models.LlamaBackbone.get_layout_map(device_mesh),
-            batch_dim_name="batch"))
+            layout_map=layout_map, batch_dim_name="batch"))
     import tfdist.strategies
     strategy = (tfdist.strategies.get("horovod", zero=3) if kind == "zero3"
                 else tfdist.strategies.get("single") if kind == "one" else None)
@@ -170,11 +189,11 @@ def main(argv):
     print(f"\nkeras-hub Llama, {runs['one device'][0][0]['parameters'] / 1e6:.1f} M parameters, "
           f"{_LAYERS.value} blocks of {_WIDTH.value}, {_BATCH.value} x {_SEQ.value} tokens a "
           f"step; Megatron count {megatron / 1e6:.2f} MB a step")
-    print(f"{'variant':<26} {'s/step':>7} {'x one':>6} {'peak RSS MiB':>16} {'MB sent':>8} "
+    print(f"{'variant':<42} {'s/step':>7} {'x one':>6} {'peak RSS MiB':>16} {'MB sent':>8} "
           f"{'x Megatron':>10}")
     for r in rows:
         mega = f"{r['sent_to_megatron']:.2f}" if r["sent_to_megatron"] else "-"
-        print(f"{r['variant']:<26} {r['step_s']:7.3f} {r['ratio_to_one_device']:6.2f} "
+        print(f"{r['variant']:<42} {r['step_s']:7.3f} {r['ratio_to_one_device']:6.2f} "
               f"{str(r['peak_rss_mib']):>16} {r['sent_mb_per_step']:8.2f} {mega:>10}")
     result = {"model": {"layers": _LAYERS.value, "width": _WIDTH.value, "seq": _SEQ.value,
                         "batch": _BATCH.value, "vocab": VOCAB,
