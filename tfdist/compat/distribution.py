@@ -25,6 +25,11 @@ from tfdist.compat.table import using
 _KERAS = {}  # what each hook replaced: Keras's own
 
 
+def _model_on_mesh(model, on_mesh):
+    """Whether any of `model`'s variables has a storage that `on_mesh`."""
+    return any(on_mesh(v._value) for v in model.variables)
+
+
 def install_mesh_backend(functions):
     """Gives the TF backend's `distribution_lib` tfdist's functions (name -> function), once
     ("mesh_backend")."""
@@ -97,7 +102,7 @@ def install_mesh_trainer(train, test, predict, on_mesh):
     def mesh_model(model):  # (a model not yet built: it will be built on the mesh)
         if not model.variables:
             return current_distribution() is not None
-        return any(on_mesh(v._value) for v in model.variables)
+        return _model_on_mesh(model, on_mesh)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -159,7 +164,7 @@ def install_mesh_generate(wrap, on_mesh):
     def make_generate_function(self):
         already = self.generate_function is not None
         own(self)
-        if not already and any(on_mesh(v._value) for v in self.variables):
+        if not already and _model_on_mesh(self, on_mesh):
             self.generate_function = wrap(self, self.generate_function)
         return self.generate_function
 
@@ -182,7 +187,7 @@ def install_mesh_saving(where, on_mesh):
 
     def wrap(name):
         def method(self, filepath, *args, **kwargs):
-            if not any(on_mesh(v._value) for v in self.variables):
+            if not _model_on_mesh(self, on_mesh):
                 return own[name](self, filepath, *args, **kwargs)
             with where(filepath) as path:
                 return own[name](self, path, *args, **kwargs)
@@ -208,7 +213,7 @@ def install_mesh_backups(began, on_mesh):
 
     def on_train_begin(self, logs=None):
         own(self, logs)
-        if any(on_mesh(v._value) for v in self.model.variables):
+        if _model_on_mesh(self.model, on_mesh):
             directory = began(self.save_freq)
             if directory is not None:
                 from tfdist.compat.trainer import redirect_backup

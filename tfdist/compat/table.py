@@ -287,7 +287,7 @@ PATCHES = {
         "tests/test_mesh.py::test_llama_on_two_processes_equals_one_device",
         "4b6f14b78305"),
     "mesh_variables": Patch(
-        ("install_mesh_variables", "current_distribution"),
+        ("install_mesh_variables", "current_distribution", "_model_on_mesh"),
         ("keras.src.backend.tensorflow.core:Variable",
          "keras.src.backend.common.variables:Variable.__init__"),
         "keras-team/keras#18473 (open: variables are laid out on JAX only); keras-io's "

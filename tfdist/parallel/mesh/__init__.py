@@ -92,14 +92,9 @@ def _keras_mesh_error(value, traceback):
 
 
 def _create(variable, value, layout, explicit):
-    distribution = _distribution()
-    return variables.create(variable, value, layout, explicit,
-                            getattr(distribution, "batch_dim_name", None))
-
-
-def _distribution():
     from tfdist import compat
-    return compat.current_distribution()
+    return variables.create(variable, value, layout, explicit,
+                            getattr(compat.current_distribution(), "batch_dim_name", None))
 
 
 def _to_local(storage):

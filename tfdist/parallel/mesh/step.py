@@ -67,11 +67,15 @@ def refuse_unsupported(model):
                          "tensor parallelism (--config.tensor.parallel) for GPT-2")
 
 
-def batches(model, iterator):
-    """Keras's batches on the mesh; the model (loss, metrics, optimizer) built from the first,
-    before any step runs."""
-    refuse_unsupported(model)
+def batches(model, iterator, ready=None):
+    """Keras's batches on the mesh; before the first of a function's (`ready`: its state, None:
+    every time) the model is checked and built (loss, metrics, optimizer) from that batch, before
+    any step runs."""
     iterator = iter(iterator)
+    if ready is not None and ready.get("model"):
+        yield from map(onto_mesh, iterator)
+        return
+    refuse_unsupported(model)
     try:
         first = next(iterator)
     except StopIteration:
@@ -80,8 +84,9 @@ def batches(model, iterator):
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
         say_if_whole(model)
-    for data in itertools.chain([first], iterator):
-        yield onto_mesh(data)
+    if ready is not None:
+        ready["model"] = True
+    yield from map(onto_mesh, itertools.chain([first], iterator))
 
 
 @contextlib.contextmanager
@@ -150,9 +155,11 @@ def train_function(model):
     def update(grads):
         model.optimizer.apply(grads, held["variables"])
 
+    ready = {}
+
     def function(iterator):
         logs = None
-        for _, data in zip(range(model.steps_per_execution), batches(model, iterator)):
+        for _, data in zip(range(model.steps_per_execution), batches(model, iterator, ready)):
             logs, grads = gradients(data)
             update(grads)
         if logs is None:
@@ -163,8 +170,10 @@ def train_function(model):
 
 def test_function(model, keras_function):
     """Keras's test function, fed batches on the mesh."""
+    ready = {}
+
     def function(iterator):
-        return fresh(model, keras_function(batches(model, iterator)))
+        return fresh(model, keras_function(batches(model, iterator, ready)))
     return function
 
 
