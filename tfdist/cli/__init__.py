@@ -104,6 +104,8 @@ def run(main, argv, tensorflow=True):
         logging.set_verbosity(logging.WARNING)  # TFDS and checkpointing are chatty at INFO
         if tensorflow:
             quiet_tensorflow_import(argv)
+            from tfdist.runtime import preemption
+            preemption.exit_at_once()  # (a stop's backup written: this process ends at once)
         try:
             return main(args)
         except UsageError as e:

@@ -49,6 +49,18 @@ from tfdist.runtime import early
 
 _ACTIVE = []  # the Preemption of each run in progress in this process
 
+# Set by the command line (`tfdist.cli.run`, `exit_at_once`): there a stopped process ends as soon
+# as its backup is written, not after Keras and TF unwind. A peer that has exited 75 meanwhile can
+# make TF's teardown abort (seen once in the suite: SIGABRT, "terminate called after throwing an
+# instance of '' / FATAL: exception not rethrown", after "backup written"), which the launcher
+# takes for a failure. A library caller gets `Preempted` instead.
+_EXIT_AT_ONCE = [False]
+
+
+def exit_at_once(on=True):
+    """A stop ends this process with status 75 right after its backup (the command line's)."""
+    _EXIT_AT_ONCE[0] = on
+
 
 def request_stop(why, then):
     """Asks each run in this process that is still training (from any thread) to stop as a
@@ -196,6 +208,12 @@ class Preemption(keras.callbacks.Callback):
         then = self._then or (f"exiting with status {EXIT_PREEMPTED} (run the same command to "
                               f"resume)")
         self.say(f"tfdist: preempted ({why}) at step {step}: backup written; {then}")
+        if _EXIT_AT_ONCE[0]:
+            from tfdist.runtime import cluster
+            cluster.report_exit(EXIT_PREEMPTED)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_PREEMPTED)
         raise Preempted(step)
 
     def get_config(self):
