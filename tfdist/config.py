@@ -36,6 +36,10 @@ def default_config():
     # Llama): the model's shape is the checkpoint's, and its tokenizer.json the data's tokenizer
     # unless data.tokenizer is given (tfdist/models/huggingface.py). "": random weights.
     c.init_from = ""
+    # "auto": tfdist chooses the layout keys (zero.stage, zero.offload, train.grad_accum_steps)
+    # for this machine, its workers and train.memory_gb, says why, and writes <workdir>/layout.json
+    # (tfdist/plan/auto.py); keys set away from their defaults stay as set. "": as configured.
+    c.layout = ""
     c.model = _model()
     c.data = _data()
     c.train = _train()
@@ -119,6 +123,9 @@ def _train():
     s.spike_window = 20
     s.spike_skip = 100
     s.precision = "float32"
+    # GiB a process may hold on its host (config.layout=auto fits the layout in it); 0: this
+    # host's available memory shared by its processes
+    s.memory_gb = 0.0
     s.jit_compile = False
     s.eval_steps = 10  # validation batches per evaluation
     s.deterministic = False  # tf.config.experimental.enable_op_determinism()
@@ -285,6 +292,9 @@ _RULES = {
     "model.rope_scaling_factor": (lambda v: v == 0 or v >= 1, "0 (off) or a factor >= 1"),
     "model.rope_original_context": (_positive_int, "an integer > 0"),
     "init_from": (lambda v: v == "" or v.startswith("hf:"), "\"\" or hf:<checkpoint directory>"),
+    "layout": (lambda v: v in ("", "auto"), "\"\" (as configured) or auto"),
+    "train.memory_gb": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and v >= 0, "a number of GiB >= 0 (0: this host's memory)"),
     "model.n_embd": (_positive_int, "an integer > 0"),
     "model.dropout": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
     "data.source": (lambda v: bool(v.strip()), "'stdlib', paths, 'tfds:<name>', 'nanogpt:<dir>' "

@@ -48,6 +48,7 @@ from tfdist.optimizers import make_optimizer
 from tfdist.parallel import zero
 from tfdist.parallel.dp import islands
 from tfdist.parallel.layout import Layout
+from tfdist.plan import auto
 from tfdist.runtime import cluster, cpu
 from tfdist.runtime.lock import WorkdirLock, prepare_workdir
 from tfdist.runtime.preemption import Preemption
@@ -132,6 +133,8 @@ class Run:
     memory: object = None  # its snapshots in memory (tfdist.callbacks.memory)
     from_memory: tuple = None  # (the plan, the disk backup's step) of a resume from memory
     notes: list = dataclasses.field(default_factory=list)  # said once the inputs are checked
+    overwrite: bool = False  # --overwrite: the workdir's earlier run is not resumed
+    decision: object = None  # config.layout=auto's (tfdist.plan.auto.Decision)
 
     @property
     def backup_dir(self):
@@ -163,11 +166,13 @@ def train(c, workdir, overwrite=False, verbose="auto", extra_callbacks=(), hooks
     if place.islands > 1:  # local-SGD islands: each island's run in a directory of its own
         workdir = os.path.join(workdir, f"island-{place.island}")
         tf.io.gfile.makedirs(workdir)
-    run = Run(c, workdir, hooks or Hooks())
+    run = Run(c, workdir, hooks or Hooks(), overwrite=overwrite)
     with contextlib.ExitStack() as held:  # the workdir's lock, the preemption signal handlers
         held.callback(lambda: run.offload and run.offload.close())
         _start(run)
         _resume(run, held, overwrite)
+        if run.decision is not None and run.strategy.is_chief:
+            auto.write(run.decision, workdir)
         _say_what_runs(run)
         callbacks = _callbacks(run, held, [*extra_callbacks, *(
             make(c, workdir) for make in LAUNCHER_CALLBACKS)])
@@ -221,6 +226,8 @@ def prepare(c, workdir, overwrite=False, sizes=()):
     clears the workdir."""
     c = config_lib.validate(huggingface.apply_init_from(c))
     plugin = strategies.get_class(c.strategy.name)
+    if c.layout == "auto":
+        auto.check(plugin)
     Layout.from_config(c, plugin)
     Layout.check_sizes(c, plugin, sizes)
     islands.check_launch(c.dp.islands)  # (started as islands, as many as the config's)
@@ -242,6 +249,8 @@ def _start(run):
     if hooks.disable_patches:
         compat.disable(*hooks.disable_patches)
     plugin = strategies.get_class(c.strategy.name)
+    if c.layout == "auto":
+        auto.check(plugin)
     layout = Layout.from_config(c, plugin)  # the one judge of a layout (tfdist.parallel.layout)
     # Before anything initialises TF's runtime: thread pools, devices, then the strategy.
     tf.config.threading.set_intra_op_parallelism_threads(c.train.intra_op_threads)
@@ -249,6 +258,8 @@ def _start(run):
     layout.split_cpu()
     run.strategy = strategy = strategies.from_config(c)
     strategy.serve()  # a task that only serves others (parameter server) ends here
+    if c.layout == "auto":  # the layout keys chosen for this machine (tfdist.plan.auto)
+        _auto_layout(run, plugin)
     run.layout = layout = Layout.from_config(c, plugin, replicas=strategy.num_replicas)
     devices = layout.place_devices()
 
@@ -275,6 +286,27 @@ def _start(run):
         TrainStep(model, strategy, layout, clipnorm=t.grad_clip,
                   reduce=hooks.reduction(strategy), zero_options=hooks.zero_options,
                   skip_nonfinite=t.skip_nonfinite, offload=run.offload).install()
+
+
+def _auto_layout(run, plugin):
+    """config.layout=auto: the layout planned for this run's replicas, this host and its
+    measured rates, set in the config and said. A resumed run keeps the batches per update it
+    started with (its steps and backups count them)."""
+    c, strategy = run.config, run.strategy
+    pinned = auto.pinned_keys(c)
+    earlier = None if run.overwrite else auto.earlier(run.workdir)
+    if earlier is not None:
+        k = earlier["overrides"].get("train.grad_accum_steps", 1)
+        if k != c.train.grad_accum_steps:
+            pinned["train.grad_accum_steps"] = k
+    run.decision = auto.choose(c, plugin, strategy.num_replicas, auto.processes_here(),
+                               machine=auto.measure(say=run.say), pinned=pinned)
+    auto.apply(c, run.decision)
+    config_lib.validate(c)
+    run.notes += run.decision.lines()
+    if earlier is not None and earlier["chosen"]["layout"] != str(run.decision.chosen.layout):
+        run.notes.append(f"layout=auto: planned again at this size: the run before ran "
+                         f"{earlier['chosen']['describe']}")
 
 
 def _offload(c, workdir, strategy):

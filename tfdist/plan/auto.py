@@ -1,0 +1,481 @@
+"""`--config.layout=auto`: tfdist plans the run's layout on the machine it finds, runs the fastest
+that fits, and says why.
+
+The inputs are what the run was given: the model (the config's GPT, `model_from_config`), its
+replicas (the strategy's workers), the processes on this host and their share of its cores, the
+memory a process may hold (`train.memory_gb`; 0: this host's RAM shared by its processes), and
+this machine's measured rates (`Machine`): the matmul peak, the fraction of it the GPT's step
+reaches, how much slower two cores compute side by side, the all-reduce between processes, the
+disk and the CPU optimizer (ZeRO-Offload). They come from `bench_results/` when it was measured on
+this CPU model with as many cores; otherwise a short probe measures the matmul peak here (a few
+seconds, cached in ~/.cache/tfdist) and the rest is said to be another machine's.
+
+The candidates are every layout the strategy runs at this size (`tfdist.parallel.layout.Layout`'s
+checks: the same judge as a named layout): ZeRO 0-3 where the strategy shards, ZeRO-Offload to
+host memory or disk, and gradient accumulation in smaller batches (the same global batch per
+update). Pipeline stages and tensor parallelism inside a CPU process are not candidates: its
+logical devices share the cores the unsplit model already uses (bench_results/pipeline.json). The
+planner prices each (`tfdist.plan.model.step_time`, the memory of `tfdist.parallel.memory` as
+`tfdist train` states it) and the fastest that fits is chosen; the decision, the two runners-up
+with why they lost, and every candidate go to the console and to `<workdir>/layout.json`.
+
+A layout key the config sets away from its default (zero.stage, zero.offload,
+train.grad_accum_steps) is pinned: auto chooses the rest. A run that resumes plans again for its
+new size, keeping the accumulation it started with (its steps count batches of that size).
+
+    >>> from tfdist import config
+    >>> from tfdist.plan import auto
+    >>> from tfdist.strategies import get_class
+    >>> c = config.default_config()
+    >>> c.model.update(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
+    >>> c.train.batch_size = 8
+    >>> m = auto.Machine.assumed(cores=2, ram=2 ** 34)
+    >>> d = auto.choose(c, get_class("horovod"), replicas=2, processes_here=2, machine=m)
+    >>> str(d.chosen.layout)
+    'dp=2 tp=1 pp=1 mb=4 zero=0'
+"""
+import dataclasses
+import hashlib
+import json
+import os
+import time
+
+from tfdist.errors import UsageError
+from tfdist.parallel import memory as memory_lib
+from tfdist.plan import machine as machine_lib
+from tfdist.plan.model import (
+    GB,
+    Cluster,
+    Device,
+    Options,
+    layouts,
+    model_from_config,
+    offloaded,
+    step_time,
+)
+
+#: The layout keys auto sets (Layout.config_overrides's), and the defaults it may change.
+KEYS = {"zero.stage": 0, "zero.offload": "none", "train.grad_accum_steps": 1}
+#: Config keys counted in batches: multiplied when auto accumulates k batches per update, so that
+#: the run trains the same updates on the same tokens.
+IN_BATCHES = ("train.steps", "train.steps_per_epoch", "train.warmup_steps", "train.eval_steps",
+              "backup.every_steps")
+#: Strategies whose layout is not tfdist's to choose, and why.
+NOTHING_TO_CHOOSE = {"parameter_server": "its workers update asynchronously and hold no shards: "
+                                         "no ZeRO, no offload, no pipeline",
+                     "tpu": "XLA lays the TPU program out itself"}
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "bench_results")
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tfdist")
+#: The fraction of one core's fp32 peak the GPT's step reaches, and two busy cores' slow-down,
+#: where this CPU has not been benchmarked (this project's 2-core AMD EPYC: scaling.json and
+#: tensor.json, 2026-11).
+ASSUMED_EFFICIENCY, ASSUMED_CONTENTION = 0.88, 1.044
+ASSUMED_ALLREDUCE = 0.3 * GB  # bytes/s between two processes of one host (allreduce.json: 0.3)
+
+
+def this_cpu():
+    """(CPU model name, cores this process may use)."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), name)
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return name, cores
+
+
+def host_memory():
+    """Bytes of this host's memory a run may take: MemAvailable (the cgroup's limit if lower)."""
+    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            avail = min(avail, int(limit))
+    except (OSError, ValueError):
+        pass
+    return float(avail)
+
+
+def processes_here(env=None):
+    """How many of the job's processes run on this host: Horovod's or MPI's local size, else the
+    TF_CONFIG workers (and chief) at this task's host, else 1."""
+    env = os.environ if env is None else env
+    for key in ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    try:
+        tf_config = json.loads(env.get("TF_CONFIG") or "{}")
+        task = tf_config["task"]
+        cluster = tf_config["cluster"]
+        mine = cluster[task["type"]][task["index"]].rsplit(":", 1)[0]
+        return sum(a.rsplit(":", 1)[0] == mine for role in ("chief", "worker")
+                   for a in cluster.get(role, []))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The machine's rates.
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """This host's measured rates, and where each came from (`source`)."""
+    cpu: str
+    cores: int
+    ram: float  # bytes a run may hold on this host
+    peak: float  # fp32 FLOP/s of all cores (a 2048^3 matmul)
+    efficiency: float  # of one core's peak, reached by the GPT's step on it
+    contention: float  # how much slower a core computes beside another busy one
+    allreduce: dict  # allreduce.json: 2 processes' all-reduce by size and implementation
+    offload: dict  # Options' disk_read_bw, ... (empty: not measured; offload is not priced)
+    bf16: float = 1.0  # bf16 matmul peak over fp32's
+    source: str = ""
+
+    @classmethod
+    def assumed(cls, cores, ram, peak=100e9):
+        """A machine of `cores` cores and `ram` bytes with this project's measured fractions
+        (docstring examples, tests)."""
+        return cls("assumed", cores, ram, peak, ASSUMED_EFFICIENCY, ASSUMED_CONTENTION, {},
+                   {}, source=f"assumed ({peak / 1e9:.0f} GFLOP/s)")
+
+    def allreduce_seconds(self, implementation, nbytes):
+        """Seconds of a 2-process all-reduce of `nbytes` on this host (allreduce.json), or at
+        ASSUMED_ALLREDUCE where it was not measured."""
+        t = machine_lib.allreduce_time(self.allreduce, implementation, nbytes)
+        return t if t is not None else nbytes / ASSUMED_ALLREDUCE
+
+
+def _same_type(bench_dir, cpu, cores):
+    """Whether bench_dir's benches ran on this CPU model with as many cores (scaling.json's
+    host)."""
+    s = machine_lib.read_bench(bench_dir, "scaling.json") or {}
+    host = s.get("host") or {}
+    return host.get("cpu") == cpu and host.get("cores") == cores
+
+
+def measure(bench_dir=BENCH_DIR, say=print, probe=None):
+    """This machine's rates: bench_dir's where they were measured on this machine type, else a
+    probe of the matmul peak here (cached per CPU model and core count in ~/.cache/tfdist)."""
+    cpu, cores = this_cpu()
+    ram = host_memory()
+    if _same_type(bench_dir, cpu, cores) and machine_lib.read_bench(bench_dir, "bench.json"):
+        from tfdist.plan.model import model_from_config as of_config
+        from tfdist.plan.report import load_config
+        mini = of_config(load_config(os.path.join(os.path.dirname(bench_dir), "configs",
+                                                  "gpt_mini.py")), "gpt_mini")
+        h = machine_lib.host(bench_dir, mini)
+        ar = machine_lib.read_bench(bench_dir, "allreduce.json") or {"rows": []}
+        rates = machine_lib.offload_rates(bench_dir)
+        bf16 = machine_lib.bf16_over_fp32(bench_dir) or 1.0
+        return Machine(cpu, cores, ram, h.dev.fp32_flops * cores, h.unloaded, h.contention,
+                       ar, rates, bf16,
+                       source=f"{os.path.relpath(bench_dir)} of this machine type ({cpu}, "
+                              f"{cores} cores): scaling.json, tensor.json, allreduce.json"
+                              + (", disk.json" if rates else ""))
+    peak = (probe or probe_peak)(cpu, cores, say)
+    return Machine(cpu, cores, ram, peak, ASSUMED_EFFICIENCY, ASSUMED_CONTENTION, {}, {},
+                   source=f"the matmul peak probed here ({peak / 1e9:.0f} GFLOP/s; "
+                          f"{os.path.relpath(bench_dir)} is another machine type's); the step's "
+                          f"fraction of it and the all-reduce's rate assumed from this project's "
+                          f"2-core AMD EPYC; offload not priced (make bench-disk, "
+                          f"make bench-scaling and make bench-allreduce measure them here)")
+
+
+def probe_peak(cpu, cores, say=print, seconds=3.0):
+    """FLOP/s of a 2048^3 float32 matmul on this process's cores, measured for `seconds` (the
+    median of the runs after the first), cached per CPU model and core count."""
+    key = hashlib.sha1(f"{cpu}/{cores}".encode()).hexdigest()[:12]
+    path = os.path.join(CACHE, f"matmul-peak-{key}.json")
+    try:
+        with open(path) as f:
+            return float(json.load(f)["flops"])
+    except (OSError, ValueError, KeyError):
+        pass
+    from tfdist.runtime.lazy import tf
+    say(f"tfdist: layout=auto: measuring this CPU's matmul rate ({cpu}, {cores} cores; "
+        f"{seconds:g} s, once)", flush=True)
+    n = 2048
+    a = tf.random.normal((n, n))
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        start = time.perf_counter()
+        tf.linalg.matmul(a, a).numpy()
+        times.append(time.perf_counter() - start)
+    times = sorted(times[1:])
+    flops = 2 * n ** 3 / times[len(times) // 2]
+    os.makedirs(CACHE, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"cpu": cpu, "cores": cores, "flops": flops, "when": time.time()}, f)
+    os.replace(path + ".tmp", path)
+    return flops
+
+
+# ---------------------------------------------------------------------------------------------
+# The candidates, priced.
+
+
+@dataclasses.dataclass
+class Candidate:
+    layout: object  # tfdist.parallel.layout.Layout
+    seconds: float = 0.0  # per update
+    parts: dict = dataclasses.field(default_factory=dict)  # step_time's
+    bytes: float = 0.0  # a process's, on this host
+    memory: dict = dataclasses.field(default_factory=dict)
+    fits: bool = True
+    refusal: str = None  # why tfdist does not run it (None: it does)
+    tokens_per_sec: float = 0.0
+
+    def row(self):
+        return {"layout": str(self.layout), "describe": self.layout.describe(),
+                "seconds_per_update": self.seconds, "tokens_per_sec": self.tokens_per_sec,
+                "gib_per_process": self.bytes / 2 ** 30, "fits": self.fits,
+                "refused": self.refusal, "parts_s": self.parts}
+
+
+def process_bytes(c, model, layout):
+    """(bytes a process holds on this host, by part) under `layout`: Keras's float32 weights,
+    gradients and Adam moments at either precision, activations at the run's (as `tfdist train`
+    states them: `tfdist.train.expected_memory`); offloaded to disk, what the CPU step holds at
+    once; to host memory, the store too (a CPU's device memory is the host's)."""
+    states = memory_lib.memory(model, layout, memory_lib.Defaults(
+        precision="float32", offload_subgroup=c.zero.offload_subgroup))
+    if c.train.precision != "float32":
+        states["activations"] = memory_lib.memory(model, layout)["activations"]
+    parts = {k: states[k] for k in ("weights", "gathered", "gradients", "optimizer",
+                                    "activations") if k in states}
+    held = sum(parts.values())
+    if layout.offload != "none":
+        held = max(held + states["host_gradients"], states["update_peak"]) + (
+            states["offloaded"] if layout.offload == "host" else 0.0)
+        parts["off the device"] = states["offloaded"]
+    return held, parts
+
+
+def _options(c, m, cores_each, processes_here, plugin, grads):
+    """The planner's Options for a process of this host: a core's fraction of peak, the cores'
+    share, the all-reduce's rate (its copies are the cores' work: comm_cpu_bw), the offload's."""
+    busy = processes_here * cores_each
+    implementation = machine_lib.COLLECTIVE.get(plugin.name, machine_lib.RING)
+    seconds = m.allreduce_seconds(implementation, grads)
+    mixed = c.train.precision != "float32"
+    return Options(precision="mixed" if mixed else "float32", efficiency=m.efficiency,
+                   core_share=(1 / m.contention) if busy > 1 else 1.0,
+                   comm_cpu_bw=grads / seconds, overlap=plugin.name in machine_lib.COLLECTIVE,
+                   usable_memory=1.0, **m.offload), grads / seconds
+
+
+def candidates(c, plugin, replicas, processes_here, m):
+    """Every layout of the run's `replicas` replicas (one per process, or the strategy's), the
+    same global batch per update, priced on machine `m`: [Candidate], fastest first among those
+    that fit and run."""
+    model = model_from_config(c, "the config's GPT")
+    cores_each = max(1, m.cores // max(processes_here, 1))
+    per_core = m.peak / m.cores
+    batch = c.train.batch_size * c.train.grad_accum_steps  # sequences per update
+    grads = model.params * 4
+    opts, bw = _options(c, m, cores_each, processes_here, plugin, grads)
+    device = Device("cpu process", per_core * cores_each * m.bf16, m.ram / max(processes_here, 1),
+                    None, bw, bw, processes_here, m.source, fp32_flops=per_core * cores_each)
+    cluster = Cluster(device, replicas)
+    fixed = {"tp": 1, "pp": 1, "dp": replicas}
+    lays = [*layouts(model, cluster, batch, fixed), *offloaded(model, cluster, batch)]
+    out = []
+    for lay in lays:
+        if lay.recompute or lay.dp != replicas:
+            continue  # (recomputation needs a split model)
+        lay = dataclasses.replace(lay, seq=model.seq_len)
+        cand = Candidate(lay)
+        cand.refusal = _refusal(c, plugin, lay)
+        try:
+            cand.parts = step_time(model, cluster, lay, opts)
+        except ValueError:  # an offload without measured rates: not priced
+            cand.refusal = cand.refusal or "offload not priced (make bench-disk)"
+            cand.parts = {"total": float("inf")}
+        cand.seconds = cand.parts["total"]
+        cand.tokens_per_sec = batch * model.seq_len / cand.seconds
+        cand.bytes, cand.memory = process_bytes(c, model, lay)
+        out.append(cand)
+    return sorted(out, key=_rank)
+
+
+def _rank(cand):
+    """Runnable and fitting first; then faster (to 3 figures: equal compute is equal); then
+    fewer batches per update, less sharding, no offload."""
+    lay = cand.layout
+    return (cand.refusal is not None, not cand.fits, -float(f"{cand.tokens_per_sec:.3g}"),
+            lay.accumulate, lay.zero, lay.offload != "none")
+
+
+def _refusal(c, plugin, layout):
+    why = layout.refusal(c, plugin)
+    return None if why is None else why.split(";")[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The decision.
+
+
+@dataclasses.dataclass
+class Decision:
+    chosen: Candidate
+    runners_up: list
+    considered: list
+    machine: Machine
+    budget: float  # bytes per process
+    replicas: int
+    processes_here: int
+    pinned: dict
+
+    def why_not(self, cand):
+        """A runner-up's loss against the chosen, in a few words."""
+        a, b = self.chosen, cand
+        if not b.fits:
+            return f"needs {_gib(b.bytes)} a process > {_gib(self.budget)}"
+        slower = b.seconds / a.seconds - 1
+        parts = {k: b.parts.get(k, 0.0) - a.parts.get(k, 0.0)
+                 for k in ("compute", "memory", "network", "bubble")}
+        part = max(parts, key=parts.get)
+        if abs(slower) < 5e-3:
+            return "the same predicted speed; chosen holds " + (
+                "fewer batches per update" if b.layout.accumulate > a.layout.accumulate
+                else "less sharding")
+        return f"{slower:+.0%} time a step ({part} {parts[part]:+.3f} s)"
+
+    def lines(self):
+        c = self.chosen
+        out = [f"layout=auto: {self.replicas} replica(s), {self.processes_here} process(es) on "
+               f"this host of {self.machine.cores} cores, {_gib(self.budget)} a "
+               f"process; rates: {self.machine.source}",
+               f"layout=auto: chose {c.layout.describe()} ({c.layout}): predicted "
+               f"{c.seconds:.3f} s an update, {c.tokens_per_sec:,.0f} tokens/s, "
+               f"{_gib(c.bytes)} a process"]
+        for i, r in enumerate(self.runners_up, 2):
+            out.append(f"layout=auto: #{i} {r.layout.describe()}: {r.seconds:.3f} s, "
+                       f"{_gib(r.bytes)}: {self.why_not(r)}")
+        if self.pinned:
+            out.append("layout=auto: pinned by the config: "
+                       + ", ".join(f"{k}={v}" for k, v in self.pinned.items()))
+        return out
+
+    def to_json(self):
+        return {"chosen": self.chosen.row(), "runners_up": [r.row() for r in self.runners_up],
+                "considered": [r.row() for r in self.considered],
+                "overrides": self.chosen.layout.config_overrides(),
+                "machine": dataclasses.asdict(self.machine), "budget_bytes": self.budget,
+                "replicas": self.replicas, "processes_here": self.processes_here,
+                "pinned": self.pinned, "lines": self.lines()}
+
+
+def pinned_keys(c):
+    """The layout keys the config sets away from their defaults: auto keeps them."""
+    return {k: c[k.split(".")[0]][k.split(".")[1]] for k, default in KEYS.items()
+            if c[k.split(".")[0]][k.split(".")[1]] != default}
+
+
+def choose(c, plugin, replicas, processes_here=1, machine=None, pinned=None):
+    """The Decision for config `c` under strategy plugin class `plugin` with `replicas` replicas,
+    `processes_here` of them on this host. UsageError (one line) when the strategy has nothing to
+    choose, or nothing fits (saying what would)."""
+    check(plugin)
+    m = machine or measure()
+    budget = c.train.memory_gb * 2 ** 30 if c.train.memory_gb else m.ram / max(processes_here, 1)
+    pinned = pinned_keys(c) if pinned is None else pinned
+    m = dataclasses.replace(m, ram=budget * max(processes_here, 1))
+    every = candidates(c, plugin, replicas, processes_here, m)
+    for cand in every:
+        cand.fits = cand.bytes <= budget
+    every.sort(key=_rank)
+    runnable = [x for x in every if x.refusal is None]
+    if len(runnable) <= 1 and not pinned:
+        only = runnable[0].layout.describe() if runnable else "none"
+        raise UsageError(f"config.layout=auto under strategy {plugin.name} with {replicas} "
+                         f"replica(s) and train.batch_size={c.train.batch_size} has nothing to "
+                         f"choose (it runs one layout: {only}); drop config.layout=auto, or use "
+                         f"horovod or multi_worker_mirrored (ZeRO, offload)")
+    allowed = [x for x in runnable if all(_holds(x.layout, k, v) for k, v in pinned.items())]
+    fitting = [x for x in allowed if x.fits]
+    if not fitting:
+        raise UsageError(_nothing_fits(c, budget, allowed, [x for x in runnable if x.fits],
+                                       pinned))
+    chosen = fitting[0]
+    rest = [x for x in allowed if x is not chosen]
+    return Decision(chosen, rest[:2], every, m, budget, replicas, processes_here, pinned)
+
+
+def _gib(nbytes):
+    return f"{nbytes / 2 ** 30:.3g} GiB"
+
+
+def check(plugin):
+    """UsageError (one line) when strategy plugin class `plugin` leaves auto nothing to choose
+    (checked before the strategy is built)."""
+    if plugin.name in NOTHING_TO_CHOOSE:
+        raise UsageError(f"config.layout=auto under strategy {plugin.name}: it has nothing to "
+                         f"choose ({NOTHING_TO_CHOOSE[plugin.name]}); name the layout, or use "
+                         f"horovod or multi_worker_mirrored")
+
+
+def _holds(layout, key, value):
+    overrides = layout.config_overrides()
+    return overrides.get(key, KEYS[key]) == value
+
+
+def _nothing_fits(c, budget, allowed, fitting_unpinned, pinned):
+    least = min(allowed, key=lambda x: x.bytes) if allowed else None
+    need = f" (the least, {least.layout.describe()}, needs {_gib(least.bytes)})" \
+        if least else ""
+    if pinned and fitting_unpinned:
+        other = fitting_unpinned[0]
+        keys = " ".join(f"{k}={v}" for k, v in pinned.items())
+        return (f"config.layout=auto with {keys} fixed: no layout fits in {_gib(budget)} a "
+                f"process{need}; {other.layout.describe()} would ({_gib(other.bytes)}): unset "
+                f"{', '.join(pinned)}")
+    return (f"config.layout=auto: no layout fits in {_gib(budget)} a process{need}; raise "
+            f"train.memory_gb, lower train.batch_size, or run more workers")
+
+
+def apply(c, decision):
+    """Sets the chosen layout's keys in `c`, and multiplies the keys counted in batches by its
+    batches per update (against the config's own: the same updates on the same tokens)."""
+    lay = decision.chosen.layout
+    before = c.train.grad_accum_steps
+    for key, value in {**KEYS, **lay.config_overrides()}.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    k = lay.accumulate
+    if k != before:
+        for key in IN_BATCHES:
+            section, name = key.split(".")
+            c[section][name] = c[section][name] * k // before
+    return c
+
+
+def write(decision, workdir):
+    from tfdist.data import store
+    store.write_atomic(os.path.join(workdir, "layout.json"),
+                       json.dumps(decision.to_json(), indent=1, default=str))
+
+
+def earlier(workdir):
+    """The decision an earlier start of this run wrote, or None."""
+    try:
+        with open(os.path.join(workdir, "layout.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
