@@ -34,6 +34,8 @@ _STRATEGY = flags.DEFINE_string("strategy", "single", "A tfdist strategy name.")
 _DEVICES = flags.DEFINE_integer("devices", 0, "Replicas of `mirrored` (on CPU: logical devices).")
 _ZERO = flags.DEFINE_integer("zero", 0, "3: each weight stored on one replica only (ZeRO-3; "
                              "horovod, multi_worker_mirrored).")
+_MEMORY_GB = flags.DEFINE_float("memory_gb", 0.0, "--strategy=auto: GiB a process may hold "
+                                 "(0: this host's share); auto picks ZeRO-3 or offload to fit.")
 _MODELS = flags.DEFINE_list("models", ["cnn"], "Any of cnn, functional, subclassed.")
 _EPOCHS = flags.DEFINE_integer("epochs", 3, "Epochs of 8 steps of 64 rows (the global batch).")
 _MIN_DELTA = flags.DEFINE_float("min_delta", 0.0, "EarlyStopping's and ReduceLROnPlateau's "
@@ -53,7 +55,9 @@ def main(argv):
     import tfdist.parallel.zero
     import tfdist.strategies
 
-    strategy = tfdist.strategies.get(_STRATEGY.value, devices=_DEVICES.value, zero=_ZERO.value)
+    budget = {"memory_gb": _MEMORY_GB.value} if _MEMORY_GB.value else {}  # (strategy auto's)
+    devices = {"devices": _DEVICES.value} if _STRATEGY.value != "auto" else {}
+    strategy = tfdist.strategies.get(_STRATEGY.value, zero=_ZERO.value, **devices, **budget)
 
     @keras.saving.register_keras_serializable("tfdist_example")
     class Rows(keras.metrics.Metric):

@@ -38,6 +38,8 @@ _OFFLOAD = flags.DEFINE_enum("offload", "none", ["none", "host", "disk"],
                              "optimizer state (ZeRO-Offload).")
 _OFFLOAD_DIR = flags.DEFINE_string("offload_dir", "", "--offload=disk: the directory of its "
                                    "files (default: the system's temporary directory).")
+_MEMORY_GB = flags.DEFINE_float("memory_gb", 0.0, "--strategy=auto: GiB a process may hold "
+                                 "(0: this host's share); auto picks ZeRO-3 or offload to fit.")
 _MODEL = flags.DEFINE_enum("model", "gpt2", ["gpt2", "shared"], "What to train.")
 _EPOCHS = flags.DEFINE_integer("epochs", 3, "Epochs of 8 steps.")
 _SAVE_AT = flags.DEFINE_integer("save_at", 2, "The epoch after which the model is saved (0: not "
@@ -95,8 +97,9 @@ def main(argv):
 
     import tfdist.strategies
 
+    budget = {"memory_gb": _MEMORY_GB.value} if _MEMORY_GB.value else {}  # (strategy auto's)
     strategy = tfdist.strategies.get(_STRATEGY.value, zero=_ZERO.value, offload=_OFFLOAD.value,
-                                     offload_dir=_OFFLOAD_DIR.value)
+                                     offload_dir=_OFFLOAD_DIR.value, **budget)
     out, name = _OUT.value, _MODEL.value
     saved = os.path.join(out, "saved.keras")
     os.makedirs(out, exist_ok=True)

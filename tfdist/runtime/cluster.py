@@ -111,6 +111,16 @@ def from_tf_config(text, allowed_roles=ROLES):
     return ClusterSpec(cluster, ttype, index)
 
 
+def one_local_worker():
+    """A cluster of this process alone, on a free port of 127.0.0.1 (`tfdist.strategies.get(
+    "auto")` in a process started without a launcher: multi_worker_mirrored of one worker)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return from_tf_config(json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]},
+                                      "task": {"type": "worker", "index": 0}}))
+
+
 def from_slurm(port_base=8888, env=None, ps=0):
     """The cluster of a Slurm job step, through TF's SlurmClusterResolver: one task per worker;
     with `ps` > 0 (parameter server), task 0 is the chief, tasks 1..ps the ps tasks, the rest

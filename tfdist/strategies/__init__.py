@@ -67,7 +67,16 @@ def get_class(name):
     return getattr(importlib.import_module(module), cls)
 
 
-def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", **options):
+def launched_strategy(env=None):
+    """The strategy of `get("auto")`: horovod where horovodrun or mpirun started this process,
+    else multi_worker_mirrored (TF_CONFIG's workers; one process without it)."""
+    env = os.environ if env is None else env
+    return "horovod" if any(k in env for k in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK",
+                                                "PMI_RANK")) else "multi_worker_mirrored"
+
+
+def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", auto=False, memory_gb=0.0,
+        **options):
     """Builds the plugin `name` with its options (checked against the plugin's rules).
     `zero=3`: a user's model compiled in its scope has its weights sharded over the replicas
     (ZeRO-3, tfdist/parallel/zero/weights.py; horovod, multi_worker_mirrored); with
@@ -77,7 +86,17 @@ def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", **option
     The keys of `config.dp` (`hierarchy`, ...: `tfdist.parallel.dp`) set how the gradients
     travel, under a strategy whose workers reduce them (horovod, multi_worker_mirrored).
     `skip_nonfinite=K`: such a model's updates whose loss or gradients are not finite are
-    skipped, and K in a row stop `fit` (tfdist/runtime/nonfinite.py; not parameter_server)."""
+    skipped, and K in a row stop `fit` (tfdist/runtime/nonfinite.py; not parameter_server).
+    `name="auto"` (or `auto=True` on horovod or multi_worker_mirrored): a user's model compiled
+    in the scope is measured at its first `fit` and trained plainly data parallel, or with ZeRO-3,
+    or offloaded, whichever costs least and fits `memory_gb` GiB a process (0: this host's
+    available memory shared by its processes; tfdist/plan/user_auto.py); "auto" is horovod under
+    horovodrun, else multi_worker_mirrored (`launched_strategy`)."""
+    if name == "auto":
+        name, auto = launched_strategy(), True
+        if name == "multi_worker_mirrored" and "cluster" not in options and \
+                cluster.from_environment(("chief", "worker")) is None:
+            options["cluster"] = cluster.one_local_worker()  # (no launcher: one worker)
     cls = get_class(name)
     from tfdist.parallel import dp
     settings = dp.Settings(**{k: options.pop(k) for k in dp.OPTIONS if k in options}).check()
@@ -97,7 +116,18 @@ def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", **option
         raise UsageError(f"offload={offload!r} needs ZeRO: pass zero=3 as well (a user's model "
                          f"offloads its master weights and optimizer state under ZeRO-3, under "
                          f"horovod or multi_worker_mirrored)")
+    if auto and not cls.shards_user_models:
+        raise UsageError(f"auto=True under strategy {name}: it has nothing to choose for a user's "
+                         f"model (ZeRO-3 and offload shard one under horovod or "
+                         f"multi_worker_mirrored); use one of those, or \"auto\"")
+    if auto and (zero or offload != "none"):
+        raise UsageError(f"auto chooses zero and offload itself, and zero={zero!r}, "
+                         f"offload={offload!r} were given; pass auto or those, not both")
+    if not isinstance(memory_gb, (int, float)) or memory_gb < 0 or (memory_gb and not auto):
+        raise UsageError(f"memory_gb={memory_gb!r}: a number of GiB >= 0, the budget of "
+                         f"strategy auto (auto=True)")
     plugin = cls(**options, dp=settings)
+    plugin.user_auto = memory_gb if auto else None
     plugin.dp = settings
     plugin.user_zero = zero
     plugin.user_offload = None if offload == "none" else (offload, offload_dir)

@@ -37,6 +37,8 @@ _PROCESS_WIDE = []  # a plugin that owns every model of its process (Horovod)
 _OFFLOADS = itertools.count()  # (each offloaded model's store its own directory)
 _SHARDED = weakref.WeakSet()  # models compiled in the scope of a plugin with user_zero (ZeRO-3)
 _CHECKED = weakref.WeakSet()  # models whose non-finite updates tfdist's step skips
+_AUTO = weakref.WeakSet()  # models compiled in the scope of `get("auto")`, not yet measured
+_AUTO_OFFLOAD = weakref.WeakKeyDictionary()  # model -> (kind, directory) that auto chose
 _ACCUMULATING = weakref.WeakKeyDictionary()  # model -> its optimizer's accumulation steps, where
 #                                             tfdist's step accumulates them (not Keras)
 
@@ -115,6 +117,10 @@ class KerasProgram:
     #: K > 0: a user's model compiled in the scope skips updates whose loss or gradients are
     #: not finite (`tfdist.strategies.get(name, skip_nonfinite=K)`, `tfdist.runtime.nonfinite`)
     user_skip_nonfinite = 0
+    #: `get("auto", memory_gb=G)`: G (0: this host's share), and a model compiled in the scope is
+    #: measured at its first fit and sharded or offloaded as it needs (tfdist.plan.user_auto);
+    #: None: as named.
+    user_auto = None
     #: Whether `zero=3` may shard a user's model here (one replica per process: horovod,
     #: multi_worker_mirrored).
     shards_user_models = False
@@ -130,18 +136,53 @@ class KerasProgram:
         through `wrap_optimizer` keeps its own). Under ZeRO-3, or with gradient accumulation
         that Keras cannot run here, tfdist's step does it instead (`stepped`)."""
         from tfdist import compat
-        if self.user_zero and self in getattr(_ACTIVE, "stack", []):  # compiled in the scope
+        in_scope = self in getattr(_ACTIVE, "stack", [])
+        if self.user_zero and in_scope:  # compiled in the scope
             _SHARDED.add(model)  # (a model loaded later, on one device, is not sharded)
+        if self.user_auto is not None and in_scope:
+            _AUTO.add(model)  # (measured at its first fit: `stepped`)
         if self.user_skip_nonfinite:
             _CHECKED.add(model)
         optimizer = model.optimizer
         accumulate = getattr(_updating(optimizer), "gradient_accumulation_steps", None) or 1
         if accumulate > 1 and not self.runs_keras_accumulation:
             _ACCUMULATING[model] = accumulate
-        if model in _SHARDED or model in _ACCUMULATING or model in _CHECKED or optimizer is None:
+        if (model in _SHARDED or model in _ACCUMULATING or model in _CHECKED or model in _AUTO
+                or optimizer is None):
             return
         if not compat.has_gradient_reduction(optimizer):
             self.wrap_optimizer(optimizer)
+
+    def _auto(self, model, arguments):
+        """A model of `get("auto")` at its first fit: built, measured, and sharded or offloaded as
+        its memory needs (tfdist.plan.user_auto); every process takes the costliest layout any
+        process chose (their measurements may differ a little)."""
+        from tfdist import compat
+        from tfdist.plan import user_auto
+        _AUTO.discard(model)
+        batch = _first_batch(arguments)
+        if not model.built:
+            compat.build_for(model, arguments.get("x"))
+        measured = user_auto.measure(model, batch, self.num_replicas)
+        from tfdist.plan.auto import processes_here
+        budget = user_auto.budget_bytes(self.user_auto, processes_here())
+        device = "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+        choice = user_auto.choose(measured, self.num_replicas, budget, device)
+        order = [name for name, _, _ in user_auto.LAYOUTS]
+        index = order.index(choice.name)
+        agreed = sum(self.any_process(index > k) for k in range(len(order) - 1))
+        if agreed != index:
+            choice = user_auto.choose_named(measured, order[agreed], self.num_replicas, device)
+        if self.is_chief:
+            for line in user_auto.lines(measured, choice, self.num_replicas, budget):
+                print(line, flush=True)
+        if choice.zero:
+            _SHARDED.add(model)
+            if choice.offload != "none":
+                _AUTO_OFFLOAD[model] = (choice.offload, "")
+        elif model not in _ACCUMULATING and model not in _CHECKED:
+            if not compat.has_gradient_reduction(model.optimizer):
+                self.wrap_optimizer(model.optimizer)  # (as a named strategy's plain model)
 
     def stepped(self, model, method, arguments):
         """tfdist's step for a user's model (`tfdist.step`): under ZeRO-3, and for an optimizer
@@ -153,6 +194,8 @@ class KerasProgram:
         tfdist's step made its `train_step`. Returns the callbacks that surround a `fit`'s own:
         under ZeRO-3 the weights are whole for the callbacks' epoch ends and after training
         (each process gathers them: a checkpoint or `model.save` reads them as usual)."""
+        if model in _AUTO:
+            self._auto(model, arguments)
         if model not in _SHARDED and model not in _ACCUMULATING and model not in _CHECKED:
             return [], []
         from tfdist.parallel import zero
@@ -168,7 +211,7 @@ class KerasProgram:
                     model.optimizer = type(loaded).from_config(loaded.get_config())
             accumulate = _ACCUMULATING.get(model, 1)
             _updating(model.optimizer).gradient_accumulation_steps = None  # tfdist's step sums
-            layout = Layout(dp=self.num_replicas, zero=self.user_zero if model in _SHARDED else 0,
+            layout = Layout(dp=self.num_replicas, zero=3 if model in _SHARDED else 0,
                             accumulate=accumulate)
             offload = self._offload(model) if model in _SHARDED else None
             with self.scope():
@@ -197,10 +240,11 @@ class KerasProgram:
         """A new ZeRO-Offload of a user's `model` (`user_offload`), closed (its files removed,
         and the directory it made) when the model is collected or the process exits; None
         without offload."""
-        if self.user_offload is None:
+        chosen = _AUTO_OFFLOAD.get(model, self.user_offload)
+        if chosen is None:
             return None
         from tfdist.parallel.zero import offload
-        kind, base = self.user_offload
+        kind, base = chosen
         where, ours = None, None
         if kind == "disk":
             ours = None if base else os.path.join(tempfile.gettempdir(),
@@ -267,6 +311,21 @@ class KerasProgram:
                     scratch, os.path.basename(str(arguments["filepath"])))})
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _first_batch(arguments):
+    """The first batch of `fit`'s data (a tf.data.Dataset, or arrays with `batch_size`)."""
+    x = arguments.get("x")
+    if isinstance(x, tf.data.Dataset):
+        return next(iter(x.take(1)))
+    leaves = tf.nest.flatten(x) if x is not None else []
+    if not leaves or not all(hasattr(a, "shape") and hasattr(a, "__getitem__") for a in leaves):
+        raise UsageError("strategy auto measures a step from the data's first batch: give fit a "
+                         "tf.data.Dataset, or arrays with batch_size")
+    n = arguments.get("batch_size") or 32
+    cut = lambda t: None if t is None else tf.nest.map_structure(  # noqa: E731
+        lambda a: tf.convert_to_tensor(a[:n]), t)
+    return (cut(x), cut(arguments.get("y")), cut(arguments.get("sample_weight")))
 
 
 def _updating(optimizer):
