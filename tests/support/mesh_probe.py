@@ -27,6 +27,9 @@ p.add_argument("--no-reference", action="store_true")
 p.add_argument("--backup", default="", help="a BackupAndRestore directory (resume test)")
 p.add_argument("--save-freq", default="epoch", help="the BackupAndRestore's save_freq")
 p.add_argument("--die-after", type=int, default=0, help="SIGKILL itself after this many steps")
+p.add_argument("--plan", default="", help="gpt_llama: a per-layer plan's layout_map.json "
+               "(tfdist plan --per_layer) instead of tfdist's whole map")
+p.add_argument("--vocab", type=int, default=64, help="gpt_llama's vocabulary")
 p.add_argument("--data-parallel", action="store_true",
                help="keras.distribution.DataParallel over every device instead of ModelParallel")
 p.add_argument("--one-function", action="store_true",
@@ -44,7 +47,7 @@ import keras  # noqa: E402
 from tfdist.parallel.mesh import layouts  # noqa: E402
 
 rng = np.random.default_rng(0)
-tokens = rng.integers(0, 64, (8, 9)).astype("int32")
+tokens = rng.integers(0, 64, (8, 9)).astype("int32")  # (ids below every model's vocabulary)
 
 
 def llama():
@@ -67,7 +70,7 @@ def tfdist_gpt():
     from tfdist.models.gpt import GPT
     keras.utils.set_random_seed(1)
     arch = "gpt2" if args.model == "gpt2" else "llama"
-    return GPT(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=16, arch=arch,
+    return GPT(vocab_size=args.vocab, block_size=8, n_layer=2, n_head=4, n_embd=16, arch=arch,
                **({"n_kv_head": 2} if arch == "llama" else {}))
 
 
@@ -87,7 +90,7 @@ else:
 def layout_map(device_mesh):
     if args.model in ("gpt2", "gpt_llama"):
         from tfdist.models import gpt
-        return gpt.layout_map(device_mesh)
+        return gpt.layout_map(device_mesh, plan=args.plan or None)
     if args.model == "llama":
         import keras_hub
         return keras_hub.models.LlamaBackbone.get_layout_map(device_mesh)

@@ -107,6 +107,12 @@ def _define_flags():
     f.DEFINE_string("out", "runs/plan", "Directory for plan.png and plan.json.")
     f.DEFINE_string("bench_dir", "bench_results", "Where `make bench*` wrote its JSON.")
     f.DEFINE_bool("validate", False, "Print predictions against the published runs and exit.")
+    f.DEFINE_bool("per_layer", False, "For tfdist's GPT on a mesh of --devices devices "
+                  "(keras.distribution through tfdist.parallel.mesh): pick each layer's split "
+                  "(vocabulary-parallel embedding, each block's attention and MLP) by a dynamic "
+                  "program within --memory_gb a device; writes <out>/layout_map.json.")
+    f.DEFINE_float("memory_gb", None, "--per_layer: GiB a device may hold (default: the "
+                   "device's memory).")
     f.DEFINE_bool("measured", False,
                   "Print predictions against this machine's benchmarks and exit.")
     return flags.FLAGS
@@ -250,6 +256,8 @@ def main(argv):
         else:
             eff = 0.5
     eff = eff or calibrated()
+    if F.per_layer:
+        return _per_layer(F, model, device, cluster, batch, eff, precision)
     if F.bucket_mb <= 0:
         raise UsageError(f"--bucket_mb={F.bucket_mb:g} must be a gradient bucket size in MiB > 0")
     # (a CPU here: ZeRO-Offload priced at the disk's and the CPU step's measured rates, when
@@ -276,6 +284,30 @@ def main(argv):
     report(model, cluster, batch, plans, opts, config_arg, F.top, F.out, config)
     for line in comm.describe(model, cluster, plans[0]):
         print(line)
+
+
+def _per_layer(F, model, device, cluster, batch, eff, precision):
+    """`--per_layer`: each layer's split on a mesh of the devices (tfdist.plan.layers)."""
+    from tfdist.plan import layers
+    _positive("memory_gb", F.memory_gb)
+    t = cluster.count
+    budget = F.memory_gb * 2 ** 30 if F.memory_gb else device.memory
+    rates = layers.Rates(device.peak(precision) * eff, cluster.bandwidth(t))
+    p = layers.plan(model, t, batch * model.seq_len, budget, rates)
+    print(f"per layer, {model.name} on {t} devices ({device.name}), {batch} x {model.seq_len} "
+          f"tokens a step, {budget / 2 ** 30:.3g} GiB a device:")
+    for name, split in p.split.items():
+        whole, parted = p.options[name]
+        o = parted if split else whole
+        print(f"  {name:<10} {'split' if split else 'whole':<6} {o.bytes / 2 ** 30:8.3f} GiB "
+              f"{o.seconds:9.4f} s   (whole {whole.bytes / 2 ** 30:.3f} GiB {whole.seconds:.4f} s;"
+              f" split {parted.bytes / 2 ** 30:.3f} GiB {parted.seconds:.4f} s)")
+    print(f"  activations and logits {p.fixed / 2 ** 30:.3f} GiB; in all {p.bytes / 2 ** 30:.3f} "
+          f"GiB a device, {p.seconds:.3f} s a step")
+    os.makedirs(F.out, exist_ok=True)
+    path = os.path.join(F.out, "layout_map.json")
+    layers.write(p, path)
+    print(f"layout map: {path} (tfdist.models.gpt.layout_map(mesh, plan={path!r}))")
 
 
 def _check_fixed(model, cluster, batch, fixed):

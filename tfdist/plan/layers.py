@@ -1,0 +1,194 @@
+"""Per-layer decisions (PaSE, Elango 2021): for tfdist's GPT on a mesh of `t` devices
+(`tfdist.parallel.mesh`, Keras's ModelParallel), a dynamic program over the layers picks, for each
+layer that can be split, whether it is: the token embedding by vocabulary rows
+(vocabulary-parallel), an untied head by vocabulary columns, each block's attention (its q|k|v
+kernel by input rows) and each block's MLP (its first kernel by input rows). The result is a
+layout map a user reads, and passes to `tfdist.models.gpt.layout_map(mesh, plan=...)`.
+
+The model of a layer, per device, on this machine's rates:
+
+    memory   its weights, gradients and Adam's two moments (float32, as Keras keeps them: 16 bytes
+             a parameter), over t when split; the activations and the logits are the same either
+             way (a row-split kernel's output is summed whole on every device) and are counted
+             once, as `fixed`
+    time     its matmuls' FLOPs (forward and backward: 6 a parameter and token) at the device's
+             rate, over t when split; a split layer adds its collectives: the summed output's
+             all-reduce and, backward, the all-gather of its input's gradient (the embedding: one
+             all-reduce of its output; the head: the logits' all-gather)
+
+Between layers every activation is whole on every device, so one layer's choice does not change
+the next one's cost (PaSE's DP carries the layout at the boundary; here that state is always
+"whole"): the program is a knapsack over the layers, minimising the step's time with the memory a
+device holds within its budget, on a grid of 1/`GRID` of the budget (each layer's bytes rounded
+up: what it picks fits). A layer is split only where its memory requires it or where splitting
+is faster.
+
+    >>> from tfdist.plan import layers, model as m
+    >>> gpt = m.Model(name="g", n_layer=2, n_embd=256, n_head=4, vocab_size=50304, seq_len=256)
+    >>> rates = layers.Rates(flops=50e9, allreduce_bw=0.3e9)
+    >>> roomy = layers.plan(gpt, t=4, tokens=2048, budget=2e9, rates=rates)
+    >>> roomy.split["wte"]
+    False
+    >>> tight = layers.plan(gpt, t=4, tokens=2048, budget=roomy.bytes - 100e6, rates=rates)
+    >>> tight.split["wte"]
+    True
+"""
+import dataclasses
+import json
+import math
+
+from tfdist.errors import UsageError
+
+GRID = 2000  # memory buckets of the budget
+STATE = 16  # bytes a parameter: float32 weight, gradient and Adam's two moments
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """A device's matmul rate (FLOP/s) and the all-reduce's bus bandwidth (bytes/s)."""
+    flops: float
+    allreduce_bw: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    split: bool
+    seconds: float
+    bytes: float
+
+
+@dataclasses.dataclass
+class Plan:
+    split: dict  # layer name -> split or not
+    seconds: float
+    bytes: float  # a device's
+    fixed: float  # a device's bytes that no choice changes (activations, logits, norms)
+    options: dict  # layer name -> (whole Option, split Option)
+
+    def layout_map(self):
+        """{regex of tfdist's GPT weight paths: axes}: the split layers' (Keras's LayoutMap keys,
+        over the mesh axis "model")."""
+        out = {}
+        for name, split in self.split.items():
+            if split:
+                key, axes = _KEYS[name.split(".")[0]]
+                out[key.format(i=name.split(".")[-1])] = axes
+        return out
+
+    def to_json(self):
+        return {"split": self.split, "seconds": self.seconds, "bytes": self.bytes,
+                "fixed_bytes": self.fixed, "layout_map": self.layout_map(),
+                "options": {k: [dataclasses.asdict(o) for o in v]
+                            for k, v in self.options.items()}}
+
+
+# layer kind -> (LayoutMap key of its weight, axes) for tfdist's GPT (tfdist.models.gpt)
+_KEYS = {"wte": (r"gpt/wte/embeddings", ("model", None)),
+         "head": (r"gpt/lm_head/kernel", (None, "model")),
+         "attn": (r"gpt/h_{i}/attn/c_attn/kernel", ("model", None)),
+         "mlp": (r"gpt/h_{i}/c_fc/kernel", ("model", None))}
+
+
+def _allreduce(nbytes, t, bw):
+    return 2 * (t - 1) / t * nbytes / bw
+
+
+def _gather(nbytes, t, bw):
+    return (t - 1) / t * nbytes / bw
+
+
+def options(model, t, tokens, rates, memory_of=None):
+    """{layer: (whole Option, split Option)} for `model` (a `tfdist.plan.model.Model`) on `t`
+    devices, `tokens` a step. `memory_of(kind, params)`: a layer's bytes (default: STATE bytes a
+    parameter; a test's companion passes another)."""
+    memory_of = memory_of or (lambda kind, params: STATE * params)
+    h, v, f = model.n_embd, model.vocab_size, model.ffn_width
+    kv = model.kv
+    act = tokens * h * 4  # one whole activation (float32)
+    out = {}
+
+    def add(name, kind, params, flops, comm):
+        whole = Option(False, flops / rates.flops, memory_of(kind, params))
+        split = Option(True, flops / t / rates.flops + comm, memory_of(kind, params) / t)
+        out[name] = (whole, split)
+
+    add("wte", "wte", v * h, 0.0, _allreduce(act, t, rates.allreduce_bw))
+    for i in range(model.n_layer):
+        qkv = h * (h + 2 * kv)
+        add(f"attn.{i}", "attn", qkv + h * h, 6 * tokens * (qkv + h * h),
+            _allreduce(tokens * (h + 2 * kv) * 4, t, rates.allreduce_bw)
+            + _gather(act, t, rates.allreduce_bw))
+        up = h * f * (2 if model.gated_mlp else 1)
+        add(f"mlp.{i}", "mlp", up + f * h, 6 * tokens * (up + f * h),
+            _allreduce(tokens * up // h * 4, t, rates.allreduce_bw)
+            + _gather(act, t, rates.allreduce_bw))
+    if not model.tied_embeddings:
+        add("head", "head", h * v, 6 * tokens * h * v,
+            _gather(tokens * v * 4, t, rates.allreduce_bw))
+    return out
+
+
+def fixed_bytes(model, tokens):
+    """What a device holds whichever layers are split: every block's activations (Korthikanti's
+    count, float32), the logits and their gradient, the norms' states."""
+    acts = model.n_layer * model.activation_bytes_per_layer(tokens, "float32")
+    logits = 2 * tokens * model.vocab_size * 4
+    norms = STATE * (2 * model.n_layer + 1) * model.n_embd
+    return acts + logits + norms
+
+
+def plan(model, t, tokens, budget, rates, memory_of=None, fixed=None):
+    """The fastest per-layer split within `budget` bytes a device (a Plan); UsageError, one line,
+    when even every layer split does not fit."""
+    opts = options(model, t, tokens, rates, memory_of)
+    fixed = fixed_bytes(model, tokens) if fixed is None else fixed
+    room = budget - fixed
+    unit = max(room, 1.0) / GRID
+    least = fixed + sum(o[1].bytes for o in opts.values())
+    if room <= 0 or least > budget:
+        raise UsageError(f"no per-layer split of the model fits {budget / 2 ** 30:.3g} GiB a "
+                         f"device on {t} devices: with every layer split it needs "
+                         f"{least / 2 ** 30:.3g} GiB ({fixed / 2 ** 30:.3g} GiB of activations "
+                         f"and logits at {tokens} tokens); lower the batch or add devices")
+    names = list(opts)
+    inf = math.inf
+    # best[m]: the least seconds of the layers so far within m units of memory; choice per layer
+    best = [0.0] * (GRID + 1)
+    picks = []
+    for name in names:
+        nxt = [inf] * (GRID + 1)
+        pick = [None] * (GRID + 1)
+        for k, option in enumerate(opts[name]):
+            need = math.ceil(option.bytes / unit - 1e-9)
+            for m in range(need, GRID + 1):
+                s = best[m - need] + option.seconds
+                if s < nxt[m]:  # (ties keep the whole layer: it comes first)
+                    nxt[m], pick[m] = s, k
+        best = nxt
+        picks.append(pick)
+    m = min(range(GRID + 1), key=lambda i: (best[i], i))
+    split = {}
+    for name, pick in zip(reversed(names), reversed(picks)):
+        k = pick[m]
+        split[name] = bool(k)
+        m -= math.ceil(opts[name][k].bytes / unit - 1e-9)
+    split = {name: split[name] for name in names}
+    total = fixed + sum(opts[n][int(s)].bytes for n, s in split.items())
+    seconds = sum(opts[n][int(s)].seconds for n, s in split.items())
+    return Plan(split, seconds, total, fixed, opts)
+
+
+def write(p, path):
+    from tfdist.data import store
+    store.write_atomic(path, json.dumps(p.to_json(), indent=1))
+
+
+def read_layout_map(path):
+    """{regex: axes} of a plan written by `write` (`tfdist.models.gpt.layout_map(mesh,
+    plan=path)`)."""
+    try:
+        with open(path) as f:
+            return {k: tuple(v) for k, v in json.load(f)["layout_map"].items()}
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"cannot read the per-layer plan {path} ({e}); write one with "
+                         f"`tfdist plan --per_layer`") from None
