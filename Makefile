@@ -8,7 +8,7 @@ HOROVOD := $(VENV)/.horovod-installed
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-sample bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-links bench-dp-quality bench-overlap bench-pipeline bench-model-parallel bench-mesh bench-zero bench-zero-cap bench-disk bench-offload bench-offload-xl bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
         chaos-ps chaos-horovod chaos-islands chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray chaos-spares \
-        bench-node-loss bench-warm plan-validate plan-measured clean cluster-tools
+        bench-node-loss bench-warm bench-auto plan-validate plan-measured clean cluster-tools
 
 setup: $(STAMP)
 
@@ -237,6 +237,14 @@ bench-model-parallel: $(STAMP)
 # one device and ZeRO-3 on 2 replicas: time, memory, bytes sent against the Megatron count.
 bench-mesh: $(HOROVOD)
 	$(BIN)/python tools/bench/mesh.py --rounds=2
+
+# --config.layout=auto against every layout the planner calls runnable and fitting, 1 and 2
+# Horovod ranks: gpt_nano, gpt_mini and GPT-2 124M (about 40 minutes), then GPT-2 XL under a
+# 20 GiB cap (about 2 hours). bench_results/auto.json; its small models' rows fit the framework's
+# own time (tfdist/plan/overheads.py).
+bench-auto: $(HOROVOD)
+	$(BIN)/python tools/bench/auto.py --models=gpt_nano,gpt_mini,gpt2
+	$(BIN)/python tools/bench/auto.py --models=gpt2_xl
 
 # ZeRO-1/2/3 against plain data parallel, 2 Horovod ranks then 2 MWMS workers of gpt_mini: time,
 # memory, bytes sent.

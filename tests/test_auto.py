@@ -171,3 +171,37 @@ def test_auto_under_a_budget_equals_its_layout_named_by_hand(tmp_path, data_dir)
     got, want = losses(tmp_path / "auto"), losses(tmp_path / "named")
     assert len(got) == len(want) == 8 * k
     assert max(abs(x - y) for x, y in zip(got, want)) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_a_resized_run_plans_again_and_resumes_at_its_backup(tmp_path, data_dir):
+    """One Horovod rank under a budget accumulates 2 batches per update; killed after its backup
+    of step 4, it is started again on 2 ranks: auto plans for 2 replicas (keeping the 2 batches
+    an update its steps count), says so, resumes at step 4 and trains the losses of a run that
+    was never stopped."""
+    from tests.helpers import DRIVER, losses
+    overrides = {"data.data_dir": data_dir, "strategy.name": "horovod", "layout": "auto",
+                 "train.memory_gb": 0.007, "train.steps": 8, "train.steps_per_epoch": 4,
+                 "train.warmup_steps": 2, "train.eval_steps": 2, "backup.every_steps": 2,
+                 "train.deterministic": True}
+
+    def launch(workdir, workers, *extra):
+        return run([sys.executable, "-m", "tfdist", "launch", "--strategy=horovod",
+                    f"--workers={workers}", "--max_restarts=0", "--", sys.executable, DRIVER,
+                    str(workdir), json.dumps(overrides), *extra], timeout=400, check=False)
+    whole = launch(tmp_path / "whole", 1)
+    assert whole.returncode == 0, whole.stdout[-3000:]
+    first = launch(tmp_path / "run", 1, "--kill-at-step", "6", "--kill-worker", "0")
+    assert first.returncode != 0
+    before = json.loads((tmp_path / "run" / "layout.json").read_text())
+    assert before["overrides"]["train.grad_accum_steps"] == 2 and before["replicas"] == 1
+    again = launch(tmp_path / "run", 2)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "planned again at this size: the run before ran 1 replica(s), 2 batches" in again.stdout
+    assert f"resuming from {tmp_path / 'run'}/backup at step 4 of 16" in again.stdout
+    after = json.loads((tmp_path / "run" / "layout.json").read_text())
+    assert after["replicas"] == 2 and after["overrides"]["train.grad_accum_steps"] == 2
+    got, want = losses(tmp_path / "run"), losses(tmp_path / "whole")
+    assert len(got) == len(want) == 16
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)

@@ -532,8 +532,10 @@ def test_every_committed_benchmark_row_is_predicted_within_10_percent_or_named()
         assert r["error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
         assert r["within"] == (abs(r["error"]) <= 0.10), r
         assert r["within"] or r["reason"], r  # off, and says why
-    assert [r["figure"] for r in judged if r.get("fitted")] == [
-        "tensor.json: t=2 speedup vs one core"]
+    fitted = [r["figure"] for r in judged if r.get("fitted")]
+    assert fitted[0] == "tensor.json: t=2 speedup vs one core"
+    # (the framework's own time is fitted on the small models' rows of auto.json: those rows)
+    assert all(f.startswith(("auto.json: gpt_nano ", "auto.json: gpt_mini ")) for f in fitted[1:])
     by_file = {}
     for r in judged:
         by_file.setdefault(r["figure"].split(":")[0], []).append(r)
@@ -549,7 +551,8 @@ def test_every_committed_benchmark_row_is_predicted_within_10_percent_or_named()
     assert len(by_file["overlap.json"]) == len(load("overlap.json")["rows"]) - 1
     assert len(by_file["pipeline.json"]) == sum(1 for r in load("pipeline.json")["rows"]
                                                 if r["microbatches"])
-    assert len(by_file["zero.json"]) == len(by_file["zero-mwms.json"]) == 2
+    for name in ("zero.json", "zero-mwms.json", "overlap-1gbit.json"):
+        assert len(by_file[name]) == len(load(name)["rows"]) - 1  # (less the reference)
     assert len(by_file["schedules.json"]) == len(load("schedules.json")["rows"])
     assert {r["figure"].split(":")[0] for r in rows if "input" in r} >= {
         "bench.json", "allreduce.json", "allreduce-1gbit.json", "allreduce-10gbit.json",
@@ -560,7 +563,8 @@ def test_every_committed_benchmark_row_is_predicted_within_10_percent_or_named()
              for link in ("10gbit", "1gbit", "100mbit")]
     for name in ("scaling.json", "scaling-horovod.json", "scaling-horovod-fp16.json", *links,
                  "scaling-1gbit-straggler100mbit.json", "scaling-ps.json", "scaling-ps-1gbit.json",
-                 "scaling-ps-10gbit.json", "zero.json", "zero-mwms.json"):
+                 "scaling-ps-10gbit.json", "zero.json", "zero-mwms.json",
+                 "overlap-1gbit.json", "offload.json"):
         assert all(r["within"] for r in by_file[name]), by_file[name]
     assert sum(r["within"] for r in by_file["pipeline.json"]) >= 4
     # the rows the model leaves out are named as such

@@ -43,6 +43,7 @@ import time
 from tfdist.errors import UsageError
 from tfdist.parallel import memory as memory_lib
 from tfdist.plan import machine as machine_lib
+from tfdist.plan import overheads
 from tfdist.plan.model import (
     GB,
     Cluster,
@@ -144,6 +145,7 @@ class Machine:
     offload: dict  # Options' disk_read_bw, ... (empty: not measured; offload is not priced)
     bf16: float = 1.0  # bf16 matmul peak over fp32's
     source: str = ""
+    overheads: dict = None  # the framework's own time (tfdist.plan.overheads), where fitted
 
     @classmethod
     def assumed(cls, cores, ram, peak=100e9):
@@ -173,19 +175,9 @@ def measure(bench_dir=BENCH_DIR, say=print, probe=None):
     cpu, cores = this_cpu()
     ram = host_memory()
     if _same_type(bench_dir, cpu, cores) and machine_lib.read_bench(bench_dir, "bench.json"):
-        from tfdist.plan.model import model_from_config as of_config
-        from tfdist.plan.report import load_config
-        mini = of_config(load_config(os.path.join(os.path.dirname(bench_dir), "configs",
-                                                  "gpt_mini.py")), "gpt_mini")
-        h = machine_lib.host(bench_dir, mini)
-        ar = machine_lib.read_bench(bench_dir, "allreduce.json") or {"rows": []}
-        rates = machine_lib.offload_rates(bench_dir)
-        bf16 = machine_lib.bf16_over_fp32(bench_dir) or 1.0
-        return Machine(cpu, cores, ram, h.dev.fp32_flops * cores, h.unloaded, h.contention,
-                       ar, rates, bf16,
-                       source=f"{os.path.relpath(bench_dir)} of this machine type ({cpu}, "
-                              f"{cores} cores): scaling.json, tensor.json, allreduce.json"
-                              + (", disk.json" if rates else ""))
+        m = benched(bench_dir, ram)
+        return dataclasses.replace(m, source=f"{os.path.relpath(bench_dir)} of this machine type "
+                                             f"({cpu}, {cores} cores): {m.source}")
     peak = (probe or probe_peak)(cpu, cores, say)
     return Machine(cpu, cores, ram, peak, ASSUMED_EFFICIENCY, ASSUMED_CONTENTION, {}, {},
                    source=f"the matmul peak probed here ({peak / 1e9:.0f} GFLOP/s; "
@@ -193,6 +185,28 @@ def measure(bench_dir=BENCH_DIR, say=print, probe=None):
                           f"fraction of it and the all-reduce's rate assumed from this project's "
                           f"2-core AMD EPYC; offload not priced (make bench-disk, "
                           f"make bench-scaling and make bench-allreduce measure them here)")
+
+
+def benched(bench_dir, ram=None):
+    """The Machine bench_dir's benches measured (its host's CPU, `ram` bytes: default this
+    host's available memory), the framework's own time fitted on its auto.json."""
+    host = (machine_lib.read_bench(bench_dir, "scaling.json") or {}).get("host") or {}
+    from tfdist.plan.model import model_from_config as of_config
+    from tfdist.plan.report import load_config
+    mini = of_config(load_config(os.path.join(os.path.dirname(os.path.abspath(bench_dir)),
+                                              "configs", "gpt_mini.py")), "gpt_mini")
+    h = machine_lib.host(bench_dir, mini)
+    ar = machine_lib.read_bench(bench_dir, "allreduce.json") or {"rows": []}
+    rates = machine_lib.offload_rates(bench_dir)
+    bf16 = machine_lib.bf16_over_fp32(bench_dir) or 1.0
+    cores = h.dev.per_node
+    m = Machine(host.get("cpu", "unknown CPU"), cores, host_memory() if ram is None else ram,
+                h.dev.fp32_flops * cores, h.unloaded, h.contention, ar, rates, bf16)
+    fitted = overheads.fit(bench_dir, m)
+    return dataclasses.replace(
+        m, overheads=fitted,
+        source="scaling.json, tensor.json, allreduce.json" + (", disk.json" if rates else "")
+               + (", auto.json (the framework's own time)" if fitted else ""))
 
 
 def probe_peak(cpu, cores, say=print, seconds=3.0):
@@ -239,6 +253,7 @@ class Candidate:
     fits: bool = True
     refusal: str = None  # why tfdist does not run it (None: it does)
     tokens_per_sec: float = 0.0
+    model: object = None  # the planner's Model of the run's GPT
 
     def row(self):
         return {"layout": str(self.layout), "describe": self.layout.describe(),
@@ -276,41 +291,51 @@ def _options(c, m, cores_each, processes_here, plugin, grads):
     return Options(precision="mixed" if mixed else "float32", efficiency=m.efficiency,
                    core_share=(1 / m.contention) if busy > 1 else 1.0,
                    comm_cpu_bw=grads / seconds, overlap=plugin.name in machine_lib.COLLECTIVE,
-                   usable_memory=1.0, **m.offload), grads / seconds
+                   usable_memory=1.0, overheads=m.overheads or None, **m.offload), grads / seconds
 
 
 def candidates(c, plugin, replicas, processes_here, m):
     """Every layout of the run's `replicas` replicas (one per process, or the strategy's), the
     same global batch per update, priced on machine `m`: [Candidate], fastest first among those
     that fit and run."""
-    model = model_from_config(c, "the config's GPT")
-    cores_each = max(1, m.cores // max(processes_here, 1))
-    per_core = m.peak / m.cores
+    model, cluster, opts = setting(c, plugin, replicas, processes_here, m)
     batch = c.train.batch_size * c.train.grad_accum_steps  # sequences per update
-    grads = model.params * 4
-    opts, bw = _options(c, m, cores_each, processes_here, plugin, grads)
-    device = Device("cpu process", per_core * cores_each * m.bf16, m.ram / max(processes_here, 1),
-                    None, bw, bw, processes_here, m.source, fp32_flops=per_core * cores_each)
-    cluster = Cluster(device, replicas)
     fixed = {"tp": 1, "pp": 1, "dp": replicas}
     lays = [*layouts(model, cluster, batch, fixed), *offloaded(model, cluster, batch)]
     out = []
     for lay in lays:
         if lay.recompute or lay.dp != replicas:
             continue  # (recomputation needs a split model)
-        lay = dataclasses.replace(lay, seq=model.seq_len)
-        cand = Candidate(lay)
-        cand.refusal = _refusal(c, plugin, lay)
-        try:
-            cand.parts = step_time(model, cluster, lay, opts)
-        except ValueError:  # an offload without measured rates: not priced
-            cand.refusal = cand.refusal or "offload not priced (make bench-disk)"
-            cand.parts = {"total": float("inf")}
-        cand.seconds = cand.parts["total"]
-        cand.tokens_per_sec = batch * model.seq_len / cand.seconds
-        cand.bytes, cand.memory = process_bytes(c, model, lay)
+        cand = price(c, model, cluster, opts, dataclasses.replace(lay, seq=model.seq_len))
+        cand.refusal = cand.refusal or _refusal(c, plugin, cand.layout)
         out.append(cand)
     return sorted(out, key=_rank)
+
+
+def setting(c, plugin, replicas, processes_here, m):
+    """(the planner's Model of config `c`'s GPT, the Cluster of its replicas, Options) on machine
+    `m`: each process a device of its share of the cores."""
+    model = model_from_config(c, "the config's GPT")
+    cores_each = max(1, m.cores // max(processes_here, 1))
+    per_core = m.peak / m.cores
+    opts, bw = _options(c, m, cores_each, processes_here, plugin, model.params * 4)
+    device = Device("cpu process", per_core * cores_each * m.bf16, m.ram / max(processes_here, 1),
+                    None, bw, bw, processes_here, m.source, fp32_flops=per_core * cores_each)
+    return model, Cluster(device, replicas), opts
+
+
+def price(c, model, cluster, opts, lay):
+    """A Candidate of layout `lay`: its step's seconds by part, tokens/s, a process's bytes."""
+    cand = Candidate(lay, model=model)
+    try:
+        cand.parts = step_time(model, cluster, lay, opts)
+    except ValueError:  # an offload without measured rates: not priced
+        cand.refusal = "offload not priced (make bench-disk)"
+        cand.parts = {"total": float("inf")}
+    cand.seconds = cand.parts["total"]
+    cand.tokens_per_sec = lay.batch * lay.accumulate * model.seq_len / cand.seconds
+    cand.bytes, cand.memory = process_bytes(c, model, lay)
+    return cand
 
 
 def _rank(cand):
@@ -348,7 +373,7 @@ class Decision:
             return f"needs {_gib(b.bytes)} a process > {_gib(self.budget)}"
         slower = b.seconds / a.seconds - 1
         parts = {k: b.parts.get(k, 0.0) - a.parts.get(k, 0.0)
-                 for k in ("compute", "memory", "network", "bubble")}
+                 for k in ("compute", "memory", "network", "bubble", "framework")}
         part = max(parts, key=parts.get)
         if abs(slower) < 5e-3:
             return "the same predicted speed; chosen holds " + (

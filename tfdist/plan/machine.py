@@ -23,7 +23,8 @@ BENCH_HINT = {"bench.json": "make bench", "scaling.json": "make bench-scaling",
               "allreduce.json": "make bench-allreduce",
               "pipeline.json": "make bench-pipeline", "scaling-ps.json": "make bench-scaling-ps",
               "tensor.json": "make bench-model-parallel", "zero.json": "make bench-zero",
-              "peer.json": "make bench-peer", "disk.json": "make bench-disk"}
+              "peer.json": "make bench-peer", "disk.json": "make bench-disk",
+              "auto.json": "make bench-auto"}
 FP32 = Options(precision="float32")
 # Two one-process runs of the same day differ by up to this much (scaling.json's rounds, the
 # references of one bench's runs): a reference that much slower is noise, not another thread.

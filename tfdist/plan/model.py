@@ -13,6 +13,7 @@ import math
 from tfdist.models import arithmetic
 from tfdist.parallel import memory as memory_model
 from tfdist.parallel.layout import Layout
+from tfdist.plan import overheads
 
 GB = 1e9
 
@@ -152,6 +153,10 @@ class Options:
     cpu_adam_rate: float = 0.0
     cpu_adam_disk_rate: float = 0.0  # (with its state on the disk: the reads and writes on the
     # same cores)
+    # The framework's own seconds beyond this arithmetic, on a machine where they were fitted
+    # (tfdist.plan.overheads: {kind: (a, b)}, a + b x parameters a pass, and a ZeRO stage's or an
+    # offload's a step); None: none (the published runs' large steps)
+    overheads: dict = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +216,9 @@ def step_time(model, cluster, layout, opts=Options()):
     eff = opts.efficiency
     t, pp, b = layout.tp, layout.pp, layout.microbatch
     tokens = b * model.seq_len
-    passes = 4 if layout.recompute else 3
+    # (ZeRO-3 as tfdist runs it recomputes each unit's forward in its backward, with the weights
+    # gathered again: tfdist.parallel.zero.weights)
+    passes = 4 if layout.recompute or layout.zero >= 3 else 3
     layers = math.ceil(model.n_layer / pp)
     hidden = a.hidden_bytes(tokens, opts.precision)  # one layer's input: what TP and PP send
 
@@ -259,9 +266,16 @@ def step_time(model, cluster, layout, opts=Options()):
         # also do the reads' work (as comm_cpu_bw's copies): not hidden
         reads = io["passes_read_s"] or 0.0
         pipeline = max(pipeline, reads) if dev.hbm_bw else pipeline + reads
-    total = pipeline + dp + update
+    framework = 0.0
+    if opts.overheads:
+        framework = m * overheads.seconds(opts.overheads, "pass", model)
+        kind = overheads.kind_of(layout)
+        if kind:
+            framework += (overheads.seconds(opts.overheads, kind, model, layout.dp)
+                          * (m if kind == "zero3" else 1))
+    total = pipeline + dp + update + framework
     parts = {"compute": m * compute, "memory": m * elementwise + update,
-             "network": m * (tp_comm + p2p) + dp, "bubble": bubble}
+             "network": m * (tp_comm + p2p) + dp, "bubble": bubble, "framework": framework}
     return {**parts, "total": total, "bottleneck": max(parts, key=parts.get),
             "per_microbatch": per_microbatch}
 
