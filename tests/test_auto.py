@@ -107,9 +107,10 @@ def test_nothing_fits_and_nothing_to_choose_are_one_line():
 def test_processes_here_from_the_launchers_environment():
     tf_config = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2", "10.0.0.2:3"]},
                  "task": {"type": "worker", "index": 1}}
-    assert auto.processes_here({"TF_CONFIG": json.dumps(tf_config)}) == 2
-    assert auto.processes_here({"HOROVOD_LOCAL_SIZE": "3"}) == 3
-    assert auto.processes_here({}) == 1
+    from tfdist.runtime.cluster import processes_here
+    assert processes_here({"TF_CONFIG": json.dumps(tf_config)}) == 2
+    assert processes_here({"HOROVOD_LOCAL_SIZE": "3"}) == 3
+    assert processes_here({}) == 1
 
 
 def test_a_bench_dir_of_another_cpu_is_not_used(tmp_path):

@@ -1,4 +1,4 @@
-"""`tfdist.strategies.get("auto")` for a user's Keras model (tfdist/plan/user_auto.py): measured at
+"""`tfdist.strategies.get("auto")` for a user's Keras model (tfdist/parallel/budget.py): measured at
 its first fit, it trains plainly data parallel where that fits the budget, with ZeRO-3 where only
 that does, and its losses equal the same strategy named by hand (within 1e-5). A plain CNN and
 keras-hub's GPT-2 (tests/support/auto_program.py)."""
@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import ROOT, run
 from tfdist.errors import UsageError
-from tfdist.plan import user_auto
+from tfdist.parallel import budget as user_auto
 
 PROGRAM = os.path.join(ROOT, "tests", "support", "auto_program.py")
 MIB = 2 ** 20

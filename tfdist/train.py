@@ -299,7 +299,7 @@ def _auto_layout(run, plugin):
         k = earlier["overrides"].get("train.grad_accum_steps", 1)
         if k != c.train.grad_accum_steps:
             pinned["train.grad_accum_steps"] = k
-    run.decision = auto.choose(c, plugin, strategy.num_replicas, auto.processes_here(),
+    run.decision = auto.choose(c, plugin, strategy.num_replicas, cluster.processes_here(),
                                machine=auto.measure(say=run.say), pinned=pinned)
     auto.apply(c, run.decision)
     config_lib.validate(c)

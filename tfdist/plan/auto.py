@@ -54,6 +54,7 @@ from tfdist.plan.model import (
     offloaded,
     step_time,
 )
+from tfdist.runtime import host as host_lib
 
 #: The layout keys auto sets (Layout.config_overrides's), and the defaults it may change.
 KEYS = {"zero.stage": 0, "zero.offload": "none", "train.grad_accum_steps": 1}
@@ -73,59 +74,6 @@ CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tfdist")
 #: tensor.json, 2026-11).
 ASSUMED_EFFICIENCY, ASSUMED_CONTENTION = 0.88, 1.044
 ASSUMED_ALLREDUCE = 0.3 * GB  # bytes/s between two processes of one host (allreduce.json: 0.3)
-
-
-def this_cpu():
-    """(CPU model name, cores this process may use)."""
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), name)
-    except OSError:
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return name, cores
-
-
-def host_memory():
-    """Bytes of this host's memory a run may take: MemAvailable (the cgroup's limit if lower)."""
-    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f
-                         if line.startswith("MemAvailable"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            avail = min(avail, int(limit))
-    except (OSError, ValueError):
-        pass
-    return float(avail)
-
-
-def processes_here(env=None):
-    """How many of the job's processes run on this host: Horovod's or MPI's local size, else the
-    TF_CONFIG workers (and chief) at this task's host, else 1."""
-    env = os.environ if env is None else env
-    for key in ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        if env.get(key, "").isdigit():
-            return int(env[key])
-    try:
-        tf_config = json.loads(env.get("TF_CONFIG") or "{}")
-        task = tf_config["task"]
-        cluster = tf_config["cluster"]
-        mine = cluster[task["type"]][task["index"]].rsplit(":", 1)[0]
-        return sum(a.rsplit(":", 1)[0] == mine for role in ("chief", "worker")
-                   for a in cluster.get(role, []))
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        return 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,8 +120,8 @@ def _same_type(bench_dir, cpu, cores):
 def measure(bench_dir=BENCH_DIR, say=print, probe=None):
     """This machine's rates: bench_dir's where they were measured on this machine type, else a
     probe of the matmul peak here (cached per CPU model and core count in ~/.cache/tfdist)."""
-    cpu, cores = this_cpu()
-    ram = host_memory()
+    cpu, cores = host_lib.this_cpu()
+    ram = host_lib.host_memory()
     if _same_type(bench_dir, cpu, cores) and machine_lib.read_bench(bench_dir, "bench.json"):
         m = benched(bench_dir, ram)
         return dataclasses.replace(m, source=f"{os.path.relpath(bench_dir)} of this machine type "
@@ -200,13 +148,63 @@ def benched(bench_dir, ram=None):
     rates = machine_lib.offload_rates(bench_dir)
     bf16 = machine_lib.bf16_over_fp32(bench_dir) or 1.0
     cores = h.dev.per_node
-    m = Machine(host.get("cpu", "unknown CPU"), cores, host_memory() if ram is None else ram,
-                h.dev.fp32_flops * cores, h.unloaded, h.contention, ar, rates, bf16)
-    fitted = overheads.fit(bench_dir, m)
+    ram = host_lib.host_memory() if ram is None else ram
+    m = Machine(host.get("cpu", "unknown CPU"), cores, ram, h.dev.fp32_flops * cores, h.unloaded,
+                h.contention, ar, rates, bf16)
+    fitted = fit_overheads(bench_dir, m)
     return dataclasses.replace(
         m, overheads=fitted,
         source="scaling.json, tensor.json, allreduce.json" + (", disk.json" if rates else "")
                + (", auto.json (the framework's own time)" if fitted else ""))
+
+
+def fit_overheads(bench_dir, machine):
+    """{kind: (a, b)} from bench_dir/auto.json's rows of FIT_MODELS (empty without it), priced on
+    `machine` (a tfdist.plan.auto.Machine, its overheads left out)."""
+    bench = machine_lib.read_bench(bench_dir, "auto.json") or {}
+    bare = dataclasses.replace(machine, overheads={})
+    residuals = {k: [] for k in overheads.KINDS}
+    predicted = {}
+    for case in bench.get("cases", []):
+        if case["model"] not in overheads.FIT_MODELS or "config" not in case:
+            continue
+        for cand, row in bench_candidates(case, bare, os.path.dirname(os.path.abspath(bench_dir))):
+            predicted[(case["model"], case["workers"], row["layout"])] = (cand, row)
+    for cand, row in predicted.values():  # passes first: plain rows
+        if overheads.kind_of(cand.layout) is None:
+            residuals["pass"].append((overheads.seconds({"pass": (0.0, 1.0)}, "pass", cand.model),
+                                      (row["seconds_per_update"] - cand.seconds)
+                                      / cand.layout.passes))
+    out = {"pass": overheads.line(residuals["pass"])}
+    for cand, row in predicted.values():
+        kind = overheads.kind_of(cand.layout)
+        if kind is None:
+            continue
+        passes = cand.layout.passes * overheads.seconds(out, "pass", cand.model)
+        per = cand.layout.passes if kind == "zero3" else 1
+        residuals[kind].append((overheads.seconds({kind: (0.0, 1.0)}, kind, cand.model),
+                                (row["seconds_per_update"] - cand.seconds - passes) / per))
+    out.update({k: overheads.line(v) for k, v in residuals.items() if k != "pass" and v})
+    return out
+
+
+def bench_candidates(case, machine, root):
+    """(Candidate, bench row) of each measured row of an auto.json case, priced now."""
+    from tfdist import config as config_lib
+    from tfdist.plan.report import load_config
+    from tfdist.strategies import get_class
+    c = load_config(os.path.join(root, case["config"]))
+    c.model.block_size = case["seq"]
+    c.train.update(batch_size=case["batch"], grad_accum_steps=1, steps=case["updates"],
+                   steps_per_epoch=case["updates"], warmup_steps=1, precision="float32",
+                   memory_gb=0.0)
+    c.backup.enabled = False
+    config_lib.validate(c)
+    w = case["workers"]
+    by_layout = {str(x.layout): x for x in candidates(c, get_class("horovod"), w, w, machine)}
+    for row in case["rows"]:
+        if "seconds_per_update" in row and row["layout"] in by_layout:
+            yield by_layout[row["layout"]], row
 
 
 def probe_peak(cpu, cores, say=print, seconds=3.0):

@@ -324,7 +324,7 @@ def auto_rows(bench_dir, a):
     `--config.layout=auto` ranks by: tfdist.plan.auto, with the framework's own time fitted on
     the small models' rows, which are marked fitted), and auto's pick against the best measured
     layout (its tokens/s over the best's: 1 is a perfect pick)."""
-    from tfdist.plan import overheads
+    from tfdist.plan import auto, overheads
     machine = _machine(bench_dir)
     rows = []
     for case in a.get("cases", []):
@@ -332,7 +332,7 @@ def auto_rows(bench_dir, a):
             continue
         name, w = case["model"], case["workers"]
         fitted = name in overheads.FIT_MODELS
-        for cand, row in overheads._matched(case, machine, os.path.dirname(
+        for cand, row in auto.bench_candidates(case, machine, os.path.dirname(
                 os.path.abspath(bench_dir))):
             r = judged({"figure": f"auto.json: {name} x{w} {cand.layout.describe()}, s/update",
                         "measured": row["seconds_per_update"], "predicted": cand.seconds,

@@ -18,16 +18,14 @@ processes share):
     offload_host3, offload_disk3: the same under ZeRO-3 (the master weights too)
 
 A kind not measured has no overhead (0). The bigger models of the bench (GPT-2 124M, XL) are not
-in the fit: they are what it predicts (`tfdist plan --measured`).
+in the fit: they are what it predicts (`tfdist plan --measured`). The fit itself is
+`tfdist.plan.auto.fit_overheads` (it prices the bench's rows as auto does).
 
     >>> from tfdist.plan import overheads
     >>> a, b = overheads.line([(1e5, 0.02), (1e7, 0.12)])  # (parameters, seconds): two points
     >>> round(a, 4), round(b * 1e9, 2)  # 19 ms, and 10.1 ns a parameter
     (0.019, 10.1)
 """
-import dataclasses
-import os
-
 FIT_MODELS = ("gpt_nano", "gpt_mini")
 KINDS = ("pass", "zero1", "zero2", "zero3", "offload_host", "offload_disk", "offload_host3",
          "offload_disk3")
@@ -67,56 +65,3 @@ def kind_of(layout):
     if layout.offload != "none":
         return f"offload_{layout.offload}" + ("3" if layout.zero >= 3 else "")
     return f"zero{layout.zero}" if layout.zero else None
-
-
-def fit(bench_dir, machine):
-    """{kind: (a, b)} from bench_dir/auto.json's rows of FIT_MODELS (empty without it), priced on
-    `machine` (a tfdist.plan.auto.Machine, its overheads left out)."""
-    from tfdist.plan import auto
-    from tfdist.plan.machine import read_bench
-    bench = read_bench(bench_dir, "auto.json") or {}
-    bare = dataclasses.replace(machine, overheads={})
-    residuals = {k: [] for k in KINDS}
-    predicted = {}
-    for case in bench.get("cases", []):
-        if case["model"] not in FIT_MODELS or "config" not in case:
-            continue
-        for cand, row in _matched(case, bare, os.path.dirname(bench_dir)):
-            predicted[(case["model"], case["workers"], row["layout"])] = (cand, row)
-    for cand, row in predicted.values():  # passes first: plain rows
-        if kind_of(cand.layout) is None:
-            residuals["pass"].append((_x("pass", cand.model, 1),
-                                      (row["seconds_per_update"] - cand.seconds)
-                                      / cand.layout.passes))
-    out = {"pass": line(residuals["pass"])}
-    for cand, row in predicted.values():
-        kind = kind_of(cand.layout)
-        if kind is None:
-            continue
-        passes = cand.layout.passes * seconds(out, "pass", cand.model)
-        per = cand.layout.passes if kind == "zero3" else 1
-        residuals[kind].append((_x(kind, cand.model, cand.layout.dp),
-                                (row["seconds_per_update"] - cand.seconds - passes) / per))
-    out.update({k: line(v) for k, v in residuals.items() if k != "pass" and v})
-    del auto
-    return out
-
-
-def _matched(case, machine, root):
-    """(Candidate, bench row) of each measured row of an auto.json case, priced now."""
-    from tfdist import config as config_lib
-    from tfdist.plan import auto
-    from tfdist.plan.report import load_config
-    from tfdist.strategies import get_class
-    c = load_config(os.path.join(root, case["config"]))
-    c.model.block_size = case["seq"]
-    c.train.update(batch_size=case["batch"], grad_accum_steps=1, steps=case["updates"],
-                   steps_per_epoch=case["updates"], warmup_steps=1, precision="float32",
-                   memory_gb=0.0)
-    c.backup.enabled = False
-    config_lib.validate(c)
-    w = case["workers"]
-    by_layout = {str(x.layout): x for x in auto.candidates(c, get_class("horovod"), w, w, machine)}
-    for row in case["rows"]:
-        if "seconds_per_update" in row and row["layout"] in by_layout:
-            yield by_layout[row["layout"]], row

@@ -111,6 +111,24 @@ def from_tf_config(text, allowed_roles=ROLES):
     return ClusterSpec(cluster, ttype, index)
 
 
+def processes_here(env=None):
+    """How many of the job's processes run on this host: Horovod's or MPI's local size, else the
+    TF_CONFIG workers (and chief) at this task's host, else 1."""
+    env = os.environ if env is None else env
+    for key in ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    try:
+        tf_config = json.loads(env.get("TF_CONFIG") or "{}")
+        task = tf_config["task"]
+        cluster = tf_config["cluster"]
+        mine = cluster[task["type"]][task["index"]].rsplit(":", 1)[0]
+        return sum(a.rsplit(":", 1)[0] == mine for role in ("chief", "worker")
+                   for a in cluster.get(role, []))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return 1
+
+
 def one_local_worker():
     """A cluster of this process alone, on a free port of 127.0.0.1 (`tfdist.strategies.get(
     "auto")` in a process started without a launcher: multi_worker_mirrored of one worker)."""

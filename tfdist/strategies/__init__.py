@@ -90,7 +90,7 @@ def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", auto=Fal
     `name="auto"` (or `auto=True` on horovod or multi_worker_mirrored): a user's model compiled
     in the scope is measured at its first `fit` and trained plainly data parallel, or with ZeRO-3,
     or offloaded, whichever costs least and fits `memory_gb` GiB a process (0: this host's
-    available memory shared by its processes; tfdist/plan/user_auto.py); "auto" is horovod under
+    available memory shared by its processes; tfdist.parallel.budget.py); "auto" is horovod under
     horovodrun, else multi_worker_mirrored (`launched_strategy`)."""
     if name == "auto":
         name, auto = launched_strategy(), True

@@ -118,7 +118,7 @@ class KerasProgram:
     #: not finite (`tfdist.strategies.get(name, skip_nonfinite=K)`, `tfdist.runtime.nonfinite`)
     user_skip_nonfinite = 0
     #: `get("auto", memory_gb=G)`: G (0: this host's share), and a model compiled in the scope is
-    #: measured at its first fit and sharded or offloaded as it needs (tfdist.plan.user_auto);
+    #: measured at its first fit and sharded or offloaded as it needs (tfdist.parallel.budget);
     #: None: as named.
     user_auto = None
     #: Whether `zero=3` may shard a user's model here (one replica per process: horovod,
@@ -155,17 +155,17 @@ class KerasProgram:
 
     def _auto(self, model, arguments):
         """A model of `get("auto")` at its first fit: built, measured, and sharded or offloaded as
-        its memory needs (tfdist.plan.user_auto); every process takes the costliest layout any
+        its memory needs (tfdist.parallel.budget); every process takes the costliest layout any
         process chose (their measurements may differ a little)."""
         from tfdist import compat
-        from tfdist.plan import user_auto
+        from tfdist.parallel import budget as user_auto
         _AUTO.discard(model)
         batch = _first_batch(arguments)
         if not model.built:
             compat.build_for(model, arguments.get("x"))
         measured = user_auto.measure(model, batch, self.num_replicas)
-        from tfdist.plan.auto import processes_here
-        budget = user_auto.budget_bytes(self.user_auto, processes_here())
+        from tfdist.runtime import cluster
+        budget = user_auto.budget_bytes(self.user_auto, cluster.processes_here())
         device = "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
         choice = user_auto.choose(measured, self.num_replicas, budget, device)
         order = [name for name, _, _ in user_auto.LAYOUTS]

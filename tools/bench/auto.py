@@ -153,7 +153,7 @@ def case(name, workers, base):
 
 def main(argv):
     del argv
-    from tfdist.plan.auto import this_cpu
+    from tfdist.runtime.host import this_cpu
     cpu, cores = this_cpu()
     path = _OUT.value or os.path.join(ROOT, "bench_results", "auto.json")
     try:

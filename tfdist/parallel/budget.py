@@ -30,12 +30,12 @@ reads and writes). A model whose activations alone exceed the budget is refused 
 Gradient accumulation stays the user's (`gradient_accumulation_steps` on the optimizer): auto
 does not re-batch the user's data.
 
-    >>> from tfdist.plan import user_auto
-    >>> m = user_auto.Measured(trainable=400e6, frozen=0, slots=2, activations=80e6, rows=8,
+    >>> from tfdist.parallel import budget
+    >>> m = budget.Measured(trainable=400e6, frozen=0, slots=2, activations=80e6, rows=8,
     ...                        unit=40e6)
-    >>> user_auto.choose(m, replicas=2, budget=1.2e9, device="cpu").name
+    >>> budget.choose(m, replicas=2, budget=1.2e9, device="cpu").name
     'ZeRO-3'
-    >>> user_auto.choose(m, replicas=2, budget=3e9, device="cpu").name
+    >>> budget.choose(m, replicas=2, budget=3e9, device="cpu").name
     'data parallel'
 """
 import dataclasses
@@ -209,5 +209,5 @@ def _step_peak(model, x, y, sw, n):
 def budget_bytes(memory_gb, processes_here):
     """A process's budget: `memory_gb` GiB, or this host's available memory shared by its
     processes."""
-    from tfdist.plan import auto
-    return memory_gb * 2 ** 30 if memory_gb else auto.host_memory() / max(processes_here, 1)
+    from tfdist.runtime import host
+    return memory_gb * 2 ** 30 if memory_gb else host.host_memory() / max(processes_here, 1)
