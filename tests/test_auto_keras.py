@@ -27,15 +27,34 @@ def measured(**kw):
 
 
 def test_the_least_costly_layout_that_fits_the_budget():
-    m = measured()  # plain: 400 + 20 MiB; ZeRO-3 over 2: 200 + 20 + 20
-    assert user_auto.choose(m, 2, 500 * MIB, "cpu").name == "data parallel"
+    m = measured()  # 100 MiB of weights, Adam's 2 slots, 20 MiB of activations, 2 replicas
+    assert user_auto.choose(m, 2, 500 * MIB, "cpu").name == "data parallel"  # 420 MiB
+    # ZeRO-1 halves the slots and holds the gradients' flat buffer: 400 + 20, no less than plain
+    # (ZeRO-2 too, without accumulation); ZeRO-3 shards all three, two units gathered: 240
     zero3 = user_auto.choose(m, 2, 300 * MIB, "cpu")
-    assert (zero3.name, zero3.zero, zero3.offload) == ("ZeRO-3", 3, "none")
-    assert zero3.bytes == 240 * MIB and zero3.others == (("data parallel", 420 * MIB),)
+    assert (zero3.name, zero3.zero, zero3.offload, zero3.accumulate) == ("ZeRO-3", 3, "none", 1)
+    assert zero3.bytes == 240 * MIB
+    assert zero3.others == (("data parallel", 420 * MIB), ("ZeRO-1", 420 * MIB),
+                            ("ZeRO-2", 420 * MIB))
+    # over 4 replicas ZeRO-1 saves more than its buffer costs: 300 + 50 + 20
+    assert user_auto.choose(m, 4, 400 * MIB, "cpu").name == "ZeRO-1"
+    # one replica: nothing to shard over but ZeRO-3's offload
+    assert [x[0][0] for x in user_auto.options(m, 1, "cpu") if x[1] == 1] == [
+        "data parallel", "ZeRO-3", "ZeRO-3, offloaded to disk"]
     # host offload saves nothing on a CPU (its memory is the device's): on a GPU it is next
     assert user_auto.choose(m, 2, 100 * MIB, "gpu").offload == "host"
     with pytest.raises(UsageError, match="does not fit in .* the least, ZeRO-3"):
         user_auto.choose(m, 2, 100 * MIB, "cpu")
+
+
+def test_smaller_batches_before_sharding_where_the_activations_do_not_fit():
+    m = measured(activations=400 * MIB)  # plain: 400 + 400 MiB; in 2 pieces 400 + 200 + 100
+    c = user_auto.choose(m, 2, 750 * MIB, "cpu")  # (the sums kept between pieces: 100)
+    assert (c.name, c.accumulate, c.bytes) == ("data parallel", 2, 700 * MIB)
+    assert c.describe == "data parallel, 2 batches per update"
+    # the states too: ZeRO-3 (200 + 20, its sums 50) with the fewest pieces that fit (400 / 4)
+    c = user_auto.choose(m, 2, 380 * MIB, "cpu")
+    assert (c.name, c.accumulate, c.bytes) == ("ZeRO-3", 4, 370 * MIB)
 
 
 def test_disk_offload_where_the_states_of_a_large_model_do_not_fit_even_sharded():
@@ -111,6 +130,17 @@ def test_with_room_it_runs_plain_data_parallelism(model):
     assert "tfdist: auto: chose data parallel" in out, out[-3000:]
     assert "measured" in out
     single, _ = program(model, "single")
+    assert_equal_losses(losses, single)
+
+
+@pytest.mark.slow
+def test_under_a_budget_for_activations_it_accumulates_smaller_batches():
+    """keras-hub's GPT-2 in one process under a budget below its whole batch's activations
+    (0.053 GiB) and above half of them (0.039): the data re-batched into 2 pieces an update, one
+    device's losses (the same rows an update, no normalisation across rows to change)."""
+    losses, out = program("gpt2", "auto", 1, "--memory_gb=0.045")
+    assert "tfdist: auto: chose data parallel, 2 batches per update" in out, out[-3000:]
+    single, _ = program("gpt2", "single")
     assert_equal_losses(losses, single)
 
 

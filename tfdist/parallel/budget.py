@@ -13,10 +13,16 @@ At the model's first `fit` (`KerasProgram.stepped`) tfdist measures, on this pro
   the probe: training computes what it would without it. (TF's CPU allocator counts in chunks of
   up to 1 MiB: a model's activations are resolved to about that.)
 
-Then it takes the first layout, in order of cost, that fits the budget (`memory_gb`, default:
-this host's available memory shared by its processes):
+Then it takes the first option, in order of cost, that fits the budget (`memory_gb`, default:
+this host's available memory shared by its processes): each of these layouts with its batch in
+1, 2, 4, ... pieces a step (gradient accumulation: the data re-batched, the same rows an update;
+the sums kept between pieces: every gradient's, 1/replicas under ZeRO-2 and 3), before the next
+layout:
 
     data parallel     weights + gradients + slots + activations
+    ZeRO-1, ZeRO-2    weights + gradients + their flat buffer (the reduce-scatter's) + slots /
+                      replicas + activations (stage 2 shards only the sums accumulated between
+                      steps)
     ZeRO-3            (weights + gradients + slots) / replicas + two units gathered
                       + activations (tfdist.parallel.zero.weights: a unit is a layer)
     ZeRO-3, offload   ZeRO-3 with the master weights and slots in host memory (a GPU's
@@ -25,10 +31,12 @@ this host's available memory shared by its processes):
       to disk         units, the activations, its share of the gradients and the CPU step's
                       buffers
 
-in that order because each adds traffic the one before does not (the gathers; host copies; disk
-reads and writes). A model whose activations alone exceed the budget is refused in one line.
-Gradient accumulation stays the user's (`gradient_accumulation_steps` on the optimizer): auto
-does not re-batch the user's data.
+in that order because each adds traffic or copies the one before does not (the flat buffers'
+copies; the gathers and a recomputed forward; host copies; disk reads and writes: 1.07x, 1.11x,
+1.36x and 2.9x plain data parallel's step in bench_results/zero.json and offload.json), and
+accumulation only a pass's fixed time per piece. Where nothing fits, one
+line says what the least needs. The data is re-batched where it is a tf.data.Dataset
+(`rebatch`) or arrays with `batch_size`; `steps_per_epoch` grows by the pieces.
 
     >>> from tfdist.parallel import budget
     >>> m = budget.Measured(trainable=400e6, frozen=0, slots=2, activations=80e6, rows=8,
@@ -43,7 +51,8 @@ import dataclasses
 from tfdist.errors import UsageError
 
 #: The layouts in order of cost: (name, ZeRO stage, offload).
-LAYOUTS = (("data parallel", 0, "none"), ("ZeRO-3", 3, "none"),
+LAYOUTS = (("data parallel", 0, "none"), ("ZeRO-1", 1, "none"), ("ZeRO-2", 2, "none"),
+           ("ZeRO-3", 3, "none"),
            ("ZeRO-3, offloaded to host memory", 3, "host"),
            ("ZeRO-3, offloaded to disk", 3, "disk"))
 SUBGROUP = 2 ** 25  # parameters per sub-group of the offloaded CPU step (zero.offload's)
@@ -75,16 +84,30 @@ class Choice:
     zero: int
     offload: str
     bytes: float  # a process's
-    others: tuple  # ((name, bytes), ...) of the layouts before it (they did not fit)
+    others: tuple  # ((name, bytes), ...) of the options before it (they did not fit)
+    accumulate: int = 1  # batches per update (the data re-batched into k pieces)
+
+    @property
+    def describe(self):
+        return self.name + (f", {self.accumulate} batches per update" if self.accumulate > 1
+                            else "")
 
 
-def process_bytes(m, layout, replicas):
-    """Bytes a process holds under `layout` (one of LAYOUTS's)."""
+def process_bytes(m, layout, replicas, accumulate=1):
+    """Bytes a process holds under `layout` (one of LAYOUTS's), its batch in `accumulate`
+    pieces."""
     _, zero, offload = layout
     states = m.trainable * (2 + m.slots)  # weights, gradients, slots
-    acts = m.activations
+    acts = m.activations / accumulate
+    # with accumulation, the sums kept between a step and the next: every variable's, or (ZeRO-2,
+    # ZeRO-3) this replica's share
+    acts += 0 if accumulate == 1 else m.trainable / (replicas if zero >= 2 else 1)
     if not zero:
         return states + m.frozen + acts
+    if zero < 3:  # the slots sharded over the replicas; the step's whole gradients and their
+        # flat buffer at the reduce-scatter (tfdist.parallel.zero.optimizer: stage 2 shards only
+        # the sums that outlive a step)
+        return 3 * m.trainable + m.slots * m.trainable / replicas + m.frozen + acts
     gathered = 2 * m.unit
     if offload == "none":
         return states / replicas + m.frozen + gathered + acts
@@ -95,39 +118,56 @@ def process_bytes(m, layout, replicas):
     return m.frozen + gathered + acts + m.trainable / replicas + buffers
 
 
-def choose(m, replicas, budget, device):
-    """The first of LAYOUTS (host offload on GPUs only) that fits `budget` bytes a process, with
-    `replicas` replicas; UsageError when none does."""
-    tried = []
+def options(m, replicas, device):
+    """Every option in order of cost: (layout, batches per update, bytes a process). Each layout
+    of LAYOUTS (host offload on GPUs only) at 1, 2, 4, ... batches per update (its replica's rows
+    split evenly): accumulation costs a pass's fixed time per piece, less than the next layout's
+    traffic."""
+    out = []
     for layout in LAYOUTS:
         if layout[2] == "host" and device != "gpu":
             continue  # (a CPU's device memory is its host's: host offload saves nothing)
-        need = process_bytes(m, layout, replicas)
+        if layout[1] in (1, 2) and replicas == 1:
+            continue  # (nothing to shard over)
+        k = 1
+        while k <= m.rows:
+            if m.rows % k == 0:
+                out.append((layout, k, process_bytes(m, layout, replicas, k)))
+            k *= 2
+    return out
+
+
+def choose(m, replicas, budget, device):
+    """The first option (`options`) that fits `budget` bytes a process, with `replicas` replicas;
+    UsageError when none does."""
+    every = options(m, replicas, device)
+    for index, (_, _, need) in enumerate(every):
         if need <= budget:
-            return Choice(layout[0], layout[1], layout[2], need, tuple(tried))
-        tried.append((layout[0], need))
+            return choose_at(m, index, replicas, device)
     gib = 2 ** 30
-    least = min(tried, key=lambda t: t[1])
+    least = min(every, key=lambda t: t[2])
     raise UsageError(f"strategy auto: the model does not fit in {budget / gib:.3g} GiB a process "
-                     f"at {m.rows} row(s) a replica: {m.describe()}; the least, {least[0]}, "
-                     f"needs {least[1] / gib:.3g} GiB; pass a larger memory_gb, a smaller "
-                     f"batch, or run more processes")
+                     f"at {m.rows} row(s) a replica: {m.describe()}; the least, {least[0][0]} "
+                     f"in {least[1]} batch(es) an update, needs {least[2] / gib:.3g} GiB; pass a "
+                     f"larger memory_gb, a smaller batch, or run more processes")
 
 
-def choose_named(m, name, replicas, device):
-    """The Choice of layout `name` (another process's: every process takes the costliest)."""
-    layout = next(x for x in LAYOUTS if x[0] == name)
-    tried = tuple((x[0], process_bytes(m, x, replicas))
-                  for x in LAYOUTS[:LAYOUTS.index(layout)]
-                  if x[2] != "host" or device == "gpu")
-    return Choice(name, layout[1], layout[2], process_bytes(m, layout, replicas), tried)
+def choose_at(m, index, replicas, device):
+    """The Choice of option `index` (another process's: every process takes the costliest), with
+    the whole-batch needs of the layouts before it."""
+    every = options(m, replicas, device)
+    layout, k, need = every[index]
+    before = tuple((x[0][0], x[2]) for x in every[:index] if x[1] == 1)
+    return Choice(layout[0], layout[1], layout[2], need, before, k)
 
 
 def lines(m, choice, replicas, budget):
     gib = 2 ** 30
     out = [f"tfdist: auto: {m.describe()}; {replicas} replica(s), {budget / gib:.3g} GiB a "
            f"process",
-           f"tfdist: auto: chose {choice.name}: {choice.bytes / gib:.3g} GiB a process"]
+           f"tfdist: auto: chose {choice.describe}: {choice.bytes / gib:.3g} GiB a process"
+           + (f" (the data re-batched into {choice.accumulate} pieces: the same rows an update)"
+              if choice.accumulate > 1 else "")]
     for name, need in choice.others:
         out.append(f"tfdist: auto: not {name}: it needs {need / gib:.3g} GiB")
     return out

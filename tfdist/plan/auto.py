@@ -271,6 +271,15 @@ def process_bytes(c, model, layout):
         states["activations"] = memory_lib.memory(model, layout)["activations"]
     parts = {k: states[k] for k in ("weights", "gathered", "gradients", "optimizer",
                                     "activations") if k in states}
+    if layout.zero in (1, 2):
+        # tfdist's ZeRO-1/2 reduce-scatter the step's whole gradients from one flat buffer of
+        # them (tfdist.parallel.zero.optimizer): both at once (stage 2 shards only what outlives
+        # a step). Left out, GPT-2 XL's ZeRO-1 on disk was priced at 19 GiB and took 24.2 GiB:
+        # killed for memory (bench_results/auto.json).
+        whole = memory_lib.memory(model, dataclasses.replace(layout, zero=0, offload="none"),
+                                  memory_lib.Defaults(precision="float32"))["gradients"]
+        parts["gradients"] = whole
+        parts["flat buffer"] = whole
     held = sum(parts.values())
     if layout.offload != "none":
         held = max(held + states["host_gradients"], states["update_peak"]) + (

@@ -39,6 +39,8 @@ _SHARDED = weakref.WeakSet()  # models compiled in the scope of a plugin with us
 _CHECKED = weakref.WeakSet()  # models whose non-finite updates tfdist's step skips
 _AUTO = weakref.WeakSet()  # models compiled in the scope of `get("auto")`, not yet measured
 _AUTO_OFFLOAD = weakref.WeakKeyDictionary()  # model -> (kind, directory) that auto chose
+_REBATCHED = weakref.WeakKeyDictionary()  # model -> the pieces auto splits each fit's batches into
+_ZERO_STAGE = weakref.WeakKeyDictionary()  # model -> ZeRO-1 or 2, where auto chose it
 _ACCUMULATING = weakref.WeakKeyDictionary()  # model -> its optimizer's accumulation steps, where
 #                                             tfdist's step accumulates them (not Keras)
 
@@ -168,19 +170,25 @@ class KerasProgram:
         budget = user_auto.budget_bytes(self.user_auto, cluster.processes_here())
         device = "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
         choice = user_auto.choose(measured, self.num_replicas, budget, device)
-        order = [name for name, _, _ in user_auto.LAYOUTS]
-        index = order.index(choice.name)
-        agreed = sum(self.any_process(index > k) for k in range(len(order) - 1))
+        every = user_auto.options(measured, self.num_replicas, device)
+        index = next(i for i, (layout, k, _) in enumerate(every)
+                     if layout[0] == choice.name and k == choice.accumulate)
+        agreed = sum(self.any_process(index > i) for i in range(len(every) - 1))
         if agreed != index:
-            choice = user_auto.choose_named(measured, order[agreed], self.num_replicas, device)
+            choice = user_auto.choose_at(measured, agreed, self.num_replicas, device)
         if self.is_chief:
             for line in user_auto.lines(measured, choice, self.num_replicas, budget):
                 print(line, flush=True)
-        if choice.zero:
+        if choice.accumulate > 1:  # tfdist's step sums the pieces (`stepped`)
+            _ACCUMULATING[model] = _ACCUMULATING.get(model, 1) * choice.accumulate
+            _REBATCHED[model] = choice.accumulate
+        if choice.zero in (1, 2):
+            _ZERO_STAGE[model] = choice.zero
+        elif choice.zero:
             _SHARDED.add(model)
             if choice.offload != "none":
                 _AUTO_OFFLOAD[model] = (choice.offload, "")
-        elif model not in _ACCUMULATING and model not in _CHECKED:
+        if not choice.zero and model not in _ACCUMULATING and model not in _CHECKED:
             if not compat.has_gradient_reduction(model.optimizer):
                 self.wrap_optimizer(model.optimizer)  # (as a named strategy's plain model)
 
@@ -196,7 +204,10 @@ class KerasProgram:
         (each process gathers them: a checkpoint or `model.save` reads them as usual)."""
         if model in _AUTO:
             self._auto(model, arguments)
-        if model not in _SHARDED and model not in _ACCUMULATING and model not in _CHECKED:
+        if method == "fit" and model in _REBATCHED:
+            _rebatch(arguments, _REBATCHED[model])
+        sharded = model in _SHARDED or model in _ZERO_STAGE
+        if not sharded and model not in _ACCUMULATING and model not in _CHECKED:
             return [], []
         from tfdist.parallel import zero
         from tfdist.parallel.layout import Layout
@@ -206,13 +217,13 @@ class KerasProgram:
             if not model.built:
                 compat.build_for(model, arguments.get("x"))
             loaded = model.optimizer if model.optimizer.built else None  # (a file's, whole)
-            if loaded is not None and model in _SHARDED:
+            if loaded is not None and sharded:
                 with self.scope():
                     model.optimizer = type(loaded).from_config(loaded.get_config())
             accumulate = _ACCUMULATING.get(model, 1)
             _updating(model.optimizer).gradient_accumulation_steps = None  # tfdist's step sums
-            layout = Layout(dp=self.num_replicas, zero=3 if model in _SHARDED else 0,
-                            accumulate=accumulate)
+            stage = _ZERO_STAGE.get(model, 3 if model in _SHARDED else 0)
+            layout = Layout(dp=self.num_replicas, zero=stage, accumulate=accumulate)
             offload = self._offload(model) if model in _SHARDED else None
             with self.scope():
                 skip = self.user_skip_nonfinite if model in _CHECKED else 0
@@ -326,6 +337,23 @@ def _first_batch(arguments):
     cut = lambda t: None if t is None else tf.nest.map_structure(  # noqa: E731
         lambda a: tf.convert_to_tensor(a[:n]), t)
     return (cut(x), cut(arguments.get("y")), cut(arguments.get("sample_weight")))
+
+
+def _rebatch(arguments, k):
+    """`fit`'s data in batches of 1/k of its rows (auto's accumulation: k pieces an update, the
+    same rows), and its epochs k times as many steps."""
+    x = arguments.get("x")
+    if isinstance(x, tf.data.Dataset):
+        rows = tf.nest.flatten(x.element_spec)[0].shape[0]
+        if rows is None or rows % k:
+            raise UsageError(f"strategy auto splits each batch into {k} pieces, and the dataset's "
+                             f"batch size is {rows}: batch it with drop_remainder=True, a "
+                             f"multiple of {k}")
+        arguments["x"] = x.rebatch(rows // k)
+    else:
+        arguments["batch_size"] = (arguments.get("batch_size") or 32) // k
+    if arguments.get("steps_per_epoch"):
+        arguments["steps_per_epoch"] *= k
 
 
 def _updating(optimizer):

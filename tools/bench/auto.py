@@ -17,6 +17,7 @@ table, writes bench_results/auto.json.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -64,12 +65,14 @@ def run(name, workers, workdir, k, extra):
     out = {"wall_s": time.time() - start, "exit": p.returncode}
     if p.returncode:
         out["tail"] = (p.stdout + p.stderr)[-1500:]
+        shutil.rmtree(workdir, ignore_errors=True)
         return out
     steps = harness.metrics(workdir)["steps"][WARM * k:]
     tokens = sum(s["tokens_per_sec"] * s["step_time"] for s in steps)
     seconds = sum(s["step_time"] for s in steps)
     out.update(tokens_per_sec=tokens / seconds, seconds_per_update=seconds / len(steps) * k)
     out["chosen"] = [line for line in p.stdout.splitlines() if "layout=auto:" in line]
+    shutil.rmtree(workdir, ignore_errors=True)  # (its model and offload store: GBs for GPT-2 XL)
     return out
 
 
