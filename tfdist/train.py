@@ -304,7 +304,7 @@ def _auto_layout(run, plugin):
     auto.apply(c, run.decision)
     config_lib.validate(c)
     run.notes += run.decision.lines()
-    if earlier is not None and earlier["chosen"]["layout"] != str(run.decision.chosen.layout):
+    if earlier is not None and earlier["chosen"]["layout"] != run.decision.chosen.name:
         run.notes.append(f"layout=auto: planned again at this size: the run before ran "
                          f"{earlier['chosen']['describe']}")
 

@@ -37,6 +37,7 @@ new size, keeping the accumulation it started with (its steps count batches of t
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 
@@ -201,7 +202,7 @@ def bench_candidates(case, machine, root):
     c.backup.enabled = False
     config_lib.validate(c)
     w = case["workers"]
-    by_layout = {str(x.layout): x for x in candidates(c, get_class("horovod"), w, w, machine)}
+    by_layout = {x.name: x for x in candidates(c, get_class("horovod"), w, w, machine)}
     for row in case["rows"]:
         if "seconds_per_update" in row and row["layout"] in by_layout:
             yield by_layout[row["layout"]], row
@@ -252,21 +253,39 @@ class Candidate:
     refusal: str = None  # why tfdist does not run it (None: it does)
     tokens_per_sec: float = 0.0
     model: object = None  # the planner's Model of the run's GPT
+    subgroup: int = 0  # an offload's parameters per sub-group of the CPU step (0: the config's)
+
+    @property
+    def name(self):
+        """The layout's one-line name (with a sub-group size other than the config's)."""
+        return str(self.layout) + (f" subgroup=2^{self.subgroup.bit_length() - 1}"
+                                   if self.subgroup else "")
+
+    def overrides(self):
+        """The config keys of this candidate (`Layout.config_overrides`, and the sub-group)."""
+        out = self.layout.config_overrides()
+        if self.subgroup:
+            out["zero.offload_subgroup"] = self.subgroup
+        return out
+
+    def describe(self):
+        return self.layout.describe() + (f" (sub-groups of 2^{self.subgroup.bit_length() - 1})"
+                                          if self.subgroup else "")
 
     def row(self):
-        return {"layout": str(self.layout), "describe": self.layout.describe(),
+        return {"layout": self.name, "describe": self.describe(),
                 "seconds_per_update": self.seconds, "tokens_per_sec": self.tokens_per_sec,
                 "gib_per_process": self.bytes / 2 ** 30, "fits": self.fits,
                 "refused": self.refusal, "parts_s": self.parts}
 
 
-def process_bytes(c, model, layout):
+def process_bytes(c, model, layout, subgroup=0):
     """(bytes a process holds on this host, by part) under `layout`: Keras's float32 weights,
     gradients and Adam moments at either precision, activations at the run's (as `tfdist train`
     states them: `tfdist.train.expected_memory`); offloaded to disk, what the CPU step holds at
     once; to host memory, the store too (a CPU's device memory is the host's)."""
     states = memory_lib.memory(model, layout, memory_lib.Defaults(
-        precision="float32", offload_subgroup=c.zero.offload_subgroup))
+        precision="float32", offload_subgroup=subgroup or c.zero.offload_subgroup))
     if c.train.precision != "float32":
         states["activations"] = memory_lib.memory(model, layout)["activations"]
     parts = {k: states[k] for k in ("weights", "gathered", "gradients", "optimizer",
@@ -313,10 +332,22 @@ def candidates(c, plugin, replicas, processes_here, m):
     for lay in lays:
         if lay.recompute or lay.dp != replicas:
             continue  # (recomputation needs a split model)
-        cand = price(c, model, cluster, opts, dataclasses.replace(lay, seq=model.seq_len))
-        cand.refusal = cand.refusal or _refusal(c, plugin, cand.layout)
-        out.append(cand)
+        lay = dataclasses.replace(lay, seq=model.seq_len)
+        for subgroup in _subgroups(c, lay):
+            cand = price(c, model, cluster, opts, lay, subgroup)
+            cand.refusal = cand.refusal or _refusal(c, plugin, cand.layout)
+            out.append(cand)
     return sorted(out, key=_rank)
+
+
+def _subgroups(c, lay):
+    """The CPU step's sub-group sizes an offloaded layout is offered with: the config's, and where
+    that is tfdist's default, 2^23 and 2^21 too (3 sub-groups in flight hold 144 bytes a
+    parameter of one: 4.5 GiB at 2^25, for GPT-2 XL's 1.5 B; smaller ones fit more; their
+    Python work per sub-group is not priced, so the largest that fits is taken)."""
+    if lay.offload == "none" or c.zero.offload_subgroup != 1 << 25:
+        return (0,)
+    return (0, 1 << 23, 1 << 21)
 
 
 def setting(c, plugin, replicas, processes_here, m):
@@ -331,9 +362,10 @@ def setting(c, plugin, replicas, processes_here, m):
     return model, Cluster(device, replicas), opts
 
 
-def price(c, model, cluster, opts, lay):
-    """A Candidate of layout `lay`: its step's seconds by part, tokens/s, a process's bytes."""
-    cand = Candidate(lay, model=model)
+def price(c, model, cluster, opts, lay, subgroup=0):
+    """A Candidate of layout `lay` (an offload's sub-groups of `subgroup` parameters; 0: the
+    config's): its step's seconds by part, tokens/s, a process's bytes."""
+    cand = Candidate(lay, model=model, subgroup=subgroup)
     try:
         cand.parts = step_time(model, cluster, lay, opts)
     except ValueError:  # an offload without measured rates: not priced
@@ -341,7 +373,7 @@ def price(c, model, cluster, opts, lay):
         cand.parts = {"total": float("inf")}
     cand.seconds = cand.parts["total"]
     cand.tokens_per_sec = lay.batch * lay.accumulate * model.seq_len / cand.seconds
-    cand.bytes, cand.memory = process_bytes(c, model, lay)
+    cand.bytes, cand.memory = process_bytes(c, model, lay, subgroup)
     return cand
 
 
@@ -350,7 +382,7 @@ def _rank(cand):
     fewer batches per update, less sharding, no offload."""
     lay = cand.layout
     return (cand.refusal is not None, not cand.fits, -float(f"{cand.tokens_per_sec:.3g}"),
-            lay.accumulate, lay.zero, lay.offload != "none")
+            lay.accumulate, lay.zero, lay.offload != "none", -(cand.subgroup or math.inf))
 
 
 def _refusal(c, plugin, layout):
@@ -385,7 +417,8 @@ class Decision:
         if abs(slower) < 5e-3:
             return "the same predicted speed; chosen holds " + (
                 "fewer batches per update" if b.layout.accumulate > a.layout.accumulate
-                else "less sharding")
+                else "less sharding" if (b.layout.zero, b.layout.offload) != (
+                    a.layout.zero, a.layout.offload) else "larger sub-groups")
         return f"{slower:+.0%} time a step ({part} {parts[part]:+.3f} s)"
 
     def lines(self):
@@ -393,11 +426,11 @@ class Decision:
         out = [f"layout=auto: {self.replicas} replica(s), {self.processes_here} process(es) on "
                f"this host of {self.machine.cores} cores, {_gib(self.budget)} a "
                f"process; rates: {self.machine.source}",
-               f"layout=auto: chose {c.layout.describe()} ({c.layout}): predicted "
+               f"layout=auto: chose {c.describe()} ({c.name}): predicted "
                f"{c.seconds:.3f} s an update, {c.tokens_per_sec:,.0f} tokens/s, "
                f"{_gib(c.bytes)} a process"]
         for i, r in enumerate(self.runners_up, 2):
-            out.append(f"layout=auto: #{i} {r.layout.describe()}: {r.seconds:.3f} s, "
+            out.append(f"layout=auto: #{i} {r.describe()}: {r.seconds:.3f} s, "
                        f"{_gib(r.bytes)}: {self.why_not(r)}")
         if self.pinned:
             out.append("layout=auto: pinned by the config: "
@@ -407,7 +440,7 @@ class Decision:
     def to_json(self):
         return {"chosen": self.chosen.row(), "runners_up": [r.row() for r in self.runners_up],
                 "considered": [r.row() for r in self.considered],
-                "overrides": self.chosen.layout.config_overrides(),
+                "overrides": self.chosen.overrides(),
                 "machine": dataclasses.asdict(self.machine), "budget_bytes": self.budget,
                 "replicas": self.replicas, "processes_here": self.processes_here,
                 "pinned": self.pinned, "lines": self.lines()}
@@ -434,7 +467,7 @@ def choose(c, plugin, replicas, processes_here=1, machine=None, pinned=None):
     every.sort(key=_rank)
     runnable = [x for x in every if x.refusal is None]
     if len(runnable) <= 1 and not pinned:
-        only = runnable[0].layout.describe() if runnable else "none"
+        only = runnable[0].describe() if runnable else "none"
         raise UsageError(f"config.layout=auto under strategy {plugin.name} with {replicas} "
                          f"replica(s) and train.batch_size={c.train.batch_size} has nothing to "
                          f"choose (it runs one layout: {only}); drop config.layout=auto, or use "
@@ -469,13 +502,13 @@ def _holds(layout, key, value):
 
 def _nothing_fits(c, budget, allowed, fitting_unpinned, pinned):
     least = min(allowed, key=lambda x: x.bytes) if allowed else None
-    need = f" (the least, {least.layout.describe()}, needs {_gib(least.bytes)})" \
+    need = f" (the least, {least.describe()}, needs {_gib(least.bytes)})" \
         if least else ""
     if pinned and fitting_unpinned:
         other = fitting_unpinned[0]
         keys = " ".join(f"{k}={v}" for k, v in pinned.items())
         return (f"config.layout=auto with {keys} fixed: no layout fits in {_gib(budget)} a "
-                f"process{need}; {other.layout.describe()} would ({_gib(other.bytes)}): unset "
+                f"process{need}; {other.describe()} would ({_gib(other.bytes)}): unset "
                 f"{', '.join(pinned)}")
     return (f"config.layout=auto: no layout fits in {_gib(budget)} a process{need}; raise "
             f"train.memory_gb, lower train.batch_size, or run more workers")
@@ -486,7 +519,7 @@ def apply(c, decision):
     batches per update (against the config's own: the same updates on the same tokens)."""
     lay = decision.chosen.layout
     before = c.train.grad_accum_steps
-    for key, value in {**KEYS, **lay.config_overrides()}.items():
+    for key, value in {**KEYS, **decision.chosen.overrides()}.items():
         section, name = key.split(".")
         c[section][name] = value
     k = lay.accumulate

@@ -34,6 +34,8 @@ _MODELS = flags.DEFINE_list("models", ["gpt_nano", "gpt_mini", "gpt2"],
                             "Any of gpt_nano, gpt_mini, gpt2, gpt2_xl.")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker counts.")
 _OUT = flags.DEFINE_string("out", None, "Default bench_results/auto.json (merged by case).")
+_REUSE = flags.DEFINE_bool("reuse", False, "Keep the rows of the same layouts measured by an "
+                           "earlier run of a case (its JSON), run only the others.")
 _CAP_GIB = flags.DEFINE_float("cap_gib", 20.0, "The host's memory cap for gpt2_xl (GiB).")
 
 # per model: config, sequences per update, tokens per sequence, updates run, the host's cap
@@ -95,9 +97,9 @@ def plan(name, workers, cap):
 
 def distinct(decision):
     """One runnable, fitting candidate per (ZeRO stage, offload): the one with the largest batch
-    per step."""
+    per step (then the largest sub-groups: the order auto ranks them in)."""
     out = {}
-    for cand in decision.considered:
+    for cand in decision.considered:  # (ranked)
         lay = cand.layout
         if cand.refusal is None and cand.fits:
             key = (lay.zero, lay.offload)
@@ -106,11 +108,14 @@ def distinct(decision):
     return list(out.values())
 
 
-def flags_of(layout):
-    return [f"--config.zero.stage={layout.zero}", f"--config.zero.offload={layout.offload}"]
+def flags_of(cand):
+    return [f"--config.zero.stage={cand.layout.zero}",
+            f"--config.zero.offload={cand.layout.offload}"] + (
+        [f"--config.zero.offload_subgroup={cand.subgroup}"] if cand.subgroup else [])
 
 
-def case(name, workers, base):
+def case(name, workers, base, done):
+    """One model at one number of ranks (`done`: {layout name: row} measured before, reused)."""
     cap = CASES[name][4] if CASES[name][4] is not None else _CAP_GIB.value
     config, batch, seq, updates, _ = CASES[name]
     from tfdist.errors import UsageError
@@ -127,14 +132,17 @@ def case(name, workers, base):
     for cand in distinct(d):
         lay = cand.layout
         k = lay.accumulate
-        r = run(name, workers, os.path.join(base, f"{name}-{workers}-{lay.zero}-{lay.offload}"),
-                k, flags_of(lay))
-        r.update(layout=str(lay), describe=lay.describe(), predicted_s=cand.seconds,
+        if cand.name in done:  # (--reuse: measured in an earlier run of this case)
+            r = dict(done[cand.name])
+        else:
+            r = run(name, workers, os.path.join(base, f"{name}-{workers}-{lay.zero}-"
+                                                      f"{lay.offload}"), k, flags_of(cand))
+        r.update(layout=cand.name, describe=cand.describe(), predicted_s=cand.seconds,
                  predicted_tokens_per_sec=cand.tokens_per_sec, gib_per_process=cand.bytes / 2**30)
         if "seconds_per_update" in r:
             r["ratio"] = cand.seconds / r["seconds_per_update"]
         rows.append(r)
-        print(f"  {name} x{workers} {lay.describe():<50} predicted {cand.seconds:8.3f} s  "
+        print(f"  {name} x{workers} {cand.describe():<50} predicted {cand.seconds:8.3f} s  "
               f"measured {r.get('seconds_per_update', float('nan')):8.3f} s  "
               f"{r.get('tokens_per_sec', 0):10,.0f} tok/s", flush=True)
     extra = ["--config.layout=auto"] + ([f"--config.train.memory_gb={cap / workers}"]
@@ -142,12 +150,12 @@ def case(name, workers, base):
     a = run(name, workers, os.path.join(base, f"{name}-{workers}-auto"), 1, extra)
     ran = [r for r in rows if "tokens_per_sec" in r]
     best = max(ran, key=lambda r: r["tokens_per_sec"]) if ran else None
-    out = {"model": name, "workers": workers, "cap_gib": cap, "chosen": str(d.chosen.layout),
+    out = {"model": name, "workers": workers, "cap_gib": cap, "chosen": d.chosen.name,
            "config": config, "batch": batch, "seq": seq, "updates": updates, "rows": rows,
            "auto": a}
     if best and "tokens_per_sec" in a:
         out.update(best=best["layout"], auto_over_best=a["tokens_per_sec"] / best["tokens_per_sec"])
-    print(f"  {name} x{workers}: auto chose {d.chosen.layout.describe()}: "
+    print(f"  {name} x{workers}: auto chose {d.chosen.describe()}: "
           f"{a.get('tokens_per_sec', 0):,.0f} tok/s; best measured {best and best['describe']} "
           f"{best and best['tokens_per_sec']:,.0f}; auto/best "
           f"{out.get('auto_over_best', float('nan')):.3f}", flush=True)
@@ -167,7 +175,11 @@ def main(argv):
     base = os.path.join("/tmp", "tfdist-bench-auto")
     for name in _MODELS.value:
         for w in _WORKERS.value:
-            c = case(name, int(w), base)
+            before = next((x for x in result["cases"]
+                           if (x["model"], x["workers"]) == (name, int(w))), {})
+            done = {r["layout"]: r for r in before.get("rows", [])
+                    if "tokens_per_sec" in r} if _REUSE.value else {}
+            c = case(name, int(w), base, done)
             result["cases"] = [x for x in result["cases"]
                                if (x["model"], x["workers"]) != (name, int(w))] + [c]
             result.update(host={"cpu": cpu, "cores": cores},
