@@ -19,11 +19,12 @@ SLOWEST_FIRST = ("test_ray", "test_elastic", "test_zero", "test_netcluster", "te
                  "test_multi_worker", "test_offload", "test_islands", "test_dp",
                  "test_accumulation", "test_backup",
                  "test_horovod", "test_recovery", "test_store", "test_tensor_parallel",
-                 "test_spike", "test_launch", "test_mesh", "test_plan", "test_parameter_server",
+                 "test_spike", "test_launch", "test_mesh", "test_auto_keras", "test_auto",
+                 "test_plan", "test_parameter_server",
                  "test_zero_user", "test_horovod_keras_elastic", "test_llama_layouts", "test_data",
                  "test_huggingface", "test_zero3", "test_horovod_keras", "test_slurm",
                  "test_pipeline", "test_strategies", "test_nonfinite", "test_plugins", "test_cli",
-                 "test_cli_help", "test_doctests", "test_harness", "test_llama")
+                 "test_cli_help", "test_doctests", "test_harness", "test_llama", "test_layers")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -20,9 +20,9 @@ the sums kept between pieces: every gradient's, 1/replicas under ZeRO-2 and 3), 
 layout:
 
     data parallel     weights + gradients + slots + activations
-    ZeRO-1, ZeRO-2    weights + gradients + their flat buffer (the reduce-scatter's) + slots /
-                      replicas + activations (stage 2 shards only the sums accumulated between
-                      steps)
+    ZeRO-1, ZeRO-2    weights + gradients + their padded pieces and flat buffer (the
+                      reduce-scatter's) + slots / replicas + activations (stage 2 shards only the
+                      sums accumulated between steps)
     ZeRO-3            (weights + gradients + slots) / replicas + two units gathered
                       + activations (tfdist.parallel.zero.weights: a unit is a layer)
     ZeRO-3, offload   ZeRO-3 with the master weights and slots in host memory (a GPU's
@@ -104,10 +104,10 @@ def process_bytes(m, layout, replicas, accumulate=1):
     acts += 0 if accumulate == 1 else m.trainable / (replicas if zero >= 2 else 1)
     if not zero:
         return states + m.frozen + acts
-    if zero < 3:  # the slots sharded over the replicas; the step's whole gradients and their
-        # flat buffer at the reduce-scatter (tfdist.parallel.zero.optimizer: stage 2 shards only
-        # the sums that outlive a step)
-        return 3 * m.trainable + m.slots * m.trainable / replicas + m.frozen + acts
+    if zero < 3:  # the slots sharded over the replicas; the step's whole gradients, their
+        # padded pieces and flat buffer at the reduce-scatter (tfdist.parallel.zero.optimizer:
+        # stage 2 shards only the sums that outlive a step)
+        return 4 * m.trainable + m.slots * m.trainable / replicas + m.frozen + acts
     gathered = 2 * m.unit
     if offload == "none":
         return states / replicas + m.frozen + gathered + acts

@@ -290,20 +290,26 @@ def process_bytes(c, model, layout, subgroup=0):
         states["activations"] = memory_lib.memory(model, layout)["activations"]
     parts = {k: states[k] for k in ("weights", "gathered", "gradients", "optimizer",
                                     "activations") if k in states}
+    whole = memory_lib.memory(model, dataclasses.replace(layout, zero=0, offload="none"),
+                              memory_lib.Defaults(precision="float32"))["gradients"]
     if layout.zero in (1, 2):
         # tfdist's ZeRO-1/2 reduce-scatter the step's whole gradients from one flat buffer of
-        # them (tfdist.parallel.zero.optimizer): both at once (stage 2 shards only what outlives
-        # a step). Left out, GPT-2 XL's ZeRO-1 on disk was priced at 19 GiB and took 24.2 GiB:
-        # killed for memory (bench_results/auto.json).
-        whole = memory_lib.memory(model, dataclasses.replace(layout, zero=0, offload="none"),
-                                  memory_lib.Defaults(precision="float32"))["gradients"]
+        # them, laid out in padded pieces (tfdist.parallel.zero.optimizer): three copies at once
+        # (stage 2 shards only what outlives a step). With one, GPT-2 XL's ZeRO-1 on disk in
+        # batches of 1 was priced at 18.9 GiB and ran out of memory in that concat; with none,
+        # in batches of 2 at 19 GiB, and was killed at 24.2 GiB (bench_results/auto.json).
         parts["gradients"] = whole
-        parts["flat buffer"] = whole
+        parts["flat buffer"] = 2 * whole
     held = sum(parts.values())
     if layout.offload != "none":
         held = max(held + states["host_gradients"], states["update_peak"]) + (
             states["offloaded"] if layout.offload == "host" else 0.0)
         parts["off the device"] = states["offloaded"]
+    # Each process builds the whole GPT before it shards or offloads it: its weights and their
+    # initial values at once. GPT-2 XL under ZeRO-3 on disk over 2 processes was priced at 6.9
+    # GiB a process and was killed at 12.3 GiB (2 x its 6.2 GB of weights).
+    if 2 * whole > held:
+        parts["the build"] = held = 2 * whole
     return held, parts
 
 
@@ -502,8 +508,15 @@ def _holds(layout, key, value):
 
 def _nothing_fits(c, budget, allowed, fitting_unpinned, pinned):
     least = min(allowed, key=lambda x: x.bytes) if allowed else None
-    need = f" (the least, {least.describe()}, needs {_gib(least.bytes)})" \
-        if least else ""
+    if least:
+        part, size = max(((k, v) for k, v in least.memory.items() if k != "off the device"),
+                         key=lambda kv: kv[1])
+        why = (" (each process builds the whole model first: its weights twice)"
+               if part == "the build" else "")
+        need = (f" (the least, {least.describe()}, needs {_gib(least.bytes)}; the most of it "
+                f"{part}, {_gib(size)}{why})")
+    else:
+        need = ""
     if pinned and fitting_unpinned:
         other = fitting_unpinned[0]
         keys = " ".join(f"{k}={v}" for k, v in pinned.items())
