@@ -564,9 +564,16 @@ def test_every_committed_benchmark_row_is_predicted_within_10_percent_or_named()
     for name in ("scaling.json", "scaling-horovod.json", "scaling-horovod-fp16.json", *links,
                  "scaling-1gbit-straggler100mbit.json", "scaling-ps.json", "scaling-ps-1gbit.json",
                  "scaling-ps-10gbit.json", "zero.json", "zero-mwms.json",
-                 "overlap-1gbit.json", "offload.json"):
+                 "overlap-1gbit.json"):
         assert all(r["within"] for r in by_file[name]), by_file[name]
     assert sum(r["within"] for r in by_file["pipeline.json"]) >= 4
+    assert all(r["within"] for r in by_file["offload.json"])
+    # GPT-2 XL's offloaded step: off, with the framework's time priced and left (docs/planner.md)
+    assert "framework's time" in by_file["offload-xl.json"][0]["reason"]
+    # auto's pick: the best measured layout's tokens/s within 10 % wherever it is another run
+    picks = [r for r in by_file["auto.json"] if "auto's tokens/s" in r["figure"]]
+    assert len(picks) == 7 and all(r["within"] or "best layout itself" in r["reason"]
+                                   for r in picks)
     # the rows the model leaves out are named as such
     for name in ("scaling-ps-100mbit.json", "scaling-ps-1gbit-straggler100mbit.json"):
         assert not by_file[name][0]["within"] and "ps task's own link" in by_file[name][0]["reason"]

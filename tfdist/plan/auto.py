@@ -173,9 +173,10 @@ def fit_overheads(bench_dir, machine):
             predicted[(case["model"], case["workers"], row["layout"])] = (cand, row)
     for cand, row in predicted.values():  # passes first: plain rows
         if overheads.kind_of(cand.layout) is None:
+            per = cand.layout.passes
             residuals["pass"].append((overheads.seconds({"pass": (0.0, 1.0)}, "pass", cand.model),
-                                      (row["seconds_per_update"] - cand.seconds)
-                                      / cand.layout.passes))
+                                      (row["seconds_per_update"] - cand.seconds) / per,
+                                      (per / row["seconds_per_update"]) ** 2))
     out = {"pass": overheads.line(residuals["pass"])}
     for cand, row in predicted.values():
         kind = overheads.kind_of(cand.layout)
@@ -184,7 +185,8 @@ def fit_overheads(bench_dir, machine):
         passes = cand.layout.passes * overheads.seconds(out, "pass", cand.model)
         per = cand.layout.passes if kind == "zero3" else 1
         residuals[kind].append((overheads.seconds({kind: (0.0, 1.0)}, kind, cand.model),
-                                (row["seconds_per_update"] - cand.seconds - passes) / per))
+                                (row["seconds_per_update"] - cand.seconds - passes) / per,
+                                (per / row["seconds_per_update"]) ** 2))
     out.update({k: overheads.line(v) for k, v in residuals.items() if k != "pass" and v})
     return out
 

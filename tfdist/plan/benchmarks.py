@@ -384,12 +384,19 @@ def offload_rows(bench_dir, o):
     serial = (io["read"] - 2 * n * 4) / opts.disk_read_bw + io["written"] / opts.disk_write_bw \
         + n / opts.cpu_adam_disk_rate
     rows = []
+    measured_resident = statistics.median(o["step_s"]["resident"])
     for variant, predicted in (("disk", t / resident),
                                ("disk, prefetch off", (t - io["update_s"] + serial) / resident)):
+        added = statistics.median(o["step_s"][variant]) - measured_resident
         rows.append(judged({"figure": f"offload.json: ZeRO-3 {variant} step vs resident",
                             "measured": o["median_ratio"][variant], "predicted": predicted,
                             "note": f"resident {resident:.3f} s predicted (measured "
-                                    f"{statistics.median(o['step_s']['resident']):.3f} s)"}))
+                                    f"{measured_resident:.3f} s)"},
+                           f"the offload adds {(predicted - 1) * resident:.3f} s priced against "
+                           f"{added:.3f} s measured, to a resident step priced {resident:.3f} s "
+                           f"against {measured_resident:.3f} s: without prefetch the reads, "
+                           f"update and writes of the CPU step run one after another, and the "
+                           f"framework's time fitted with prefetch on is short of them"))
     return rows
 
 
@@ -430,10 +437,10 @@ def _framework_off(cand, measured, workers):
     fw = cand.parts.get("framework", 0.0)
     left = measured - (cand.seconds - fw)
     kind = overheads.kind_of(cand.layout) or "pass"
-    return (f"the framework's time: {fw:.2f} s fitted on gpt_nano and gpt_mini ({kind}, a + b x "
-            f"P), {left:.2f} s left by this row beyond the arithmetic, at "
-            f"{cand.model.params / 1e6:,.0f} M parameters on {workers} process(es): the small "
-            f"models' rate does not hold here")
+    return (f"the framework's time: {fw:.2f} s fitted on {', '.join(overheads.FIT_MODELS)} "
+            f"({kind}, a + b x P), {left:.2f} s left by this row beyond the arithmetic, at "
+            f"{cand.model.params / 1e6:,.0f} M parameters on {workers} process(es): the fitted "
+            f"rate does not hold here")
 
 
 def measured(bench_dir, model):

@@ -4,7 +4,8 @@
 and 2 processes) and then used for every model (`Options.overheads`, tfdist/plan/model.py).
 
 Each kind is a + b x P seconds, fitted by least squares on the residuals of the rows of that
-kind (the measured step less the planner's prediction without it); P is the model's blocks for
+kind (the measured step less the planner's prediction without it), each weighed by 1 / its step
+squared (relative errors); P is the model's blocks for
 a pass (its ops are dispatched one by one: the time goes with their number, not their size), and
 its parameters for the rest (copies: ZeRO's flat buffers, the CPU step's shard, on cores the
 processes share):
@@ -17,9 +18,13 @@ processes share):
     offload_disk  host copies into and out of the store, a sub-group's Python work)
     offload_host3, offload_disk3: the same under ZeRO-3 (the master weights too)
 
-A kind not measured has no overhead (0). The bigger models of the bench (GPT-2 124M, XL) are not
-in the fit: they are what it predicts (`tfdist plan --measured`). The fit itself is
-`tfdist.plan.auto.fit_overheads` (it prices the bench's rows as auto does).
+A kind not measured has no overhead (0). GPT-2 124M and XL are not in the fit: they are what it
+predicts (`tfdist plan --measured`). Where it misses them it is the offloads under ZeRO-3 and
+ZeRO-2's copies: their cost a parameter falls between 10.8 M and 124 M (under ZeRO-3 on disk
+3.1e-8 s at gpt_mini, 1.6e-8 at 124 M, 1.0e-8 at 1.56 B, left by those rows), which two small
+models cannot show; a third size in the fit, or a term per variable beside the one per
+parameter, would. The fit itself is `tfdist.plan.auto.fit_overheads` (it prices the bench's rows
+as auto does).
 
     >>> from tfdist.plan import overheads
     >>> a, b = overheads.line([(1e5, 0.02), (1e7, 0.12)])  # (parameters, seconds): two points
@@ -32,16 +37,19 @@ KINDS = ("pass", "zero1", "zero2", "zero3", "offload_host", "offload_disk", "off
 
 
 def line(points):
-    """(a, b) of a + b x P by least squares on (P, seconds) points (one point: b = 0)."""
-    n = len(points)
-    if n == 0:
+    """(a, b) of a + b x P by weighted least squares on (P, seconds[, weight]) points (one
+    point: b = 0). The fit weighs each row by 1 / its step squared: it minimises the steps'
+    relative errors, so that a 124 M model's seconds do not drown a 0.1 M model's milliseconds."""
+    pts = [(p[0], p[1], p[2] if len(p) > 2 else 1.0) for p in points]
+    total = sum(w for _, _, w in pts)
+    if not pts or total == 0:
         return (0.0, 0.0)
-    mx = sum(p for p, _ in points) / n
-    my = sum(s for _, s in points) / n
-    var = sum((p - mx) ** 2 for p, _ in points)
-    if n == 1 or var == 0:
+    mx = sum(w * x for x, _, w in pts) / total
+    my = sum(w * y for _, y, w in pts) / total
+    var = sum(w * (x - mx) ** 2 for x, _, w in pts)
+    if len(pts) == 1 or var == 0:
         return (my, 0.0)
-    b = sum((p - mx) * (s - my) for p, s in points) / var
+    b = sum(w * (x - mx) * (y - my) for x, y, w in pts) / var
     return (my - b * mx, b)
 
 
