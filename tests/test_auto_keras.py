@@ -149,10 +149,12 @@ def test_under_a_budget_for_activations_it_accumulates_smaller_batches():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, budget", [("cnn", "0.04"), ("gpt2", "0.033")])
+@pytest.mark.parametrize("model, budget", [("cnn", "0.04"), ("gpt2", "0.030")])
 def test_under_a_budget_it_shards_and_equals_zero3_named_by_hand(model, budget):
-    """The budget (GiB a process) is below plain data parallelism's need over 2 processes and
-    above ZeRO-3's (the CNN's 4 dense layers of 1024, GPT-2's 2 blocks of width 256)."""
+    """The budget (GiB a process) is below what plain data parallelism needs over 2 processes,
+    in any number of pieces (its weights, gradients and slots alone: the CNN's 4 dense layers of
+    1024, GPT-2's 2 blocks of width 256), and above ZeRO-3's (in 1 or 2 pieces: the same rows an
+    update either way)."""
     losses, out = program(model, "auto", 2, f"--memory_gb={budget}")
     assert "tfdist: auto: chose ZeRO-3" in out and "not data parallel: it needs" in out, \
         out[-3000:]

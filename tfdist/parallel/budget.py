@@ -36,7 +36,8 @@ copies; the gathers and a recomputed forward; host copies; disk reads and writes
 1.36x and 2.9x plain data parallel's step in bench_results/zero.json and offload.json), and
 accumulation only a pass's fixed time per piece. Where nothing fits, one
 line says what the least needs. The data is re-batched where it is a tf.data.Dataset
-(`rebatch`) or arrays with `batch_size`; `steps_per_epoch` grows by the pieces.
+(unbatched and batched again, in order) or arrays with `batch_size`; `steps_per_epoch` grows by
+the pieces.
 
     >>> from tfdist.parallel import budget
     >>> m = budget.Measured(trainable=400e6, frozen=0, slots=2, activations=80e6, rows=8,

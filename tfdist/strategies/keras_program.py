@@ -349,7 +349,7 @@ def _rebatch(arguments, k):
             raise UsageError(f"strategy auto splits each batch into {k} pieces, and the dataset's "
                              f"batch size is {rows}: batch it with drop_remainder=True, a "
                              f"multiple of {k}")
-        arguments["x"] = x.rebatch(rows // k)
+        arguments["x"] = x.unbatch().batch(rows // k, drop_remainder=True)  # (in order)
     else:
         arguments["batch_size"] = (arguments.get("batch_size") or 32) // k
     if arguments.get("steps_per_epoch"):
