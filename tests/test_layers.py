@@ -29,10 +29,10 @@ def needs(split_wte):
 
 
 def test_the_embedding_is_split_where_memory_requires_it_and_not_elsewhere():
-    roomy = layers.plan(GPT, 4, TOKENS, budget=4 * 2 ** 30, rates=RATES)
+    roomy = layers.plan(GPT, 4, TOKENS, budget=4 * 2 ** 30, rates=RATES, recompute=False)
     assert roomy.split["wte"] is False  # splitting it costs an all-reduce a step, and it fits
     tight_budget = (needs(True) + needs(False)) / 2  # only a split embedding fits
-    tight = layers.plan(GPT, 4, TOKENS, budget=tight_budget, rates=RATES)
+    tight = layers.plan(GPT, 4, TOKENS, budget=tight_budget, rates=RATES, recompute=False)
     assert tight.split["wte"] is True and tight.bytes <= tight_budget
     assert tight.layout_map()["gpt/wte/embeddings"] == ("model", None)
     assert "gpt/wte/embeddings" not in roomy.layout_map()
@@ -45,13 +45,30 @@ def test_a_memory_model_that_ignores_the_embedding_keeps_it_whole_and_does_not_f
     """The companion: the same program with the embedding's memory left out picks it whole at the
     tight budget, where it does not fit."""
     tight_budget = (needs(True) + needs(False)) / 2
-    blind = layers.plan(GPT, 4, TOKENS, budget=tight_budget, rates=RATES,
+    blind = layers.plan(GPT, 4, TOKENS, budget=tight_budget, rates=RATES, recompute=False,
                         memory_of=lambda kind, params: 0.0 if kind == "wte" else 16 * params)
     assert blind.split["wte"] is False
     real = layers.fixed_bytes(GPT, TOKENS) + sum(
         o[int(blind.split[name])].bytes for name, o in layers.options(GPT, 4, TOKENS,
                                                                        RATES).items())
     assert real > tight_budget
+
+
+def test_blocks_recompute_where_their_activations_do_not_fit_otherwise():
+    """Below what every layer split needs with every block's activations kept, the program
+    recomputes blocks (their input kept, their forward run again), as few as fit; the companion,
+    without that option, finds nothing that fits."""
+    opts = layers.options(GPT, 4, TOKENS, RATES, recompute=True)
+    kept = layers.fixed_bytes(GPT, TOKENS) + sum(o[1].bytes for o in
+                                                 layers.options(GPT, 4, TOKENS, RATES).values())
+    one = opts["remat.0"][0].bytes - opts["remat.0"][1].bytes  # what recomputing a block saves
+    budget = kept - 1.5 * one  # at least two blocks must recompute
+    p = layers.plan(GPT, 4, TOKENS, budget, RATES)
+    assert len(p.recomputed()) >= 2 and p.bytes <= budget, p.split
+    assert p.bytes + one > budget  # as few as fit: one fewer would not (the time they cost)
+    assert p.to_json()["recompute"] == p.recomputed()
+    with pytest.raises(UsageError, match="no per-layer split"):
+        layers.plan(GPT, 4, TOKENS, budget, RATES, recompute=False)
 
 
 def test_nothing_fits_is_one_line():
@@ -70,20 +87,21 @@ def test_the_command_prints_and_writes_the_map(tmp_path):
 
 @pytest.mark.slow
 def test_the_plans_map_runs_on_a_mesh_of_4_logical_cpus(tmp_path):
-    """tfdist's Llama-kind GPT (vocabulary 4096) planned for 4 devices under a budget only a split
-    embedding meets: on a (1, 4) mesh the embedding is a quarter on each device, the blocks the
-    plan kept whole are whole, and the losses are one device's."""
+    """tfdist's Llama-kind GPT (vocabulary 4096) planned for 4 devices under a budget that only
+    every layer split and every block recomputed meets: on a (1, 4) mesh the embedding and the
+    head are a quarter on each device, the blocks recompute (keras.remat), and the losses are
+    one device's."""
     from tests.test_mesh import PROBE, assert_equal_to_one_device
     small = dataclasses.replace(GPT, n_layer=2, n_embd=16, n_head=4, n_kv_head=2,
                                 vocab_size=4096, seq_len=8, gated_mlp=True, ffn=64,
                                 tied_embeddings=False, learned_positions=False, rms_norm=True)
-    opts = layers.options(small, 4, 64, RATES)
-    fixed = layers.fixed_bytes(small, 64)
-    whole = fixed + sum(o[0].bytes for o in opts.values())
-    # room for every layer whole but the embedding and the head (each 4096 x 16)
-    budget = whole - 0.5 * (opts["wte"][0].bytes - opts["wte"][1].bytes)
+    opts = layers.options(small, 4, 64, RATES, recompute=True)
+    fixed = layers.fixed_bytes(small, 64, recompute=True)
+    least = fixed + sum(o[1].bytes for o in opts.values())
+    # room for every layer split and every block recomputed, and a little more: only that fits
+    budget = least * 1.001
     p = layers.plan(small, 4, 64, budget, RATES)
-    assert p.split["wte"] or p.split["head"]
+    assert p.split["wte"] and p.split["head"] and p.recomputed() == [0, 1], p.split
     path = tmp_path / "layout_map.json"
     layers.write(p, str(path))
     out = tmp_path / "result.json"

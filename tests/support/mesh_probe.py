@@ -70,8 +70,9 @@ def tfdist_gpt():
     from tfdist.models.gpt import GPT
     keras.utils.set_random_seed(1)
     arch = "gpt2" if args.model == "gpt2" else "llama"
-    return GPT(vocab_size=args.vocab, block_size=8, n_layer=2, n_head=4, n_embd=16, arch=arch,
-               **({"n_kv_head": 2} if arch == "llama" else {}))
+    recompute = json.load(open(args.plan)).get("recompute", []) if args.plan else []
+    return GPT(vocab_size=args.vocab, block_size=8, recompute=recompute, n_layer=2, n_head=4,
+               n_embd=16, arch=arch, **({"n_kv_head": 2} if arch == "llama" else {}))
 
 
 if args.model in ("gpt2", "gpt_llama"):

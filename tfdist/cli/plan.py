@@ -109,8 +109,9 @@ def _define_flags():
     f.DEFINE_bool("validate", False, "Print predictions against the published runs and exit.")
     f.DEFINE_bool("per_layer", False, "For tfdist's GPT on a mesh of --devices devices "
                   "(keras.distribution through tfdist.parallel.mesh): pick each layer's split "
-                  "(vocabulary-parallel embedding, each block's attention and MLP) by a dynamic "
-                  "program within --memory_gb a device; writes <out>/layout_map.json.")
+                  "(vocabulary-parallel embedding, each block's attention and MLP) and which "
+                  "blocks recompute, by a dynamic program within --memory_gb a device; writes "
+                  "<out>/layout_map.json.")
     f.DEFINE_float("memory_gb", None, "--per_layer: GiB a device may hold (default: the "
                    "device's memory).")
     f.DEFINE_bool("measured", False,
@@ -299,15 +300,17 @@ def _per_layer(F, model, device, cluster, batch, eff, precision):
     for name, split in p.split.items():
         whole, parted = p.options[name]
         o = parted if split else whole
-        print(f"  {name:<10} {'split' if split else 'whole':<6} {o.bytes / 2 ** 30:8.3f} GiB "
-              f"{o.seconds:9.4f} s   (whole {whole.bytes / 2 ** 30:.3f} GiB {whole.seconds:.4f} s;"
-              f" split {parted.bytes / 2 ** 30:.3f} GiB {parted.seconds:.4f} s)")
+        no, yes = ("keep", "redo") if name.startswith("remat.") else ("whole", "split")
+        print(f"  {name:<10} {yes if split else no:<6} {o.bytes / 2 ** 30:8.3f} GiB "
+              f"{o.seconds:9.4f} s   ({no} {whole.bytes / 2 ** 30:.3f} GiB {whole.seconds:.4f} s;"
+              f" {yes} {parted.bytes / 2 ** 30:.3f} GiB {parted.seconds:.4f} s)")
     print(f"  activations and logits {p.fixed / 2 ** 30:.3f} GiB; in all {p.bytes / 2 ** 30:.3f} "
           f"GiB a device, {p.seconds:.3f} s a step")
     os.makedirs(F.out, exist_ok=True)
     path = os.path.join(F.out, "layout_map.json")
     layers.write(p, path)
-    print(f"layout map: {path} (tfdist.models.gpt.layout_map(mesh, plan={path!r}))")
+    print(f"layout map: {path} (tfdist.models.gpt.layout_map(mesh, plan={path!r}); the blocks "
+          f"to recompute, GPT(recompute=...): {p.recomputed()})")
 
 
 def _check_fixed(model, cluster, batch, fixed):

@@ -272,10 +272,15 @@ class GPT(keras.Model):
     def __init__(self, vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64,
                  dropout=0.0, bias=None, arch="gpt2", n_kv_head=None, ffn_hidden=None,
                  rope_theta=10000.0, rope_scaling=None, norm_eps=1e-5, tie_embeddings=None,
-                 **kwargs):
+                 recompute=(), **kwargs):
         super().__init__(**kwargs)
         if arch not in ARCHITECTURES:
             raise ValueError(f"arch {arch!r}: one of {', '.join(ARCHITECTURES)}")
+        # blocks whose forward runs again in the backward pass (`keras.remat`: their activations
+        # are not kept), as a per-layer plan chooses them (tfdist.plan.layers)
+        self.recompute = tuple(sorted({int(i) for i in recompute}))
+        if any(not 0 <= i < n_layer for i in self.recompute):
+            raise ValueError(f"recompute {list(self.recompute)}: block indices in [0, {n_layer})")
         # None: the architecture's (GPT-2: biases and a tied head; Llama: neither)
         bias = arch != "llama" if bias is None else bias
         tie_embeddings = arch != "llama" if tie_embeddings is None else tie_embeddings
@@ -330,8 +335,11 @@ class GPT(keras.Model):
 
     def call(self, idx, training=False):
         x = self.embed(idx, training=training)
-        for block in self.blocks:
-            x = block(x, training=training)
+        for i, block in enumerate(self.blocks):
+            if i in self.recompute:
+                x = keras.remat(lambda x, block=block: block(x, training=training))(x)
+            else:
+                x = block(x, training=training)
         return self.head(x)
 
     # The three parts of `call`, also used by tfdist.models.pipeline to place them on devices.
@@ -357,7 +365,8 @@ class GPT(keras.Model):
                 "n_embd": self.n_embd, "dropout": self.dropout, "bias": self.bias,
                 "arch": self.arch, "n_kv_head": self.n_kv_head, "ffn_hidden": self.ffn_hidden,
                 "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-                "norm_eps": self.norm_eps, "tie_embeddings": self.tie_embeddings}
+                "norm_eps": self.norm_eps, "tie_embeddings": self.tie_embeddings,
+                "recompute": list(self.recompute)}
 
     @property
     def arch_sizes(self):

@@ -2,8 +2,11 @@
 (`tfdist.parallel.mesh`, Keras's ModelParallel), a dynamic program over the layers picks, for each
 layer that can be split, whether it is: the token embedding by vocabulary rows
 (vocabulary-parallel), an untied head by vocabulary columns, each block's attention (its q|k|v
-kernel by input rows) and each block's MLP (its first kernel by input rows). The result is a
-layout map a user reads, and passes to `tfdist.models.gpt.layout_map(mesh, plan=...)`.
+kernel by input rows) and each block's MLP (its first kernel by input rows); and which blocks
+recompute their forward in the backward pass (their input kept, not their activations:
+`keras.remat`). The result is a layout map a user reads, and passes to
+`tfdist.models.gpt.layout_map(mesh, plan=...)`, with the blocks to recompute for
+`GPT(recompute=...)`.
 
 The model of a layer, per device, on this machine's rates:
 
@@ -16,12 +19,14 @@ The model of a layer, per device, on this machine's rates:
              all-reduce and, backward, the all-gather of its input's gradient (the embedding: one
              all-reduce of its output; the head: the logits' all-gather)
 
-Between layers every activation is whole on every device, so one layer's choice does not change
-the next one's cost (PaSE's DP carries the layout at the boundary; here that state is always
-"whole"): the program is a knapsack over the layers, minimising the step's time with the memory a
-device holds within its budget, on a grid of 1/`GRID` of the budget (each layer's bytes rounded
-up: what it picks fits). A layer is split only where its memory requires it or where splitting
-is faster.
+A block recomputed keeps its input only and runs its forward once more (2 FLOPs a parameter and
+token, priced as if whole: an upper bound); one block's activations are then held while it
+recomputes. Between layers every activation is whole on every device, so one layer's choice
+does not change the next one's cost (PaSE's DP carries the layout at the boundary; here that
+state is always "whole"): the program is a knapsack over the layers, minimising the step's time
+with the memory a device holds within its budget, on a grid of 1/`GRID` of the budget (each
+layer's bytes rounded up: what it picks fits; 10 times finer where that leaves nothing). A layer
+is split, or a block recomputed, only where memory requires it or where it is faster.
 
     >>> from tfdist.plan import layers, model as m
     >>> gpt = m.Model(name="g", n_layer=2, n_embd=256, n_head=4, vocab_size=50304, seq_len=256)
@@ -65,12 +70,17 @@ class Plan:
     fixed: float  # a device's bytes that no choice changes (activations, logits, norms)
     options: dict  # layer name -> (whole Option, split Option)
 
+    def recomputed(self):
+        """The blocks whose forward is recomputed in the backward (`GPT(recompute=...)`)."""
+        return [int(n.split(".")[1]) for n, on in self.split.items()
+                if n.startswith("remat.") and on]
+
     def layout_map(self):
         """{regex of tfdist's GPT weight paths: axes}: the split layers' (Keras's LayoutMap keys,
         over the mesh axis "model")."""
         out = {}
         for name, split in self.split.items():
-            if split:
+            if split and not name.startswith("remat."):
                 key, axes = _KEYS[name.split(".")[0]]
                 out[key.format(i=name.split(".")[-1])] = axes
         return out
@@ -78,6 +88,7 @@ class Plan:
     def to_json(self):
         return {"split": self.split, "seconds": self.seconds, "bytes": self.bytes,
                 "fixed_bytes": self.fixed, "layout_map": self.layout_map(),
+                "recompute": self.recomputed(),
                 "options": {k: [dataclasses.asdict(o) for o in v]
                             for k, v in self.options.items()}}
 
@@ -97,10 +108,11 @@ def _gather(nbytes, t, bw):
     return (t - 1) / t * nbytes / bw
 
 
-def options(model, t, tokens, rates, memory_of=None):
+def options(model, t, tokens, rates, memory_of=None, recompute=False):
     """{layer: (whole Option, split Option)} for `model` (a `tfdist.plan.model.Model`) on `t`
-    devices, `tokens` a step. `memory_of(kind, params)`: a layer's bytes (default: STATE bytes a
-    parameter; a test's companion passes another)."""
+    devices, `tokens` a step; with `recompute`, each block's `remat.<i>` too: (kept, recomputed:
+    only its input kept, its forward run again in the backward). `memory_of(kind, params)`: a
+    layer's bytes (default: STATE bytes a parameter; a test's companion passes another)."""
     memory_of = memory_of or (lambda kind, params: STATE * params)
     h, v, f = model.n_embd, model.vocab_size, model.ffn_width
     kv = model.kv
@@ -125,25 +137,34 @@ def options(model, t, tokens, rates, memory_of=None):
     if not model.tied_embeddings:
         add("head", "head", h * v, 6 * tokens * h * v,
             _gather(tokens * v * 4, t, rates.allreduce_bw))
+    if recompute:
+        kept = model.activation_bytes_per_layer(tokens, "float32")
+        again = 2 * tokens * (model.layer_params()) / rates.flops  # its forward once more
+        for i in range(model.n_layer):  # (the forward's time as if whole: an upper bound)
+            out[f"remat.{i}"] = (
+                Option(False, 0.0, kept),
+                Option(True, again, model.activation_bytes_per_layer(tokens, "float32",
+                                                                     recompute=True)))
     return out
 
 
-def fixed_bytes(model, tokens):
+def fixed_bytes(model, tokens, recompute=False):
     """What a device holds whichever layers are split: every block's activations (Korthikanti's
-    count, float32), the logits and their gradient, the norms' states."""
-    acts = model.n_layer * model.activation_bytes_per_layer(tokens, "float32")
+    count, float32; with `recompute`, one block's, what recomputing it holds in its backward: the
+    blocks' own are their `remat` items), the logits and their gradient, the norms' states."""
+    layer = model.activation_bytes_per_layer(tokens, "float32")
+    acts = layer if recompute else model.n_layer * layer
     logits = 2 * tokens * model.vocab_size * 4
     norms = STATE * (2 * model.n_layer + 1) * model.n_embd
     return acts + logits + norms
 
 
-def plan(model, t, tokens, budget, rates, memory_of=None, fixed=None):
-    """The fastest per-layer split within `budget` bytes a device (a Plan); UsageError, one line,
-    when even every layer split does not fit."""
-    opts = options(model, t, tokens, rates, memory_of)
-    fixed = fixed_bytes(model, tokens) if fixed is None else fixed
+def plan(model, t, tokens, budget, rates, memory_of=None, fixed=None, recompute=True):
+    """The fastest per-layer split (and, with `recompute`, which blocks recompute) within `budget`
+    bytes a device (a Plan); UsageError, one line, when even every layer split does not fit."""
+    opts = options(model, t, tokens, rates, memory_of, recompute)
+    fixed = fixed_bytes(model, tokens, recompute) if fixed is None else fixed
     room = budget - fixed
-    unit = max(room, 1.0) / GRID
     least = fixed + sum(o[1].bytes for o in opts.values())
     if room <= 0 or least > budget:
         raise UsageError(f"no per-layer split of the model fits {budget / 2 ** 30:.3g} GiB a "
@@ -151,31 +172,47 @@ def plan(model, t, tokens, budget, rates, memory_of=None, fixed=None):
                          f"{least / 2 ** 30:.3g} GiB ({fixed / 2 ** 30:.3g} GiB of activations "
                          f"and logits at {tokens} tokens); lower the batch or add devices")
     names = list(opts)
+    for grid in (GRID, 10 * GRID):  # (each option's bytes rounded up to a cell: a finer grid
+        chosen = _knapsack(opts, names, room / grid, grid)  # where that leaves nothing)
+        if chosen is not None:
+            break
+    else:
+        raise UsageError(f"no per-layer split of the model fits {budget / 2 ** 30:.4g} GiB a "
+                         f"device on {t} devices with room to spare: every layer split needs "
+                         f"{least / 2 ** 30:.4g} GiB; raise the budget a little or lower the "
+                         f"batch")
+    split = {name: bool(chosen[name]) for name in names}
+    total = fixed + sum(opts[n][int(s)].bytes for n, s in split.items())
+    seconds = sum(opts[n][int(s)].seconds for n, s in split.items())
+    return Plan(split, seconds, total, fixed, opts)
+
+
+def _knapsack(opts, names, unit, grid):
+    """{layer: its option's index} with the least seconds whose bytes, each rounded up to a cell
+    of `unit` bytes, fit `grid` cells; None where none does."""
     inf = math.inf
-    # best[m]: the least seconds of the layers so far within m units of memory; choice per layer
-    best = [0.0] * (GRID + 1)
+    # best[m]: the least seconds of the layers so far within m cells; each layer's pick per m
+    best = [0.0] * (grid + 1)
     picks = []
     for name in names:
-        nxt = [inf] * (GRID + 1)
-        pick = [None] * (GRID + 1)
+        nxt = [inf] * (grid + 1)
+        pick = [None] * (grid + 1)
         for k, option in enumerate(opts[name]):
             need = math.ceil(option.bytes / unit - 1e-9)
-            for m in range(need, GRID + 1):
+            for m in range(need, grid + 1):
                 s = best[m - need] + option.seconds
                 if s < nxt[m]:  # (ties keep the whole layer: it comes first)
                     nxt[m], pick[m] = s, k
         best = nxt
         picks.append(pick)
-    m = min(range(GRID + 1), key=lambda i: (best[i], i))
-    split = {}
+    m = min(range(grid + 1), key=lambda i: (best[i], i))
+    if best[m] == inf:
+        return None
+    chosen = {}
     for name, pick in zip(reversed(names), reversed(picks)):
-        k = pick[m]
-        split[name] = bool(k)
-        m -= math.ceil(opts[name][k].bytes / unit - 1e-9)
-    split = {name: split[name] for name in names}
-    total = fixed + sum(opts[n][int(s)].bytes for n, s in split.items())
-    seconds = sum(opts[n][int(s)].seconds for n, s in split.items())
-    return Plan(split, seconds, total, fixed, opts)
+        chosen[name] = pick[m]
+        m -= math.ceil(opts[name][pick[m]].bytes / unit - 1e-9)
+    return chosen
 
 
 def write(p, path):
