@@ -114,3 +114,55 @@ def test_the_plans_map_runs_on_a_mesh_of_4_logical_cpus(tmp_path):
     v = result["sharding"]["gpt/h_0/c_fc/kernel"]
     assert set(v["devices"].values()) == {v["whole"] // (4 if p.split["mlp.0"] else 1)}
     assert_equal_to_one_device(result, generate=False)
+
+
+# -- a user's Keras model under keras.distribution ---------------------------------------------
+
+
+def embed_model():
+    import keras
+    inputs = keras.Input((8,), dtype="int32")
+    h = keras.layers.Embedding(4096, 16, name="embed")(inputs)
+    h = keras.layers.Dense(32, activation="relu", name="up")(h)
+    return keras.Model(inputs, keras.layers.Dense(4, name="down")(h))
+
+
+def test_a_keras_models_embedding_is_split_where_memory_requires_it():
+    """A plain Keras model (an Embedding of 4096 x 16, two Dense layers) on 4 devices: with room
+    every kernel stays whole (a split costs collectives); under a budget that only a split
+    embedding meets, its vocabulary rows are split; a memory model that ignores the embedding
+    keeps it whole under the same budget (the companion), and then does not fit."""
+    model = embed_model()
+    opts, paths, rest = layers.keras_options(model, 4, 8, RATES)
+    assert paths == {"embed": "embed/embeddings", "up": "up/kernel", "down": "down/kernel"}
+    assert [o.axes for o in opts["up"]] == [None, ("model", None), (None, "model")]
+    assert layers.keras_plan(model, 4, 8, 10e6, RATES).layout_map() == {}
+    embed_whole, embed_split = opts["embed"][0].bytes, opts["embed"][1].bytes
+    budget = rest + sum(o[0].bytes for o in opts.values()) - (embed_whole - embed_split) / 2
+    tight = layers.keras_plan(model, 4, 8, budget, RATES)
+    assert tight.layout_map().get("embed/embeddings") == ("model", None) and tight.bytes <= budget
+    blind = layers.keras_plan(model, 4, 8, budget, RATES, memory_of=lambda kind, params: (
+        0.0 if kind == "embedding" else 16 * params))
+    assert "embed/embeddings" not in blind.layout_map()
+    assert rest + sum(opts[n][k].bytes for n, k in blind.picks.items()) > budget
+
+
+@pytest.mark.slow
+def test_a_keras_models_plan_runs_on_a_mesh(tmp_path):
+    """The tight plan above, written and read back as keras.distribution's LayoutMap: on a (1, 4)
+    mesh of logical CPUs the embedding is a quarter on each device, and the losses are one
+    device's."""
+    from tests.test_mesh import PROBE, assert_equal_to_one_device
+    model = embed_model()
+    opts, _, rest = layers.keras_options(model, 4, 8, RATES)
+    budget = rest + sum(o[0].bytes for o in opts.values()) - (
+        opts["embed"][0].bytes - opts["embed"][1].bytes) / 2
+    path = tmp_path / "layout_map.json"
+    layers.write(layers.keras_plan(model, 4, 8, budget, RATES), str(path))
+    out = tmp_path / "result.json"
+    run([sys.executable, PROBE, "embed", "--mesh=1x4", f"--plan={path}", f"--out={out}"],
+        timeout=300)
+    result = json.loads(out.read_text())
+    v = result["sharding"]["embed/embeddings"]
+    assert set(v["devices"].values()) == {v["whole"] // 4}, v
+    assert_equal_to_one_device(result, generate=False)

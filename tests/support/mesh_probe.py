@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 p = argparse.ArgumentParser()
-p.add_argument("model", choices=["llama", "plain", "plain_nomatch", "gpt2", "gpt_llama"])
+p.add_argument("model", choices=["llama", "plain", "plain_nomatch", "gpt2", "gpt_llama", "embed"])
 p.add_argument("--mesh", default="1x2")
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=5)
@@ -66,6 +66,15 @@ def plain():
     return keras.Model(inputs, keras.layers.Dense(4, name="down")(hidden))
 
 
+def embed():
+    """A plain model with a vocabulary of 4096 (the per-layer plan's test: tests/test_layers.py)."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,), dtype="int32")
+    h = keras.layers.Embedding(4096, 16, name="embed")(inputs)
+    h = keras.layers.Dense(32, activation="relu", name="up")(h)
+    return keras.Model(inputs, keras.layers.Dense(4, name="down")(h))
+
+
 def tfdist_gpt():
     from tfdist.models.gpt import GPT
     keras.utils.set_random_seed(1)
@@ -82,6 +91,9 @@ elif args.model == "llama":
     build, x, y = llama, {"token_ids": tokens[:, :-1], "padding_mask": np.ones((8, 8), "int32")}, \
         tokens[:, 1:]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+elif args.model == "embed":
+    build, x, y = embed, tokens[:, :-1], rng.normal(size=(8, 8, 4)).astype("float32")
+    loss = "mse"
 else:
     build, x, y = plain, rng.normal(size=(8, 12)).astype("float32"), \
         rng.normal(size=(8, 4)).astype("float32")
@@ -95,6 +107,9 @@ def layout_map(device_mesh):
     if args.model == "llama":
         import keras_hub
         return keras_hub.models.LlamaBackbone.get_layout_map(device_mesh)
+    if args.model == "embed":  # a per-layer plan's map (tfdist.plan.layers.keras_plan)
+        from tfdist.plan import layers
+        return layers.to_layout_map(args.plan, device_mesh)
     layout = keras.distribution.LayoutMap(device_mesh)
     if args.model == "plain":
         layout["up/kernel"] = (None, "model")

@@ -60,6 +60,7 @@ class Option:
     split: bool
     seconds: float
     bytes: float
+    axes: tuple = None  # the weight's layout when chosen (None: whole)
 
 
 @dataclasses.dataclass
@@ -68,7 +69,9 @@ class Plan:
     seconds: float
     bytes: float  # a device's
     fixed: float  # a device's bytes that no choice changes (activations, logits, norms)
-    options: dict  # layer name -> (whole Option, split Option)
+    options: dict  # layer name -> (whole Option, split Option, ...)
+    picks: dict = None  # layer name -> the index of its chosen option
+    paths: dict = None  # layer name -> its weight's LayoutMap key (a user's model; None: GPT's)
 
     def recomputed(self):
         """The blocks whose forward is recomputed in the backward (`GPT(recompute=...)`)."""
@@ -80,7 +83,11 @@ class Plan:
         over the mesh axis "model")."""
         out = {}
         for name, split in self.split.items():
-            if split and not name.startswith("remat."):
+            if not split or name.startswith("remat."):
+                continue
+            if self.paths is not None:  # a user's model: the chosen option's axes
+                out[self.paths[name]] = self.options[name][self.picks[name]].axes
+            else:
                 key, axes = _KEYS[name.split(".")[0]]
                 out[key.format(i=name.split(".")[-1])] = axes
         return out
@@ -164,8 +171,14 @@ def plan(model, t, tokens, budget, rates, memory_of=None, fixed=None, recompute=
     bytes a device (a Plan); UsageError, one line, when even every layer split does not fit."""
     opts = options(model, t, tokens, rates, memory_of, recompute)
     fixed = fixed_bytes(model, tokens, recompute) if fixed is None else fixed
+    return solve(opts, fixed, budget, t, tokens)
+
+
+def solve(opts, fixed, budget, t, tokens):
+    """The Plan of the options `opts` ({layer: (Option, ...)}) with `fixed` bytes a device held
+    whatever they choose: the least seconds within `budget`."""
     room = budget - fixed
-    least = fixed + sum(o[1].bytes for o in opts.values())
+    least = fixed + sum(min(x.bytes for x in o) for o in opts.values())
     if room <= 0 or least > budget:
         raise UsageError(f"no per-layer split of the model fits {budget / 2 ** 30:.3g} GiB a "
                          f"device on {t} devices: with every layer split it needs "
@@ -182,9 +195,9 @@ def plan(model, t, tokens, budget, rates, memory_of=None, fixed=None, recompute=
                          f"{least / 2 ** 30:.4g} GiB; raise the budget a little or lower the "
                          f"batch")
     split = {name: bool(chosen[name]) for name in names}
-    total = fixed + sum(opts[n][int(s)].bytes for n, s in split.items())
-    seconds = sum(opts[n][int(s)].seconds for n, s in split.items())
-    return Plan(split, seconds, total, fixed, opts)
+    total = fixed + sum(opts[n][k].bytes for n, k in chosen.items())
+    seconds = sum(opts[n][k].seconds for n, k in chosen.items())
+    return Plan(split, seconds, total, fixed, opts, {n: chosen[n] for n in names})
 
 
 def _knapsack(opts, names, unit, grid):
@@ -213,6 +226,99 @@ def _knapsack(opts, names, unit, grid):
         chosen[name] = pick[m]
         m -= math.ceil(opts[name][pick[m]].bytes / unit - 1e-9)
     return chosen
+
+
+def keras_options(model, t, rows, rates, memory_of=None):
+    """({layer: (Option, ...)}, {layer: its kernel's path}, the other weights' bytes) of a built
+    Keras model under keras.distribution on `t` devices, `rows` rows a step: each Dense and
+    EinsumDense kernel whole, by input rows (the output summed: an all-reduce; backward, the
+    input's gradient gathered) or by output columns (the output gathered; backward, the input's
+    gradient summed), and each Embedding by vocabulary rows (the lookup summed) or whole, each
+    layer's output whole on every device after it (as tfdist's GPT: so the choices are
+    independent). A layer's tokens are its output's positions a row (its shape's inner
+    dimensions); its matmul 6 FLOPs a parameter and token."""
+    import numpy as np
+    from keras import layers as kl
+    memory_of = memory_of or (lambda kind, params: STATE * params)
+    opts, paths, placed = {}, {}, set()
+    for layer in _leaves(model):
+        kind = ("embedding" if isinstance(layer, kl.Embedding) else "dense"
+                if isinstance(layer, (kl.Dense, kl.EinsumDense)) else None)
+        if kind is None:
+            continue
+        w = layer.embeddings if kind == "embedding" else layer.kernel
+        shape = tuple(int(d) for d in w.shape)
+        params = int(np.prod(shape))
+        out_shape = tuple(layer.output.shape)[1:] if _has_output(layer) else ()
+        tokens = rows * int(np.prod(out_shape[:-1] or (1,)))
+        width_in, width_out = shape[0], params // shape[0]
+        bytes_ = memory_of(kind, params)
+        flops = 0.0 if kind == "embedding" else 6 * tokens * params
+        bw = rates.allreduce_bw
+        out_bytes, in_bytes = tokens * width_out * 4, tokens * width_in * 4
+        rows_split = (flops / t / rates.flops + _allreduce(out_bytes, t, bw)
+                      + (0.0 if kind == "embedding" else _gather(in_bytes, t, bw)))
+        choices = [Option(False, flops / rates.flops, bytes_),
+                   Option(True, rows_split, bytes_ / t, ("model",) + (None,) * (len(shape) - 1))]
+        if kind == "dense":
+            columns = flops / t / rates.flops + _gather(out_bytes, t, bw) + _allreduce(
+                in_bytes, t, bw)
+            choices.append(Option(True, columns, bytes_ / t,
+                                  (None,) * (len(shape) - 1) + ("model",)))
+        opts[layer.name] = tuple(choices)
+        paths[layer.name] = w.path
+        placed.add(id(w))
+    rest = sum(STATE * int(np.prod(v.shape)) for v in model.trainable_variables
+               if id(v) not in placed)
+    return opts, paths, rest
+
+
+def keras_plan(model, t, rows, budget, rates, activations=0.0, memory_of=None):
+    """The fastest per-layer layout of a user's built Keras model on `t` devices within `budget`
+    bytes a device (its `activations` a step, e.g. `tfdist.parallel.budget.measure`'s, held
+    either way): a Plan whose `layout_map()` is {kernel path: axes}."""
+    opts, paths, rest = keras_options(model, t, rows, rates, memory_of)
+    if not opts:
+        raise UsageError("the model has no Dense, EinsumDense or Embedding layer to split: "
+                         "nothing to plan per layer")
+    p = solve(opts, rest + activations, budget, t, rows)
+    p.paths = paths
+    return p
+
+
+def to_layout_map(p, device_mesh):
+    """A keras.distribution.LayoutMap on `device_mesh` of plan `p` (a user's model's, or the
+    path of one `write` wrote)."""
+    import keras
+    layouts = keras.distribution.LayoutMap(device_mesh)
+    for key, axes in (read_layout_map(p) if isinstance(p, str) else p.layout_map()).items():
+        layouts[key] = axes
+    return layouts
+
+
+def _leaves(model):
+    """The model's layers, nested models' layers in their place, each once."""
+    import keras
+    seen, out = set(), []
+
+    def visit(container):
+        for layer in container.layers:
+            if id(layer) in seen:
+                continue
+            seen.add(id(layer))
+            if isinstance(layer, keras.Model):
+                visit(layer)
+            else:
+                out.append(layer)
+    visit(model)
+    return out
+
+
+def _has_output(layer):
+    try:
+        return layer.output is not None
+    except (AttributeError, ValueError):  # (a subclassed model's layer: no symbolic output)
+        return False
 
 
 def write(p, path):
