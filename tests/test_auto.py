@@ -2,6 +2,7 @@
 host and a memory budget; said with two runners-up and written to <workdir>/layout.json; the run
 then equals the same layout named by hand. Bad input is one line and exit 2."""
 import json
+import os
 import sys
 
 import pytest
@@ -115,13 +116,25 @@ def test_processes_here_from_the_launchers_environment():
 
 def test_a_bench_dir_of_another_cpu_is_not_used(tmp_path):
     """Rates measured on another CPU model are said to be another machine's: the matmul peak is
-    probed here instead."""
-    (tmp_path / "bench_results").mkdir()
-    (tmp_path / "bench_results" / "scaling.json").write_text(json.dumps(
-        {"host": {"cpu": "Another CPU", "cores": 2}}))
-    m = auto.measure(str(tmp_path / "bench_results"), say=lambda *a, **k: None,
-                     probe=lambda cpu, cores, say: 123e9)
-    assert m.peak == 123e9 and "another machine type's" in m.source
+    probed here instead. The companion: the same files with this host's CPU are used."""
+    import shutil
+
+    from tests.helpers import ROOT
+    from tfdist.runtime.host import this_cpu
+    shutil.copytree(os.path.join(ROOT, "bench_results"), tmp_path / "bench_results")
+    os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
+    scaling = tmp_path / "bench_results" / "scaling.json"
+    s = json.loads(scaling.read_text())
+
+    def measured_as(cpu):
+        s["host"] = {**s["host"], "cpu": cpu, "cores": this_cpu()[1]}
+        scaling.write_text(json.dumps(s))
+        return auto.measure(str(tmp_path / "bench_results"), say=lambda *a, **k: None,
+                            probe=lambda cpu, cores, say: 123e9)
+    other = measured_as("Another CPU")
+    assert other.peak == 123e9 and "another machine type's" in other.source
+    here = measured_as(this_cpu()[0])
+    assert here.peak != 123e9 and "of this machine type" in here.source and here.overheads
 
 
 # -- tfdist train -----------------------------------------------------------------------------
