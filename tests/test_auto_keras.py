@@ -107,6 +107,15 @@ def test_auto_is_horovod_under_horovodrun():
 # -- the programs -------------------------------------------------------------------------------
 
 
+_SINGLE = {}  # model -> (losses, output) of its one-device run, shared by the tests
+
+
+def single(model):
+    if model not in _SINGLE:
+        _SINGLE[model] = program(model, "single")
+    return _SINGLE[model]
+
+
 def program(model, strategy, workers=1, *extra):
     """(each process's losses, output) of the program."""
     argv = [sys.executable, PROGRAM, f"--model={model}", f"--strategy={strategy}", *extra]
@@ -132,8 +141,7 @@ def test_with_room_it_runs_plain_data_parallelism(model):
     losses, out = program(model, "auto")
     assert "tfdist: auto: chose data parallel" in out, out[-3000:]
     assert "measured" in out
-    single, _ = program(model, "single")
-    assert_equal_losses(losses, single)
+    assert_equal_losses(losses, single(model)[0])
 
 
 @pytest.mark.slow
@@ -144,8 +152,7 @@ def test_under_a_budget_for_activations_it_accumulates_smaller_batches():
     normalisation across rows to change)."""
     losses, out = program("gpt2", "auto", 1, "--memory_gb=0.049")
     assert "tfdist: auto: chose data parallel, 2 batches per update" in out, out[-3000:]
-    single, _ = program("gpt2", "single")
-    assert_equal_losses(losses, single)
+    assert_equal_losses(losses, single("gpt2")[0])
 
 
 @pytest.mark.slow
