@@ -45,8 +45,9 @@ LAYERS = [
     ("callbacks", ["callbacks/"]),
     ("strategies", ["strategies/"]),
     ("step", ["step.py"]),
+    ("plan", ["plan/"]),
     ("train", ["train.py"]),
-    ("commands", ["cli/", "launch/", "plan/", "horovod/", "__init__.py", "__main__.py"]),
+    ("commands", ["cli/", "launch/", "horovod/", "__init__.py", "__main__.py"]),
 ]
 
 

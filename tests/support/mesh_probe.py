@@ -103,7 +103,10 @@ else:
 def layout_map(device_mesh):
     if args.model in ("gpt2", "gpt_llama"):
         from tfdist.models import gpt
-        return gpt.layout_map(device_mesh, plan=args.plan or None)
+        if args.plan:  # a per-layer plan's map (tfdist plan --per_layer)
+            from tfdist.plan import layers
+            return layers.to_layout_map(args.plan, device_mesh)
+        return gpt.layout_map(device_mesh)
     if args.model == "llama":
         import keras_hub
         return keras_hub.models.LlamaBackbone.get_layout_map(device_mesh)

@@ -309,7 +309,7 @@ def _per_layer(F, model, device, cluster, batch, eff, precision):
     os.makedirs(F.out, exist_ok=True)
     path = os.path.join(F.out, "layout_map.json")
     layers.write(p, path)
-    print(f"layout map: {path} (tfdist.models.gpt.layout_map(mesh, plan={path!r}); the blocks "
+    print(f"layout map: {path} (tfdist.plan.layers.to_layout_map({path!r}, mesh); the blocks "
           f"to recompute, GPT(recompute=...): {p.recomputed()})")
 
 

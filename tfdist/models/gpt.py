@@ -482,8 +482,7 @@ def loss_fn():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def layout_map(device_mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch",
-               plan=None):
+def layout_map(device_mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch"):
     """A `keras.distribution.LayoutMap` of the GPT's weights, as keras-hub's backbones give one
     (`LlamaBackbone.get_layout_map`), for `keras.distribution.ModelParallel` on TensorFlow through
     `tfdist.parallel.mesh` (docs/parallelism.md), over the mesh axis `model_parallel_dim_name`:
@@ -497,9 +496,8 @@ def layout_map(device_mesh, model_parallel_dim_name="model", data_parallel_dim_n
     expansion ("op output inconsistent with the provided layout"). The architecture "gpt2" does
     not run on a mesh at all (docs/parallelism.md); tfdist's own tensor parallelism
     (`tensor.parallel`) splits both architectures Megatron's way. The data axis
-    (`data_parallel_dim_name`) shards the batch, not the weights. `plan`: a per-layer plan's file
-    (`tfdist plan --per_layer` writes layout_map.json: tfdist.plan.layers): only the layers it
-    splits are split.
+    (`data_parallel_dim_name`) shards the batch, not the weights. (A per-layer plan's map, which
+    splits only some layers: `tfdist.plan.layers.to_layout_map`.)
 
         >>> import keras
         >>> mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), ["cpu:0"])
@@ -512,11 +510,6 @@ def layout_map(device_mesh, model_parallel_dim_name="model", data_parallel_dim_n
     del data_parallel_dim_name  # (the batch's axis: the data's layout, not a weight's)
     model = model_parallel_dim_name
     layouts = keras.distribution.LayoutMap(device_mesh)
-    if plan is not None:
-        from tfdist.plan import layers
-        for key, axes in layers.read_layout_map(plan).items():
-            layouts[key] = tuple(model if a == "model" else a for a in axes)
-        return layouts
     layouts[r".*wte/embeddings"] = (model, None)  # (Keras matches a key to a whole path)
     layouts[r".*attn/c_attn/kernel"] = (model, None)
     layouts[r".*/c_fc/kernel"] = (model, None)

@@ -10,6 +10,7 @@ import statistics
 
 from tfdist.plan.machine import (
     BENCH_HINT,
+    COLLECTIVE,
     FP32,
     RING,
     allreduce_time,
@@ -137,14 +138,14 @@ def overlap_rows(h, model, bench_dir, name, o):
         if allreduce is None:
             return out + [{"figure": name, "missing": BENCH_HINT.get(ar_name, "make bench-links")}]
         wire = 0.0 if link == "loopback" else grads / link_rate(link)
-        late = (r["strategy"] == "multi_worker_mirrored" and o.get("inter_op_threads") == 1
-                and wire > 0)
-        traced = r["strategy"] == "horovod" and r["overlap"] == "on" and wire > 0
+        # (how each collective behaved in its profiled 1 Gbit/s step: the overlap-trace files)
+        late = impl == RING and o.get("inter_op_threads") == 1 and wire > 0
+        traced = impl in TRACED_HIDDEN and r["overlap"] == "on" and wire > 0
         opts = dataclasses.replace(FP32, overlap=r["overlap"] == "on" and not (late or traced),
                                    bucket_bytes=(r["bucket_mb"] or 25) * 2 ** 20)
         t2, load = two_processes(h, model, per, t1, allreduce, wire, link != "loopback", opts)
         if traced:  # the share of the wire the profiled step hid
-            t2 -= HOROVOD_HIDDEN * wire
+            t2 -= TRACED_HIDDEN[impl] * wire
         note = f"{link}: 1 process {t1:.2f} s; {_day(h, load)}" + (
             f"; {MWMS_LATE}" if late and r["overlap"] == "on" else "") + (
             f"; {HOROVOD_TRACED}" if traced else "")
@@ -154,7 +155,7 @@ def overlap_rows(h, model, bench_dir, name, o):
     return out
 
 
-HOROVOD_HIDDEN = 0.39
+TRACED_HIDDEN = {COLLECTIVE["horovod"]: 0.39}  # Gloo's share of the wire hidden, traced
 HOROVOD_TRACED = ("Horovod's background thread hid 39 % of the wire's time behind the backward "
                   "pass in its profiled 1 Gbit/s step (overlap-trace-horovod-1gbit.json, "
                   "docs/benchmarks.md 'Why 70 %'), not the bucket model's share: priced at 39 %")

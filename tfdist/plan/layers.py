@@ -5,7 +5,7 @@ layer that can be split, whether it is: the token embedding by vocabulary rows
 kernel by input rows) and each block's MLP (its first kernel by input rows); and which blocks
 recompute their forward in the backward pass (their input kept, not their activations:
 `keras.remat`). The result is a layout map a user reads, and passes to
-`tfdist.models.gpt.layout_map(mesh, plan=...)`, with the blocks to recompute for
+`tfdist.plan.layers.to_layout_map(path, mesh)`, with the blocks to recompute for
 `GPT(recompute=...)`.
 
 The model of a layer, per device, on this machine's rates:
