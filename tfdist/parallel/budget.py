@@ -87,6 +87,7 @@ class Choice:
     bytes: float  # a process's
     others: tuple  # ((name, bytes), ...) of the options before it (they did not fit)
     accumulate: int = 1  # batches per update (the data re-batched into k pieces)
+    index: int = 0  # its place in `options`' order of cost
 
     @property
     def describe(self):
@@ -159,7 +160,7 @@ def choose_at(m, index, replicas, device):
     every = options(m, replicas, device)
     layout, k, need = every[index]
     before = tuple((x[0][0], x[2]) for x in every[:index] if x[1] == 1)
-    return Choice(layout[0], layout[1], layout[2], need, before, k)
+    return Choice(layout[0], layout[1], layout[2], need, before, k, index)
 
 
 def lines(m, choice, replicas, budget):

@@ -191,18 +191,25 @@ def fit_overheads(bench_dir, machine):
     return out
 
 
-def bench_candidates(case, machine, root):
-    """(Candidate, bench row) of each measured row of an auto.json case, priced now."""
+def bench_config(path, seq, batch, updates=1, memory_gb=0.0):
+    """The config of a bench's run of the config file at `path` (as `tools/bench/auto.py` runs
+    it: float32, `updates` updates of `batch` sequences of `seq` tokens, no backups)."""
     from tfdist import config as config_lib
     from tfdist.plan.report import load_config
-    from tfdist.strategies import get_class
-    c = load_config(os.path.join(root, case["config"]))
-    c.model.block_size = case["seq"]
-    c.train.update(batch_size=case["batch"], grad_accum_steps=1, steps=case["updates"],
-                   steps_per_epoch=case["updates"], warmup_steps=1, precision="float32",
-                   memory_gb=0.0)
+    c = load_config(path)
+    c.model.block_size = seq
+    c.train.update(batch_size=batch, grad_accum_steps=1, steps=max(updates, 2),
+                   steps_per_epoch=max(updates, 2), warmup_steps=1, precision="float32",
+                   memory_gb=memory_gb)
     c.backup.enabled = False
-    config_lib.validate(c)
+    return config_lib.validate(c)
+
+
+def bench_candidates(case, machine, root):
+    """(Candidate, bench row) of each measured row of an auto.json case, priced now."""
+    from tfdist.strategies import get_class
+    c = bench_config(os.path.join(root, case["config"]), case["seq"], case["batch"],
+                     case["updates"])
     w = case["workers"]
     by_layout = {x.name: x for x in candidates(c, get_class("horovod"), w, w, machine)}
     for row in case["rows"]:

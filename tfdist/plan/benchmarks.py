@@ -358,14 +358,10 @@ def auto_rows(bench_dir, a):
 def _bench_setting(bench_dir, config, seq, batch, workers=1):
     """(config, Model, Cluster, Options) of a bench's Horovod run of `config` (float32, `batch`
     sequences of `seq` tokens per update, `workers` ranks on this host), as auto prices it."""
-    from tfdist import config as config_lib
     from tfdist.plan import auto
-    from tfdist.plan.report import load_config
     from tfdist.strategies import get_class
-    c = load_config(os.path.join(os.path.dirname(os.path.abspath(bench_dir)), config))
-    c.model.block_size = seq
-    c.train.update(batch_size=batch, grad_accum_steps=1, precision="float32", memory_gb=0.0)
-    config_lib.validate(c)
+    c = auto.bench_config(os.path.join(os.path.dirname(os.path.abspath(bench_dir)), config), seq,
+                          batch)
     return (c, *auto.setting(c, get_class("horovod"), workers, workers, _machine(bench_dir)))
 
 

@@ -88,10 +88,11 @@ def get(name, zero=0, skip_nonfinite=0, offload="none", offload_dir="", auto=Fal
     `skip_nonfinite=K`: such a model's updates whose loss or gradients are not finite are
     skipped, and K in a row stop `fit` (tfdist/runtime/nonfinite.py; not parameter_server).
     `name="auto"` (or `auto=True` on horovod or multi_worker_mirrored): a user's model compiled
-    in the scope is measured at its first `fit` and trained plainly data parallel, or with ZeRO-3,
-    or offloaded, whichever costs least and fits `memory_gb` GiB a process (0: this host's
-    available memory shared by its processes; tfdist.parallel.budget.py); "auto" is horovod under
-    horovodrun, else multi_worker_mirrored (`launched_strategy`)."""
+    in the scope is measured at its first `fit` and trained plainly data parallel, with ZeRO-1, 2
+    or 3, or offloaded, its batches in pieces where needed, whichever costs least and fits
+    `memory_gb` GiB a process (0: this host's available memory shared by its processes;
+    tfdist/parallel/budget.py); "auto" is horovod under horovodrun, else multi_worker_mirrored
+    (`launched_strategy`)."""
     if name == "auto":
         name, auto = launched_strategy(), True
         if name == "multi_worker_mirrored" and "cluster" not in options and \

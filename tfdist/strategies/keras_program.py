@@ -170,11 +170,9 @@ class KerasProgram:
         budget = user_auto.budget_bytes(self.user_auto, cluster.processes_here())
         device = "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
         choice = user_auto.choose(measured, self.num_replicas, budget, device)
-        every = user_auto.options(measured, self.num_replicas, device)
-        index = next(i for i, (layout, k, _) in enumerate(every)
-                     if layout[0] == choice.name and k == choice.accumulate)
-        agreed = sum(self.any_process(index > i) for i in range(len(every) - 1))
-        if agreed != index:
+        count = len(user_auto.options(measured, self.num_replicas, device))
+        agreed = sum(self.any_process(choice.index > i) for i in range(count - 1))
+        if agreed != choice.index:
             choice = user_auto.choose_at(measured, agreed, self.num_replicas, device)
         if self.is_chief:
             for line in user_auto.lines(measured, choice, self.num_replicas, budget):

@@ -80,18 +80,11 @@ def run(name, workers, workdir, k, extra):
 
 def plan(name, workers, cap):
     """tfdist.plan.auto's decision for the case, as `tfdist train` makes it."""
-    from tfdist import config as config_lib
     from tfdist.plan import auto
-    from tfdist.plan.report import load_config
     from tfdist.strategies import get_class
     config, batch, seq, updates, _ = CASES[name]
-    c = load_config(os.path.join(ROOT, config))
-    c.model.block_size = seq
-    c.train.update(batch_size=batch, grad_accum_steps=1, steps=updates,
-                   steps_per_epoch=updates, warmup_steps=1, precision="float32",
-                   memory_gb=cap / workers if cap else 0.0)
-    c.backup.enabled = False
-    config_lib.validate(c)
+    c = auto.bench_config(os.path.join(ROOT, config), seq, batch, updates,
+                          memory_gb=cap / workers if cap else 0.0)
     return auto.choose(c, get_class("horovod"), workers, workers, pinned={})
 
 
