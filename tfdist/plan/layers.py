@@ -65,13 +65,17 @@ class Option:
 
 @dataclasses.dataclass
 class Plan:
-    split: dict  # layer name -> split or not
+    picks: dict  # layer name -> the index of its chosen option (0: whole, or kept)
     seconds: float
     bytes: float  # a device's
     fixed: float  # a device's bytes that no choice changes (activations, logits, norms)
     options: dict  # layer name -> (whole Option, split Option, ...)
-    picks: dict = None  # layer name -> the index of its chosen option
     paths: dict = None  # layer name -> its weight's LayoutMap key (a user's model; None: GPT's)
+
+    @property
+    def split(self):
+        """{layer name: whether it is split (a block: recomputed)}."""
+        return {name: bool(k) for name, k in self.picks.items()}
 
     def recomputed(self):
         """The blocks whose forward is recomputed in the backward (`GPT(recompute=...)`)."""
@@ -194,10 +198,9 @@ def solve(opts, fixed, budget, t, tokens):
                          f"device on {t} devices with room to spare: every layer split needs "
                          f"{least / 2 ** 30:.4g} GiB; raise the budget a little or lower the "
                          f"batch")
-    split = {name: bool(chosen[name]) for name in names}
     total = fixed + sum(opts[n][k].bytes for n, k in chosen.items())
     seconds = sum(opts[n][k].seconds for n, k in chosen.items())
-    return Plan(split, seconds, total, fixed, opts, {n: chosen[n] for n in names})
+    return Plan({n: chosen[n] for n in names}, seconds, total, fixed, opts)
 
 
 def _knapsack(opts, names, unit, grid):
