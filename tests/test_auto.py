@@ -114,27 +114,68 @@ def test_processes_here_from_the_launchers_environment():
     assert processes_here({}) == 1
 
 
-def test_a_bench_dir_of_another_cpu_is_not_used(tmp_path):
-    """Rates measured on another CPU model are said to be another machine's: the matmul peak is
-    probed here instead. The companion: the same files with this host's CPU are used."""
+def test_a_bench_dir_of_another_cpu_is_not_used(tmp_path, monkeypatch):
+    """Rates measured on another CPU model are said to be another machine's: this CPU's short
+    benches are run here instead (tfdist.plan.probe; a stand-in here, the real one below). The
+    companion: the same files with this host's CPU are used."""
     import shutil
 
     from tests.helpers import ROOT
+    from tfdist.plan import probe
     from tfdist.runtime.host import this_cpu
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     shutil.copytree(os.path.join(ROOT, "bench_results"), tmp_path / "bench_results")
     os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
     scaling = tmp_path / "bench_results" / "scaling.json"
     s = json.loads(scaling.read_text())
+    stand_in = probe.Probe(this_cpu()[0], this_cpu()[1], 123e9, 0.5, 1.25, 1.0)
 
     def measured_as(cpu):
         s["host"] = {**s["host"], "cpu": cpu, "cores": this_cpu()[1]}
         scaling.write_text(json.dumps(s))
         return auto.measure(str(tmp_path / "bench_results"), say=lambda *a, **k: None,
-                            probe=lambda cpu, cores, say: 123e9)
+                            probe=lambda cpu, cores, say: stand_in)
     other = measured_as("Another CPU")
-    assert other.peak == 123e9 and "another machine type's" in other.source
+    assert (other.peak, other.efficiency, other.contention) == (123e9, 0.5, 1.25)
+    assert "another machine type's" in other.source and "probed here" in other.source
     here = measured_as(this_cpu()[0])
     assert here.peak != 123e9 and "of this machine type" in here.source and here.overheads
+
+
+@pytest.mark.slow
+def test_the_short_benches_measure_this_cpu_once_and_a_cache_of_another_is_not_used(
+        tmp_path, monkeypatch):
+    """The probe's processes run here (a small GPT to keep the test short): their figures are
+    cached, and the Machine auto plans with carries the cache file's values and names them; a
+    second measure reads the cache (no probe). A cache file at this CPU's path written for
+    another CPU model is not used (the probe runs again: a stand-in, the third time)."""
+    from tfdist.plan import probe
+    from tfdist.runtime.host import this_cpu
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cpu, cores = this_cpu()
+    tiny = dict(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=256)
+    runs, lines = [], []
+
+    def small_probe(cpu, cores, say):
+        runs.append(cpu)
+        return probe.measure(cpu, cores, say, seconds=0.3, batch=2, shape=tiny)
+    other_bench = str(tmp_path / "none")  # no scaling.json: another machine type's
+    say = lambda line, **k: lines.append(line)  # noqa: E731
+    m = auto.measure(other_bench, say=say, probe=small_probe)
+    path = probe.cache_path(cpu, cores)
+    saved = json.loads(open(path).read())
+    assert runs == [cpu] and "measuring its matmul peak and tfdist's step here" in lines[0]
+    assert (m.peak, m.efficiency, m.contention) == (saved["peak"], saved["efficiency"],
+                                                    saved["contention"])
+    assert saved["peak"] > 1e9 and 0.01 < saved["efficiency"] < 2 and saved["contention"] > 0.3
+    assert f"matmul {saved['peak'] / 1e9:.0f} GFLOP/s" in m.source and path in m.source
+    again = auto.measure(other_bench, say=say, probe=small_probe)
+    assert runs == [cpu] and again.peak == m.peak  # read from the cache
+    saved["cpu"] = "Another CPU"
+    open(path, "w").write(json.dumps(saved))
+    stand_in = probe.Probe(cpu, cores, 123e9, 0.5, 1.25, 1.0)
+    third = auto.measure(other_bench, say=say, probe=lambda *a: runs.append(cpu) or stand_in)
+    assert runs == [cpu, cpu] and third.peak == 123e9  # the other CPU's are not used: measured
 
 
 # -- tfdist train -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 
 from tfdist.errors import UsageError
+from tfdist.runtime import host
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,8 +24,7 @@ def loopback_shim():
                          f"pass --bind=all (workers then listen on every interface)")
     with open(src, "rb") as f:
         digest = hashlib.sha1(f.read()).hexdigest()[:12]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                         "tfdist")
+    cache = host.cache_dir()
     so = os.path.join(cache, f"loopback_bind-{digest}.so")
     if os.path.exists(so):
         return so

@@ -7,8 +7,10 @@ memory a process may hold (`train.memory_gb`; 0: this host's RAM shared by its p
 this machine's measured rates (`Machine`): the matmul peak, the fraction of it the GPT's step
 reaches, how much slower two cores compute side by side, the all-reduce between processes, the
 disk and the CPU optimizer (ZeRO-Offload). They come from `bench_results/` when it was measured on
-this CPU model with as many cores; otherwise a short probe measures the matmul peak here (a few
-seconds, cached in ~/.cache/tfdist) and the rest is said to be another machine's.
+this CPU model with as many cores; otherwise the short benches of `tfdist.plan.probe` measure
+the matmul peak, the step's fraction of it and two cores' contention here (about half a minute,
+once: cached in ~/.cache/tfdist), and the rest (all-reduce; offload, not priced) is said to be
+another machine's.
 
 The candidates are every layout the strategy runs at this size (`tfdist.parallel.layout.Layout`'s
 checks: the same judge as a named layout): ZeRO 0-3 where the strategy shards, ZeRO-Offload to
@@ -35,16 +37,15 @@ new size, keeping the accumulation it started with (its steps count batches of t
     'dp=2 tp=1 pp=1 mb=4 zero=0'
 """
 import dataclasses
-import hashlib
 import json
 import math
 import os
-import time
 
 from tfdist.errors import UsageError
 from tfdist.parallel import memory as memory_lib
 from tfdist.plan import machine as machine_lib
 from tfdist.plan import overheads
+from tfdist.plan import probe as probe_lib
 from tfdist.plan.model import (
     GB,
     Cluster,
@@ -69,7 +70,6 @@ NOTHING_TO_CHOOSE = {"parameter_server": "its workers update asynchronously and 
                      "tpu": "XLA lays the TPU program out itself"}
 BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "bench_results")
-CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tfdist")
 #: The fraction of one core's fp32 peak the GPT's step reaches, and two busy cores' slow-down,
 #: where this CPU has not been benchmarked (this project's 2-core AMD EPYC: scaling.json and
 #: tensor.json, 2026-11).
@@ -119,21 +119,30 @@ def _same_type(bench_dir, cpu, cores):
 
 
 def measure(bench_dir=BENCH_DIR, say=print, probe=None):
-    """This machine's rates: bench_dir's where they were measured on this machine type, else a
-    probe of the matmul peak here (cached per CPU model and core count in ~/.cache/tfdist)."""
+    """This machine's rates: bench_dir's where they were measured on this machine type, else the
+    short benches' (`tfdist.plan.probe`: the matmul peak, the step's fraction of it, two cores'
+    contention) of this CPU model, run here at first use and cached in ~/.cache/tfdist. `probe`
+    (cpu, cores, say) -> Probe replaces `probe_lib.measure` (tests)."""
     cpu, cores = host_lib.this_cpu()
     ram = host_lib.host_memory()
     if _same_type(bench_dir, cpu, cores) and machine_lib.read_bench(bench_dir, "bench.json"):
         m = benched(bench_dir, ram)
         return dataclasses.replace(m, source=f"{os.path.relpath(bench_dir)} of this machine type "
                                              f"({cpu}, {cores} cores): {m.source}")
-    peak = (probe or probe_peak)(cpu, cores, say)
-    return Machine(cpu, cores, ram, peak, ASSUMED_EFFICIENCY, ASSUMED_CONTENTION, {}, {},
-                   source=f"the matmul peak probed here ({peak / 1e9:.0f} GFLOP/s; "
-                          f"{os.path.relpath(bench_dir)} is another machine type's); the step's "
-                          f"fraction of it and the all-reduce's rate assumed from this project's "
-                          f"2-core AMD EPYC; offload not priced (make bench-disk, "
-                          f"make bench-scaling and make bench-allreduce measure them here)")
+    rest = (f"the all-reduce's rate assumed from this project's 2-core AMD EPYC "
+            f"({os.path.relpath(bench_dir)} is another machine type's); offload not priced "
+            f"(make bench-allreduce and make bench-disk measure them here)")
+    p = probe_lib.cached(cpu, cores)
+    if p is None:
+        try:
+            p = (probe or probe_lib.measure)(cpu, cores, say)
+        except RuntimeError as e:
+            say(f"tfdist: layout=auto: the short benches failed here ({e}); planning with this "
+                f"project's machine's figures", flush=True)
+            m = Machine.assumed(cores, ram)
+            return dataclasses.replace(m, cpu=cpu, source=f"{m.source}: not measured here; {rest}")
+    return Machine(cpu, cores, ram, p.peak, p.efficiency, p.contention, {}, {},
+                   source=f"{p.describe()} ({probe_lib.cache_path(cpu, cores)}); {rest}")
 
 
 def benched(bench_dir, ram=None):
@@ -215,36 +224,6 @@ def bench_candidates(case, machine, root):
     for row in case["rows"]:
         if "seconds_per_update" in row and row["layout"] in by_layout:
             yield by_layout[row["layout"]], row
-
-
-def probe_peak(cpu, cores, say=print, seconds=3.0):
-    """FLOP/s of a 2048^3 float32 matmul on this process's cores, measured for `seconds` (the
-    median of the runs after the first), cached per CPU model and core count."""
-    key = hashlib.sha1(f"{cpu}/{cores}".encode()).hexdigest()[:12]
-    path = os.path.join(CACHE, f"matmul-peak-{key}.json")
-    try:
-        with open(path) as f:
-            return float(json.load(f)["flops"])
-    except (OSError, ValueError, KeyError):
-        pass
-    from tfdist.runtime.lazy import tf
-    say(f"tfdist: layout=auto: measuring this CPU's matmul rate ({cpu}, {cores} cores; "
-        f"{seconds:g} s, once)", flush=True)
-    n = 2048
-    a = tf.random.normal((n, n))
-    times = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times) < 3:
-        start = time.perf_counter()
-        tf.linalg.matmul(a, a).numpy()
-        times.append(time.perf_counter() - start)
-    times = sorted(times[1:])
-    flops = 2 * n ** 3 / times[len(times) // 2]
-    os.makedirs(CACHE, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"cpu": cpu, "cores": cores, "flops": flops, "when": time.time()}, f)
-    os.replace(path + ".tmp", path)
-    return flops
 
 
 # ---------------------------------------------------------------------------------------------

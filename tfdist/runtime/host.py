@@ -1,5 +1,6 @@
-"""This host: its CPU model, the cores this process may use, and the memory a run may take
-(`tfdist.plan.auto` plans for them; `tfdist.parallel.budget` fits a user's model in them).
+"""This host: its CPU model, the cores this process may use, the memory a run may take
+(`tfdist.plan.auto` plans for them; `tfdist.parallel.budget` fits a user's model in them), and
+where tfdist caches what it builds or measures here.
 
     >>> from tfdist.runtime import host
     >>> cpu, cores = host.this_cpu()
@@ -42,3 +43,10 @@ def host_memory():
     except (OSError, ValueError):
         pass
     return float(avail)
+
+
+def cache_dir():
+    """Where tfdist keeps what it built or measured on this host: $XDG_CACHE_HOME/tfdist, else
+    ~/.cache/tfdist."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "tfdist")
