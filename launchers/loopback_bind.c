@@ -12,6 +12,12 @@
  * TFDIST_BIND_INTERFACE=<name> does the same with the address of that interface (mpirun's ranks,
  * which all get the same environment).
  *
+ * TFDIST_BIND=all leaves every bind alone, read at each bind: a process that has the shim loaded
+ * (preloaded at its start) passes wildcard binds through while the variable says so. `tfdist
+ * launch` sets TFDIST_BIND for its processes (loopback or all, its --bind); the tests preload the
+ * shim into every process they start with TFDIST_BIND=all, so that a launch's agent can be a fork
+ * of the launcher, which they start warm (tfdist/launch/warm.py).
+ *
  * Built on first use by launchers/local.py:  cc -shared -fPIC -O2 -o loopback_bind.so loopback_bind.c -ldl
  */
 #define _GNU_SOURCE
@@ -53,6 +59,8 @@ static in_addr_t target(void) {
 int bind(int fd, const struct sockaddr *addr, socklen_t len) {
   static bind_fn real_bind;
   if (!real_bind) real_bind = (bind_fn)dlsym(RTLD_NEXT, "bind");
+  const char *mode = getenv("TFDIST_BIND");
+  if (mode && strcmp(mode, "all") == 0) return real_bind(fd, addr, len);
   if (addr && addr->sa_family == AF_INET && len >= sizeof(struct sockaddr_in)) {
     struct sockaddr_in a;
     memcpy(&a, addr, sizeof a);

@@ -8,6 +8,20 @@ import pytest
 
 def pytest_configure(config):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # for every process the tests start
+    # The bind shim preloaded, dormant (TFDIST_BIND=all), in every process the tests start: a
+    # launch's LD_PRELOAD is then its launcher's, so its agent is a fork of the launcher, which
+    # the tests start warm (tfdist.launch.warm.keep_a_fork: ~4 s of CPU a launch). A launch
+    # sets TFDIST_BIND for its own processes (its --bind).
+    from tfdist.errors import UsageError
+    from tfdist.launch.bind import loopback_shim
+    try:
+        shim = loopback_shim()
+    except UsageError:  # (no C compiler: every launch's agent starts fresh, as it would)
+        return
+    preloaded = os.environ.get("LD_PRELOAD", "").split()
+    if shim not in preloaded:
+        os.environ["LD_PRELOAD"] = " ".join([shim, *preloaded])
+    os.environ.setdefault("TFDIST_BIND", "all")
 
 
 #: The test files that take longest here (their summed test times in a fresh-clone `make test`,

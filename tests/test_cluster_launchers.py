@@ -34,7 +34,8 @@ def run_sbatch(tmp_path, data_dir, tasks, **env_extra):
     env = {**os.environ, "PATH": fake_slurm + os.pathsep + os.environ["PATH"],
            "SLURM_JOB_ID": "4242", "SLURM_NTASKS": str(tasks), "SLURM_SUBMIT_DIR": ROOT,
            "PYTHON": sys.executable, "TFDIST_SLURM_PORT_BASE": str(free_port_run(tasks)),
-           "LD_PRELOAD": loopback_shim(), "PYTHONUNBUFFERED": "1", **env_extra}
+           "LD_PRELOAD": loopback_shim(), "TFDIST_BIND": "loopback", "PYTHONUNBUFFERED": "1",
+           **env_extra}
     env.pop("TF_CONFIG", None)
     flags = ["--config=configs/gpt_nano.py", f"--workdir={tmp_path}",
              f"--config.train.steps={STEPS}", f"--config.data.data_dir={data_dir}",

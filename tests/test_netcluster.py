@@ -150,7 +150,8 @@ def _env(net, i, cluster, role, index):
     from tfdist.launch.local import loopback_shim
     return {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CONFIG": json.dumps(
         {"cluster": cluster, "task": {"type": role, "index": index}}),
-        "LD_PRELOAD": loopback_shim(), "TFDIST_BIND_ADDRESS": net.address(i)}
+        "LD_PRELOAD": loopback_shim(), "TFDIST_BIND": "loopback",
+        "TFDIST_BIND_ADDRESS": net.address(i)}
 
 
 def _own_address_only(net, procs):
@@ -308,7 +309,8 @@ def test_horovod_mpi_across_two_hosts_equals_single(tmp_path, data_dir, single):
                 "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "eth0",
                 "--mca", "oob_tcp_if_include", "eth0",
                 "-x", "PATH", "-x", "PYTHONUNBUFFERED", "-x", f"LD_PRELOAD={loopback_shim()}",
-                "-x", "TFDIST_BIND_INTERFACE=eth0", *program]  # Open MPI binds the wildcard
+                "-x", "TFDIST_BIND=loopback", "-x", "TFDIST_BIND_INTERFACE=eth0",
+                *program]  # Open MPI binds the wildcard
     out = _horovod_across(tmp_path, data_dir, single, launcher)
     # Horovod's controller: MPI
     assert "horovod: rank 0 of 2, ring-allreduce (mpi)" in out, out[-3000:]

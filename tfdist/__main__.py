@@ -17,6 +17,9 @@ def main(argv=None):
     if argv[1] not in COMMANDS:
         print(f"tfdist: error: unknown command '{argv[1]}'; {USAGE}", file=sys.stderr)
         sys.exit(2)
+    if argv[1] == "launch":  # its agent: a fork of this process, where it has TF imported (made
+        from tfdist.launch.warm import keep_a_fork  # before the command's flags are defined)
+        keep_a_fork()
     module = importlib.import_module(COMMANDS[argv[1]])  # (no TensorFlow yet: `--help` is quick)
     module.run([f"tfdist {argv[1]}"] + argv[2:])
 

@@ -22,11 +22,11 @@ from absl import flags
 from tfdist import cli, strategies
 from tfdist.errors import UsageError
 from tfdist.launch import islands as islands_lib
+from tfdist.launch.bind import launch_env
 from tfdist.launch.hosts import Host
 from tfdist.launch.local import (
     DEFAULT_PORT,
     Supervisor,
-    loopback_shim,
     place_of,
     round_robin,
 )
@@ -235,9 +235,7 @@ def main(argv):
                              "--max_workers, --discovery or --spares with it")
         islands_lib.split_hosts(hosts, islands)
         at = islands_lib.host_of([Host(name) for name in hosts] if hosts else None)
-    env = dict(os.environ)
-    if _BIND.value == "loopback":  # (with --hosts each task binds its own host's address)
-        env["LD_PRELOAD"] = " ".join(filter(None, [loopback_shim(), env.get("LD_PRELOAD")]))
+    env = launch_env(dict(os.environ), _BIND.value)  # (with --hosts: each task its host's address)
     # This machine's agent (the prepare step's, then its workers'): on its address among the
     # hosts, or 127.0.0.1; it imports TensorFlow while the launcher goes on.
     here = next((h for h in (Host(name) for name in hosts or []) if h.local), None)

@@ -4,6 +4,14 @@ Listening only on 127.0.0.1: TF's gRPC server binds every interface whatever TF_
 (tensorflow/tensorflow#2925). `--bind=loopback` (the default) therefore preloads
 `loopback_bind.c`, which the system C compiler builds once into ~/.cache/tfdist. It turns the
 workers' wildcard binds into 127.0.0.1 binds. `--bind=all` leaves TF's behaviour alone.
+
+The launcher sets `TFDIST_BIND` (its --bind) for every process it starts, and the shim reads it at
+each bind: with "all" it passes wildcard binds through. A process whose environment preloads the
+shim already (the tests' processes, with TFDIST_BIND=all) keeps its LD_PRELOAD as it is, so its
+launch's agent can be a fork of it (`tfdist.launch.warm`).
+
+    >>> launch_env({"LD_PRELOAD": "x.so"}, "all")
+    {'LD_PRELOAD': 'x.so', 'TFDIST_BIND': 'all'}
 """
 import hashlib
 import os
@@ -41,3 +49,14 @@ def loopback_shim():
         raise UsageError(f"building {src} with {cc} failed ({last}); pass --bind=all to do without")
     os.replace(tmp, so)
     return so
+
+
+def launch_env(env, bind):
+    """`env` for a launch's processes under `--bind=bind`: TFDIST_BIND set, and with "loopback"
+    the shim in LD_PRELOAD (first, unless it is there already)."""
+    env = {**env, "TFDIST_BIND": bind}
+    if bind == "loopback":
+        shim, present = loopback_shim(), env.get("LD_PRELOAD", "").split()
+        if shim not in present:
+            env["LD_PRELOAD"] = " ".join([shim, *present])
+    return env

@@ -16,12 +16,18 @@ import itertools
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
+import time
+
+from tfdist.runtime import process
 
 #: Seconds an agent may take to start (it imports TensorFlow) before it counts as lost.
 READY_TIMEOUT = 180.0
+#: A fork of this process kept for this host's first agent (`keep_a_fork`), or None.
+_KEPT = None
 
 
 class AgentLost(Exception):
@@ -114,10 +120,13 @@ class Agent:
         self.address = address
         argv = [sys.executable, "-m", "tfdist.launch.agent", f"--address={address}",
                 *([] if warm else ["--cold"])]
-        if host is not None and not host.local:  # (ssh runs here with `env`)
+        here = host is None or host.local
+        if not here:  # (ssh runs here with `env`)
             argv = host.remote(argv, env if remote_env is None else remote_env)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, cwd=cwd or os.getcwd(), start_new_session=True)
+        self.proc = _kept_fork(argv[3:], env, cwd or os.getcwd()) if warm and here else None
+        if self.proc is None:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         env=env, cwd=cwd or os.getcwd(), start_new_session=True)
         self.info = None
         self.lost = None  # why the agent ended, once it has
         self._ready = threading.Event()
@@ -221,3 +230,123 @@ class Agent:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+# -- an agent that is a fork of the launcher -----------------------------------------------------
+def keep_a_fork():
+    """Keeps a fork of this process for this host's first agent, where this process has already
+    imported what an agent imports (a launcher that runs as a warm process of another agent:
+    the tests' own) and may fork (`tfdist.runtime.process.why_not_fork`); else does nothing.
+    `tfdist launch` calls it before anything else. The fork waits for `Agent` to hand it an
+    environment, a directory and the agent's arguments, then runs the agent's loop, with no
+    import to do (about 4 s of CPU saved a launch); unused, it ends with the launcher (the end of
+    its pipe). `Agent` takes it only where the environment it is given reads at start what this
+    process did (`tfdist.launch.agent.differs`: the bind shim's LD_PRELOAD too,
+    `tfdist.launch.bind`)."""
+    global _KEPT
+    if _KEPT is not None or "tfdist.train" not in sys.modules or process.why_not_fork():
+        return
+    config_r, config_w = os.pipe()
+    requests_r, requests_w = os.pipe()
+    events_r, events_w = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        for fd in (config_w, requests_w, events_r):
+            os.close(fd)
+        _wait_to_be_the_agent(config_r, requests_r, events_w)
+    for fd in (config_r, requests_r, events_w):
+        os.close(fd)
+    _KEPT = (pid, config_w, requests_w, events_r, dict(os.environ))
+
+
+def _kept_fork(args, env, cwd):
+    """The kept fork, started as the agent with `args` in `env` and `cwd` (a Popen-like
+    `_Forked`), or None: none kept, or `env` reads at start what this process did not."""
+    global _KEPT
+    from tfdist.launch.agent import differs
+    if _KEPT is None or differs(env, _KEPT[4]):
+        return None
+    pid, config_w, requests_w, events_r, _ = _KEPT
+    _KEPT = None
+    data = json.dumps({"args": list(args), "env": dict(env), "cwd": cwd}).encode()
+    try:
+        while data:
+            data = data[os.write(config_w, data):]
+    except OSError:  # (it has ended)
+        data = None
+    os.close(config_w)
+    if data is None:
+        os.close(requests_w)
+        os.close(events_r)
+        return None
+    return _Forked(pid, requests_w, events_r)
+
+
+def _wait_to_be_the_agent(config_r, requests_r, events_w):
+    """In the kept fork: waits for its configuration (the end of the launcher's pipe: none, it
+    ends), then becomes the agent: its own session, its requests on stdin, its events on
+    stdout. Never returns: the agent's status ends the process as it would end a warm process of
+    the agent this one is a fork of (SystemExit), or os._exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the launcher's ^C is its to handle)
+    chunks = []
+    while True:
+        chunk = os.read(config_r, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(config_r)
+    if not chunks:
+        os._exit(0)
+    config = json.loads(b"".join(chunks))
+    os.setsid()
+    os.dup2(requests_r, 0)
+    os.dup2(events_w, 1)
+    os.close(requests_r)
+    os.close(events_w)
+    os.chdir(config["cwd"])
+    os.environ.clear()
+    os.environ.update(config["env"])
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.argv = [sys.argv[0], *config["args"]]
+    from tfdist.launch import agent
+    raise SystemExit(agent.main(config["args"]))
+
+
+class _Forked:
+    """The kept fork as the agent: what `Agent` uses of a `subprocess.Popen` (`stdin`, `stdout`,
+    `pid`, `returncode`, `poll`, `wait`, `kill`)."""
+
+    def __init__(self, pid, requests_w, events_r):
+        self.pid, self.returncode = pid, None
+        self.stdin = open(requests_w, "wb")
+        self.stdout = open(events_r, "rb")
+        self._lock = threading.Lock()
+
+    def poll(self):
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # (reaped elsewhere: its status is lost)
+                    pid, status = self.pid, 255 << 8
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"tfdist agent {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
