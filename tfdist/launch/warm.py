@@ -1,5 +1,7 @@
 """The launcher's side of the warm agents (`tfdist/launch/agent.py`): an agent per host, and the
-processes it starts, which the supervisor handles as it handles `subprocess.Popen` objects.
+processes it starts, which the supervisor handles as it handles `subprocess.Popen` objects. This
+host's first agent is a fork of the launcher where the launcher has TensorFlow imported already
+(`keep_a_fork`: a launch the tests start warm), else a new interpreter that imports it.
 
 Example (an agent on this machine; a process that it starts warm, in a fork):
 
