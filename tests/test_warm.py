@@ -141,3 +141,51 @@ def test_tfdist_launch_starts_its_workers_warm_and_cold(tmp_path):
         assert f"started 2 worker(s) {how} on" in p.stdout, p.stdout
         for w in (0, 1):  # a warm worker has TensorFlow imported already
             assert f"[w{w}] TASK {w} {not cold}" in p.stdout, p.stdout
+
+
+LAUNCHER = """
+import json, os, sys
+from tfdist.launch.warm import Agent, keep_a_fork
+keep_a_fork()  # (as `tfdist launch` does first)
+env = {**os.environ, **json.loads(sys.argv[1])}
+a = Agent(env)
+info = a.ready()
+with open(f"/proc/{info['pid']}/stat") as f:
+    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+w = a.spawn([sys.executable, "-c", "import sys; sys.exit(5)"], env, os.getcwd(), "w0")
+code = w.wait(timeout=120)
+a.close()
+print(json.dumps({"launcher": os.getpid(), "agent": info["pid"], "parent": parent,
+                  "import_s": info["import_s"], "how": w.how, "code": code}))
+"""
+
+
+def launcher_agent(extra):
+    p = run([sys.executable, "-c", LAUNCHER, json.dumps(extra)], timeout=300)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_warm_launchers_agent_is_a_fork_of_it_with_nothing_to_import():
+    """A launcher started warm (the tests start every launch so) keeps a fork of itself, which
+    becomes its agent: the agent's parent is the launcher, it imported nothing, and the processes
+    it starts are warm forks with their own status. The companion: an environment that differs in
+    a variable read at start (OMP_NUM_THREADS) gets a new interpreter, which imports everything
+    (and the kept fork ends with the launcher)."""
+    forked = launcher_agent({})
+    assert forked["parent"] == forked["launcher"] and forked["import_s"] < 0.5, forked
+    assert forked["how"] == "warm" and forked["code"] == 5
+    fresh = launcher_agent({"OMP_NUM_THREADS": "1"})
+    assert fresh["parent"] == fresh["launcher"] and fresh["import_s"] > 1.0, fresh
+    assert fresh["how"] == "warm" and fresh["code"] == 5
+
+
+def test_a_kept_fork_nobody_takes_ends_with_its_launcher():
+    code = ("import os, sys\n"
+            "from tfdist.launch import warm\n"
+            "warm.keep_a_fork()\n"
+            "print(warm._KEPT[0])\n")
+    kept = int(run([sys.executable, "-c", code], timeout=120).stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{kept}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{kept}")
