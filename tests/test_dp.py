@@ -289,8 +289,8 @@ def powersgd_mwms(tmp_path_factory, data_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, kind, accumulate", [
-    ("multi_worker_mirrored", "powersgd", 1),
-    pytest.param("horovod", "bf16", 2, marks=pytest.mark.horovod),
+    ("multi_worker_mirrored", "powersgd", 1),  # (the others long: the suite's time)
+    pytest.param("horovod", "bf16", 2, marks=[pytest.mark.horovod, pytest.mark.long]),
     pytest.param("multi_worker_mirrored", "bf16", 2, marks=pytest.mark.long),
     pytest.param("horovod", "powersgd", 1, marks=[pytest.mark.horovod, pytest.mark.long])])
 def test_a_killed_compressed_run_resumes_bitwise(tmp_path, data_dir, request, strategy, kind,
@@ -328,8 +328,9 @@ def test_a_resumed_run_without_its_errors_is_caught(tmp_path, data_dir, powersgd
 
 # -- 2 hosts x 2 workers --------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [
-    "multi_worker_mirrored", pytest.param("horovod", marks=pytest.mark.horovod)])
+@pytest.mark.parametrize("strategy", [  # (Horovod: long, the suite's time; the same hierarchy)
+    "multi_worker_mirrored",
+    pytest.param("horovod", marks=[pytest.mark.horovod, pytest.mark.long])])
 def test_four_workers_on_two_hosts_train_with_the_hierarchy_as_one_process(
         tmp_path, data_dir, single_reference, strategy):
     """Workers placed round robin (127.0.0.1, .2, .1, .2: a flat ring would cross at every hop)

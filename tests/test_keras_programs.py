@@ -181,8 +181,9 @@ def test_the_same_program_under_every_strategy(strategy, single, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [pytest.param("horovod", marks=pytest.mark.horovod),
-                                      "multi_worker_mirrored"])
+@pytest.mark.parametrize("strategy", [  # (Horovod: long, the suite's time; the same ZeRO-3)
+    pytest.param("horovod", marks=[pytest.mark.horovod, pytest.mark.long]),
+    "multi_worker_mirrored"])
 def test_the_same_program_with_its_weights_sharded(single, tmp_path, strategy):
     """`tfdist.strategies.get(strategy, zero=3)` (ZeRO-3, tfdist/parallel/zero/weights.py), the
     program otherwise unchanged: each weight stored on one process while `fit` runs, gathered where

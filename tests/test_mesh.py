@@ -61,7 +61,8 @@ def assert_sharded(result, shape):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [(1, 2), (2, 2)], ids=["1x2", "2x2"])
+@pytest.mark.parametrize("shape", [  # ((1, 2): long, the suite's time; (2, 2) splits it too)
+    pytest.param((1, 2), marks=pytest.mark.long), (2, 2)], ids=["1x2", "2x2"])
 def test_llama_on_a_mesh_equals_one_device(tmp_path, shape):
     """keras-hub's Llama (GQA, random weights) with LlamaBackbone.get_layout_map on a mesh of
     logical CPUs in one process: 5 steps of fit, predict, greedy generate, save on the mesh and

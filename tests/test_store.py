@@ -119,8 +119,8 @@ def test_a_killed_prepare_finishes_on_rerun_with_the_same_store(tmp_path):
     corpus.mkdir()
     rng = random.Random(0)
     words = [w for w in open(sources.stdlib_files()[0]).read().split() if w.isidentifier()] or ["x"]
-    for i in range(6):  # ~6 MB of text in 6 files: 7 work units
-        lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(20_000)]
+    for i in range(4):  # ~3 MB of text in 4 files: a work unit or more each
+        lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(15_000)]
         (corpus / f"part{i:02d}.txt").write_text("\n".join(lines) + "\n")
     ref = run(prepare_cmd(tmp_path / "ref", corpus), timeout=600, check=False)
     assert ref.returncode == 0, ref.stderr[-3000:]

@@ -288,8 +288,9 @@ def test_without_the_all_gather_the_ranks_drift_apart(tmp_path, data_dir):
 
 @pytest.mark.slow
 @pytest.mark.horovod
-@pytest.mark.parametrize("stage,ranks", [(1, 2), (1, 1), (3, 1),
-                                         pytest.param(3, 2, marks=pytest.mark.long)])
+@pytest.mark.parametrize("stage,ranks", [  # (long: the suite's time; (3, 1) resumes another size)
+    pytest.param(1, 2, marks=pytest.mark.long), (1, 1), (3, 1),
+    pytest.param(3, 2, marks=pytest.mark.long)])
 def test_a_killed_run_resumes_from_its_shards_at_two_ranks_and_at_one(tmp_path, data_dir, request,
                                                                     stage, ranks):
     """Same N: bitwise the uninterrupted run's weights. N = 2 -> 1 (resharded): its losses.

@@ -57,7 +57,10 @@ def single(tmp_path_factory):
     return got
 
 
-STRATEGIES = [pytest.param("horovod", marks=pytest.mark.horovod), "multi_worker_mirrored"]
+# (Horovod: long, the suite's time; the sharding is tfdist's own under both, and
+# tests/test_offload.py runs keras-hub's GPT-2 sharded under Horovod in make test)
+STRATEGIES = [pytest.param("horovod", marks=[pytest.mark.horovod, pytest.mark.long]),
+              "multi_worker_mirrored"]
 
 
 def assert_losses_equal(results, reference, processes):
