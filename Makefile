@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+EXTRAS := $(VENV)/.installed-extras
 HOROVOD := $(VENV)/.horovod-installed
 
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-sample bench-scaling bench-scaling-ps bench-scaling-horovod \
@@ -10,21 +11,29 @@ HOROVOD := $(VENV)/.horovod-installed
         chaos-ps chaos-horovod chaos-islands chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray chaos-spares \
         bench-node-loss bench-warm bench-auto plan-validate plan-measured clean cluster-tools
 
+# Set-up by purpose: `make setup` (and `make demo`) installs tfdist and its runtime dependencies
+# only; the tests, the benchmarks and the chaos trials add every extra (setup.cfg: test, horovod's
+# runtime, ray, hf = torch and transformers, keras_hub), and `make horovod` builds Horovod.
 setup: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e .
+	touch $(STAMP)
+
+# keras-hub with --no-deps: its metadata asks for tensorflow-text (see setup.cfg).
+$(EXTRAS): $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,horovod,ray,hf]'
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $$($(BIN)/python -c \
 	  "import configparser; p = configparser.ConfigParser(); p.read('setup.cfg'); \
 	  print(p['options.extras_require']['keras_hub'])")
-	touch $(STAMP)
+	touch $(EXTRAS)
 
 # Horovod 0.28.1, patched for TF 2.21 and built once per machine (cached in ~/.cache/tfdist).
 horovod: $(HOROVOD)
 
 # After cluster-tools (order only), so that Horovod is built with MPI where Open MPI was installed.
-$(HOROVOD): $(STAMP) tools/horovod/build.sh tools/horovod/horovod-0.28.1-tf2.21.patch | cluster-tools
+$(HOROVOD): $(EXTRAS) tools/horovod/build.sh tools/horovod/horovod-0.28.1-tf2.21.patch | cluster-tools
 	tools/horovod/build.sh $(BIN)
 	touch $(HOROVOD)
 
@@ -53,26 +62,26 @@ PYTEST_PROCS := -n 3 --dist loadfile
 # The machine's fp32 matmul rate before and after (tools/bench/matmul_peak.py): a slow day shows.
 # ruff first (pyproject.toml: its rule sets, lines of at most 100 characters): a finding fails the
 # target before any test runs.
-lint: $(STAMP)
+lint: $(EXTRAS)
 	$(BIN)/ruff check .
 
-test: $(STAMP) $(HOROVOD) cluster-tools lint
+test: $(EXTRAS) $(HOROVOD) cluster-tools lint
 	@$(BIN)/python tools/bench/matmul_peak.py --when=before
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_PROCS) -m 'not long'; \
 	  status=$$?; echo "make test: pytest took $$(( $$(date +%s) - start )) s"; \
 	  $(BIN)/python tools/bench/matmul_peak.py --when=after; exit $$status
 
 # The trials `make test` leaves out for time (tests marked long).
-test-long: $(STAMP) $(HOROVOD) cluster-tools
+test-long: $(EXTRAS) $(HOROVOD) cluster-tools
 	$(BIN)/python -m pytest -q -ra $(PYTEST_PROCS) -m long
 
 # Under 3 minutes from a fresh clone (pip's wheel cache warm): no Horovod build, no training in
 # subprocesses, one case of each family of CLI error cases (tests/helpers.py first_fast). Its
 # tests compute in the pytest process: one pytest process per core (3 min 38 s in one, here).
-test-fast: $(STAMP) lint
+test-fast: $(EXTRAS) lint
 	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile -m 'not slow and not horovod'
 
-bench: $(STAMP)
+bench: $(EXTRAS)
 	$(BIN)/python tools/bench/step.py
 
 # tfdist against a plain PyTorch GPT of the same shape and plain Keras fit, fp32 and bf16,
@@ -88,28 +97,28 @@ $(PEER)/.installed: setup.cfg
 
 # Sampling tokens/s: tfdist's KV-cache generate against transformers' generate on the same
 # weights (tools/bench/sample.py); writes bench_results/sample.json.
-bench-sample: $(STAMP)
+bench-sample: $(EXTRAS)
 	$(BIN)/python tools/bench/sample.py
 
-bench-peer: $(STAMP) $(PEER)/.installed
+bench-peer: $(EXTRAS) $(PEER)/.installed
 	$(BIN)/python tools/bench/peer.py
 
 # 2 workers x 1 thread vs 1 process x 1 thread, gpt_mini, same batch per worker.
-bench-scaling: $(STAMP)
+bench-scaling: $(EXTRAS)
 	$(BIN)/python tools/bench/scaling.py
 
 # parameter server: 2 workers + 1 ps vs 1 worker + 1 ps, 1 thread each, gpt_mini.
-bench-scaling-ps: $(STAMP)
+bench-scaling-ps: $(EXTRAS)
 	$(BIN)/python tools/bench/scaling.py --ps
 
 # The data path: peak RSS against corpus size (a generated 2.6 G-token store, ~5 GB in /tmp) under
 # single / MWMS / parameter server; input cost in the step; byte vs BPE-8192 on gpt_mini.
-bench-data: $(STAMP)
+bench-data: $(EXTRAS)
 	$(BIN)/python tools/bench/data.py --memory --input --tokenizers
 
 # 5 trials: SIGKILL a worker of a 2-worker run at a random step; the launcher restarts, the run
 # must end with the exact steps and bitwise the weights of an uninterrupted run.
-chaos: $(STAMP)
+chaos: $(EXTRAS)
 	$(BIN)/python tools/faults/chaos.py
 
 clean:
@@ -117,7 +126,7 @@ clean:
 
 # 5 trials: SIGKILL a parameter-server worker at a random time; it must be restarted alone and the
 # run must count exactly the planned steps.
-chaos-ps: $(STAMP)
+chaos-ps: $(EXTRAS)
 	$(BIN)/python tools/faults/chaos.py --strategy=parameter_server
 
 # 5 trials: SIGKILL a Horovod rank at a random step; tfdist launch restarts horovodrun, the run must
@@ -130,7 +139,7 @@ chaos-horovod: $(HOROVOD)
 # uninterrupted ZeRO run.
 # 5 trials: SIGKILL one island's worker between two syncs; the other island goes on, the killed
 # one restarts from its backup and rejoins (tools/faults/chaos_islands.py).
-chaos-islands: $(STAMP)
+chaos-islands: $(EXTRAS)
 	$(BIN)/python tools/faults/chaos_islands.py
 
 chaos-zero: $(HOROVOD)
@@ -158,7 +167,7 @@ bench-backup: $(HOROVOD)
 
 # What a resize of an elastic job costs (gpt_mini, 2 -> 1 -> 2 workers, with ZeRO-1 and without):
 # progress lost and time to resume.
-bench-elastic: $(STAMP)
+bench-elastic: $(EXTRAS)
 	$(BIN)/python tools/bench/elastic.py
 
 # What a lost host costs: seconds to the first step after it and steps trained twice, with a spare,
@@ -192,7 +201,7 @@ LINKS := 10gbit 1gbit 100mbit
 DP_LINKS := 1gbit 100mbit
 # gpt_mini on 2 and 4 workers: the validation loss of PowerSGD rank 4 and of 2 islands (H = 50)
 # against synchronous data parallelism, the same tokens (tools/bench/dp_quality.py).
-bench-dp-quality: $(STAMP)
+bench-dp-quality: $(EXTRAS)
 	$(BIN)/python tools/bench/dp_quality.py
 
 bench-links: $(HOROVOD) cluster-tools
@@ -225,12 +234,12 @@ bench-scaling-horovod: $(HOROVOD)
 	$(BIN)/python tools/bench/scaling.py --horovod --compression=fp16
 
 # GPipe: the GPT in 2 stages on 2 logical CPU devices, M = 1..16 microbatches, vs unsplit.
-bench-pipeline: $(STAMP)
+bench-pipeline: $(EXTRAS)
 	$(BIN)/python tools/bench/pipeline.py
 
 # 1F1B vs GPipe peak memory (M = 4..32), t = 2 tensor-parallel speed on gpt_mini, and the
 # activation bytes per shard with and without sequence parallelism.
-bench-model-parallel: $(STAMP)
+bench-model-parallel: $(EXTRAS)
 	$(BIN)/python tools/bench/model_parallel.py --schedules --tensor --sequence
 
 # Keras's ModelParallel on TF (tfdist.parallel.mesh): keras-hub's Llama on a (1, 2) mesh against
@@ -254,7 +263,7 @@ bench-zero: $(HOROVOD)
 
 # Gradient accumulation's cost under multi_worker_mirrored: 4 batches per update against one batch
 # 4 times larger, per token, interleaved (bench_results/accumulation-mwms.json).
-bench-accumulation: $(STAMP)
+bench-accumulation: $(EXTRAS)
 	$(BIN)/python tools/bench/accumulation.py
 
 # A model that trains only sharded: each of 2 Horovod ranks capped at 1600 MiB (a memory cgroup;
@@ -264,7 +273,7 @@ bench-zero-cap: $(HOROVOD)
 
 # ZeRO-Offload's prices here: the disk through the offload store, the CPU AdamW's rate
 # (bench_results/disk.json, read by tfdist plan).
-bench-disk: $(STAMP)
+bench-disk: $(EXTRAS)
 	$(BIN)/python tools/bench/disk.py
 
 # gpt_mini, ZeRO-3: disk offload against resident, and with prefetch off (bench_results/offload.json).
@@ -282,10 +291,10 @@ bench-allreduce: $(HOROVOD)
 
 # tfdist plan against the published runs (ZeRO Fig. 1, Megatron-LM 175B/1T, LLaMA-2 70B) and
 # against this machine's own benchmarks (run the bench-* targets first).
-plan-validate: $(STAMP)
+plan-validate: $(EXTRAS)
 	$(BIN)/tfdist plan --validate
 
-plan-measured: $(STAMP)
+plan-measured: $(EXTRAS)
 	$(BIN)/tfdist plan --measured --config=configs/gpt_mini.py
 
 # Preemption, 5 trials per strategy: SIGTERM to one process while a random step runs (parameter
