@@ -301,14 +301,44 @@ def program_losses(tmp_path, *args):
     ("multi_worker_mirrored", 3),  # train under multi_worker_mirrored with Ray's TF_CONFIG too)
     pytest.param("horovod", 0, marks=pytest.mark.horovod)])
 def test_a_users_ray_program_equals_one_process(tmp_path, strategy, zero):
-    """2 Ray Train workers whose loop takes `tfdist.strategies.get(strategy, zero=...)`:
-    `TensorflowTrainer` for multi_worker_mirrored, Ray's `DataParallelTrainer` with tfdist's
-    `HorovodGlooConfig` for horovod. The per-epoch losses equal the same loop's under `single`,
-    without Ray, within 1e-5 (measured: 1.2e-7 with zero=3, 1.3e-7 without)."""
+    """2 Ray Train workers whose loop takes `tfdist.strategies.get(strategy, zero=...)` and whose
+    trainer is `tfdist.launch.ray_train.trainer(strategy, ...)` (Ray's `DataParallelTrainer` with
+    the backend the strategy's plugin names: a TF_CONFIG of worker tasks, or Horovod's Gloo
+    rendezvous). The per-epoch losses equal the same loop's under `single`, without Ray, within
+    1e-5 (measured: 1.2e-7 with zero=3, 1.3e-7 without)."""
     want = program_losses(tmp_path, "--no_ray", "--strategy=single")
     got = program_losses(tmp_path, "--workers=2", f"--strategy={strategy}", f"--zero={zero}")
     assert len(got) == len(want) == 3
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+def test_the_users_ray_program_compares_no_strategy_name():
+    """The program is the same under every strategy: no line of it compares a strategy's name
+    (the trainer comes from `tfdist.launch.ray_train.trainer`)."""
+    import ast
+    text = open(os.path.join(ROOT, PROGRAM)).read()
+    names = {"horovod", "multi_worker_mirrored", "mirrored", "parameter_server", "single", "tpu"}
+    compared = [ast.get_source_segment(text, node) for node in ast.walk(ast.parse(text))
+                if isinstance(node, ast.Compare) and (
+                    "strategy" in ast.get_source_segment(text, node) or
+                    any(isinstance(c, ast.Constant) and c.value in names
+                        for c in ast.walk(node)))]
+    assert not compared, compared
+    assert "ray_train import trainer" in text
+
+
+def test_a_trainer_for_a_strategy_ray_cannot_run_is_one_line():
+    """`trainer` refuses, naming why and what it runs: a one-process strategy, and one whose tasks
+    only serve (the parameter server: `tfdist launch --engine=ray` runs it)."""
+    pytest.importorskip("ray.train", reason="needs the ray extra (make test installs it)")
+    from tfdist.errors import UsageError
+    from tfdist.launch.ray_train import trainer
+    for strategy, why in (("single", "it runs in one process"),
+                          ("parameter_server", "tasks only serve")):
+        with pytest.raises(UsageError) as e:
+            trainer(strategy, lambda config: None)
+        assert why in str(e.value) and "horovod, multi_worker_mirrored" in str(e.value), e.value
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow

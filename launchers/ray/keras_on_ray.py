@@ -1,12 +1,15 @@
 """A user's own Keras program on Ray, written the way Ray Train's docs write one
-(`TensorflowTrainer(train_loop_per_worker=...)`), whose loop takes its strategy from tfdist: the
-one distribution-specific line in the loop is `tfdist.strategies.get(...)`.
+(a trainer with a `train_loop_per_worker`), the same under every strategy: the loop takes its
+strategy from tfdist (`tfdist.strategies.get(...)`), and the trainer too
+(`tfdist.launch.ray_train.trainer(strategy, ...)`, Ray Train V2's `DataParallelTrainer` with the
+backend the strategy's plugin names). Those are the two tfdist lines; no line compares a
+strategy's name.
 
-* `multi_worker_mirrored`: Ray gives each worker a `TF_CONFIG` of worker tasks only, which is
-  what it reads (worker 0 is the chief); `zero=3` stores each weight on one worker.
+* `multi_worker_mirrored`: each worker gets a `TF_CONFIG` of worker tasks only, which is what it
+  reads (worker 0 is the chief); `zero=3` stores each weight on one worker.
 * `horovod`: Ray Train V2 has no Horovod trainer, so the workers meet through tfdist's backend
-  (`tfdist.launch.ray_horovod.HorovodGlooConfig`, with Ray's `DataParallelTrainer`): Horovod's
-  Gloo rendezvous, as `horovodrun` starts it.
+  (`tfdist.launch.ray_horovod.HorovodGlooConfig`): Horovod's Gloo rendezvous, as `horovodrun`
+  starts it.
 * Keras's `BackupAndRestore` writes to a directory every node sees. When a worker dies, Ray
   (`FailureConfig(max_failures=...)`) starts the group again and the backup resumes it at the
   epoch after the last one backed up.
@@ -99,15 +102,10 @@ def main():
     else:
         import ray
         from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.tensorflow import TensorflowTrainer
-        ray.init(address=args.address)
-        trainer, backend = TensorflowTrainer, {}
-        if args.strategy == "horovod":  # Horovod's ranks: tfdist's Ray Train backend
-            from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-            from tfdist.launch.ray_horovod import HorovodGlooConfig
-            trainer, backend = DataParallelTrainer, {"backend_config": HorovodGlooConfig()}
-        trainer(train_loop_per_worker, **backend, train_loop_config=config,
+        from tfdist.launch.ray_train import trainer
+        ray.init(address=args.address)
+        trainer(args.strategy, train_loop_per_worker, train_loop_config=config,  # the tfdist line
                 scaling_config=ScalingConfig(num_workers=args.workers),
                 run_config=RunConfig(storage_path=os.path.dirname(out),
                                      failure_config=FailureConfig(max_failures=1))).fit()

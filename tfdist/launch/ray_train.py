@@ -148,6 +148,38 @@ def _backend_config(backend, roles, loopback):
     return RolesConfig(roles=roles, loopback=loopback)
 
 
+def trainer(strategy, train_loop_per_worker, loopback=False, **kwargs):
+    """Ray Train's trainer for a user's own program under tfdist's `strategy` (a name), so that
+    the program is the same under every strategy: its loop calls `tfdist.strategies.get(...)`,
+    and the strategy's plugin says how Ray readies the workers (`Launch.ray_backend`: a TF_CONFIG
+    of worker tasks, worker 0 the chief, for multi_worker_mirrored; Horovod's Gloo rendezvous for
+    horovod). `kwargs` go to Ray Train V2's `DataParallelTrainer` (train_loop_config,
+    scaling_config, run_config, ...); `loopback`: every worker on this machine, listening on
+    127.0.0.1. A UsageError in one line without Ray, or for a strategy whose processes are not
+    Ray Train workers or that has tasks which only serve (`tfdist launch --engine=ray` runs
+    those).
+
+        trainer("horovod", loop, train_loop_config=config,
+                scaling_config=ScalingConfig(num_workers=2)).fit()   # (launchers/ray/)
+    """
+    from tfdist import strategies
+    require_ray()
+    launch = strategies.get_class(strategy).launch
+    if launch is None or launch.ray is not None or launch.servers:
+        why = ("it runs in one process" if launch is None else launch.ray or
+               f"its {', '.join(launch.servers)} tasks only serve: run the program with "
+               f"`tfdist launch --engine=ray --strategy={strategy} -- python PROGRAM`")
+        able = [s for s in strategies.names() if getattr(strategies.get_class(s).launch, "ray",
+                                                         "") is None
+                and not strategies.get_class(s).launch.servers]
+        raise UsageError(f"a Ray Train trainer cannot run strategy {strategy}: {why}; it runs "
+                         f"{', '.join(able)}")
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+    return DataParallelTrainer(
+        train_loop_per_worker,
+        backend_config=_backend_config(launch.ray_backend, None, loopback=loopback), **kwargs)
+
+
 def run(train_args, strategy, storage, workers, elastic=None, max_restarts=3, address=None,
         backend="tensorflow", program=None, resize_interval=60.0, roles=None, servers=()):
     """Runs `tfdist train <train_args> --strategy=<strategy>` (or the Python `program`, its argv)
