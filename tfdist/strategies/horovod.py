@@ -64,8 +64,8 @@ def _import_horovod():
     try:
         import horovod.tensorflow as hvd
     except ImportError as e:
-        raise UsageError(f"strategy horovod needs Horovod ({e}); install it with `make horovod` "
-                         f"(builds Horovod 0.28.1 for this TensorFlow)") from None
+        raise UsageError(f"strategy horovod needs Horovod ({e}): `make horovod` installs the "
+                         f"horovod extra and builds Horovod 0.28.1 for this TensorFlow") from None
     return hvd
 
 
@@ -147,8 +147,9 @@ class Rendezvous:
         try:
             from horovod.runner.http.http_server import RendezvousServer
         except ImportError as e:
-            raise UsageError(f"strategy horovod needs Horovod ({e}); install it with `make "
-                             f"horovod` (builds Horovod 0.28.1 for this TensorFlow)") from None
+            raise UsageError(f"strategy horovod needs Horovod ({e}): `make horovod` installs "
+                             f"the horovod extra and builds Horovod 0.28.1 for this "
+                             f"TensorFlow") from None
         plan = slots(addresses)
         if self.server is None:
             self.server = RendezvousServer()

@@ -190,9 +190,13 @@ def run_cell(shape_path, precision, log_dir):
 
 
 def drive():
-    if not os.path.exists(_PEER_PYTHON.value):
-        sys.exit(f"bench_peer: {_PEER_PYTHON.value} does not exist; `make bench-peer` makes the "
-                 f"peer's environment (torch from PyPI)")
+    if not os.path.exists(_PEER_PYTHON.value) or subprocess.run(
+            [_PEER_PYTHON.value, "-c", "import torch"], capture_output=True,
+            timeout=120).returncode != 0:
+        print(f"bench_peer: error: the peer needs torch (the `hf` extra: torch==2.13.0), which "
+              f"{_PEER_PYTHON.value} does not have; `make bench-peer` makes the peer's "
+              f"environment, or pass --peer_python=<a Python with torch>", file=sys.stderr)
+        sys.exit(2)
     cells = []
     with tempfile.TemporaryDirectory(prefix="tfdist-peer-") as tmp:
         for shape in _SHAPES.value:
