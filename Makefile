@@ -9,7 +9,7 @@ HOROVOD := $(VENV)/.horovod-installed
 .PHONY: setup horovod demo lint test test-fast bench bench-peer bench-sample bench-scaling bench-scaling-ps bench-scaling-horovod \
         bench-allreduce bench-links bench-dp-quality bench-overlap bench-pipeline bench-model-parallel bench-mesh bench-zero bench-zero-cap bench-disk bench-offload bench-offload-xl bench-accumulation bench-backup bench-elastic bench-data test-long chaos chaos-write \
         chaos-ps chaos-horovod chaos-islands chaos-zero chaos-offload chaos-preempt chaos-partition chaos-elastic chaos-ray chaos-spares \
-        bench-node-loss bench-warm bench-auto plan-validate plan-measured clean cluster-tools
+        bench-node-loss bench-warm bench-auto bench-probe plan-validate plan-measured clean cluster-tools
 
 # Set-up by purpose: `make setup` (and `make demo`) installs tfdist and its runtime dependencies
 # only; the tests, the benchmarks and the chaos trials add every extra (setup.cfg: test, horovod's
@@ -251,6 +251,10 @@ bench-mesh: $(HOROVOD)
 # Horovod ranks: gpt_nano, gpt_mini and GPT-2 124M (about 40 minutes), then GPT-2 XL under a
 # 20 GiB cap (about 2 hours). bench_results/auto.json; its small models' rows fit the framework's
 # own time (tfdist/plan/overheads.py).
+# The step probe of `tfdist train --probe` against 3 runs of 45 steps (bench_results/probe.json).
+bench-probe: $(EXTRAS)
+	$(BIN)/python tools/bench/probe.py
+
 bench-auto: $(HOROVOD)
 	$(BIN)/python tools/bench/auto.py --models=gpt_nano,gpt_mini,gpt2
 	$(BIN)/python tools/bench/auto.py --models=gpt2_xl

@@ -48,7 +48,7 @@ from tfdist.optimizers import make_optimizer
 from tfdist.parallel import zero
 from tfdist.parallel.dp import islands
 from tfdist.parallel.layout import Layout
-from tfdist.plan import auto
+from tfdist.plan import auto, probe
 from tfdist.runtime import cluster, cpu
 from tfdist.runtime.lock import WorkdirLock, prepare_workdir
 from tfdist.runtime.preemption import Preemption
@@ -444,9 +444,12 @@ def _say_what_runs(run):
     for note in run.notes:
         say(f"tfdist: {note}")
     device = "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
-    for key, value, why in cpu.recommendations(c, device=device):
+    probed = probe.cached_steps(c) if device == "cpu" else None  # (this host's, or None)
+    for key, value, why in cpu.recommendations(c, probed, device=device):
         say(f"tfdist: recommended here: --config.{key}={str(value).lower()}: {why} (not "
             f"applied: it changes the numbers)")
+    if probed is None and cpu.not_measured(c, device):
+        say(f"tfdist: {cpu.not_measured(c, device)}")
     if run.start == c.train.steps:  # killed after the last backup, before model.keras
         say(f"tfdist: the backup in {run.backup_dir} is at the final step {run.start}; training "
             f"is done, finishing the run")

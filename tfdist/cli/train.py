@@ -29,6 +29,11 @@ _STRATEGY = flags.DEFINE_string("strategy", None, "Strategy name; overrides conf
 _DEVICES = flags.DEFINE_integer("devices", None, "Mirrored on CPU: logical CPU devices "
                                 "(overrides config.strategy.devices).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a finished run in --workdir.")
+_PROBE = flags.DEFINE_bool(
+    "probe", False, "First time this model's step on this host in float32, with XLA and in "
+    "bfloat16 (one process of its own, about 20 s, cached per CPU model and model shape in "
+    "~/.cache/tfdist), so that the run says which runs fastest here; what the run computes is "
+    "unchanged.")
 _PREPARE_ONLY = flags.DEFINE_bool(
     "prepare_only", False, "Check the config, prepare the dataset and the workdir (applying "
     "--overwrite), then exit without training. `tfdist launch` runs this once before it starts "
@@ -70,6 +75,12 @@ def main(argv):
         # e.g. to resize): nothing is left to run.
         print(f"tfdist: {workdir} holds the finished run (model.keras); nothing left to resume")
         return
+    if _PROBE.value:
+        from tfdist.plan import probe
+        try:
+            probe.measure_steps(c)
+        except RuntimeError as e:  # (the run goes on: it says "not measured here")
+            print(f"tfdist: the probe failed ({e}); training without it", flush=True)
     train.train(c, workdir, overwrite=_OVERWRITE.value)
 
 

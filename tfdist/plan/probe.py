@@ -85,6 +85,67 @@ def efficiency(peak, cores, step_seconds, batch=BATCH, shape=None):
                           step_seconds, FP32)
 
 
+#: The three settings of a step the recommendations compare (`tfdist.runtime.cpu`): config keys.
+VARIANTS = {"float32": {}, "xla": {"train.jit_compile": True},
+            "bfloat16": {"train.precision": "mixed_bfloat16"}}
+
+
+def model_shape(c):
+    """The config's model keys that decide its step's time (`tfdist.plan.model.config_of`'s),
+    with the config's batch a process: what a step cache is keyed by."""
+    keys = ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_kv_head",
+            "ffn_hidden", "bias", "tie_embeddings")
+    shape = {k: c.model[k] for k in keys if k in c.model}
+    shape["vocab_size"] = shape.get("vocab_size") or 256
+    return shape
+
+
+def steps_path(cpu, cores, shape, batch, cache=None):
+    key = hashlib.sha1(json.dumps([cpu, cores, shape, batch], sort_keys=True).encode())
+    return os.path.join(cache or host.cache_dir(), f"step-{key.hexdigest()[:12]}.json")
+
+
+def cached_steps(c, cpu=None, cores=None, cache=None):
+    """{variant: seconds a step} of this config's model and batch probed on this CPU model and
+    core count (`measure_steps`), with the cache file's path and time; None where there is none
+    (or it was written for another CPU: its own fields must name this one)."""
+    if cpu is None:
+        cpu, cores = host.this_cpu()
+    shape, batch = model_shape(c), c.train.batch_size
+    path = steps_path(cpu, cores, shape, batch, cache)
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if [d.get("cpu"), d.get("cores"), d.get("shape"), d.get("batch")] != [cpu, cores, shape,
+                                                                         batch]:
+        return None
+    return {**d, "path": path}
+
+
+def measure_steps(c, say=print, cache=None, seconds=2.0):
+    """Times this config's model step (its batch a process) in float32, with XLA and in
+    bfloat16, in one bounded process of its own (never the run's), caches and returns
+    `cached_steps`'s dict. bfloat16 is left out (None) where a oneDNN cap would crash it."""
+    from tfdist.runtime import cpu as cpu_lib
+    cpu, cores = host.this_cpu()
+    shape, batch = model_shape(c), c.train.batch_size
+    variants = [v for v in VARIANTS if v != "bfloat16" or not cpu_lib.bf16_blocked()]
+    say(f"tfdist: probing this model's step here in {', '.join(variants)} (about "
+        f"{5 + 4 * len(variants)} s; cached)", flush=True)
+    out = _run([["--variants", f"--seconds={seconds}", f"--batch={batch}",
+                 f"--shape={json.dumps(shape)}", f"--names={','.join(variants)}"]])[0]
+    d = {"cpu": cpu, "cores": cores, "shape": shape, "batch": batch,
+         "seconds": {v: out.get(v) for v in VARIANTS}, "when": time.time()}
+    path = steps_path(cpu, cores, shape, batch, cache)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(d, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return {**d, "path": path}
+
+
 def measure(cpu, cores, say=print, cache=None, seconds=3.0, batch=BATCH, shape=None):
     """Runs the probe's processes here (peak, the step alone, two steps side by side), caches and
     returns the Probe. Raises RuntimeError with one line if a process fails or times out."""
@@ -217,6 +278,68 @@ def _step_process(seconds, batch, shape, core):
     return {"seconds": _timed(lambda: model.train_on_batch(x, y), seconds)}
 
 
+def _variants_process(seconds, batch, shape, names):
+    """Each variant's step time (`VARIANTS`): the model built, traced and timed one variant after
+    another in this process on all its cores, as a run would (keras's dtype policy set before
+    each model), by Keras `fit`'s own loop on an in-memory dataset: the median of a batch's time
+    over about `seconds`."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist import config as config_lib
+    from tfdist import strategies
+    from tfdist.models.gpt import GPT, loss_fn
+    from tfdist.optimizers import make_optimizer
+    from tfdist.parallel.layout import Layout
+    from tfdist.step import TrainStep
+
+    c = config_lib.default_config()
+    c.model.update(dropout=0.0, **shape)
+    tokens = np.random.default_rng(0).integers(0, shape["vocab_size"],
+                                               (batch, shape["block_size"] + 1))
+    data = tf.data.Dataset.from_tensors((tokens[:, :-1], tokens[:, 1:])).repeat()
+    strategy = strategies.get("single")
+
+    class Times(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter() - self.start)
+
+    models = {}
+    for name in names:
+        over = VARIANTS[name]
+        keras.mixed_precision.set_global_policy(over.get("train.precision", "float32"))
+        jit = over.get("train.jit_compile", False)
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = GPT.from_model_config(c.model)
+            model.build()
+            model.compile(optimizer=make_optimizer(c.train, 1000), loss=loss_fn(),
+                          jit_compile=jit)
+            TrainStep(model, strategy, Layout(batch=batch, jit_compile=jit),
+                      clipnorm=1.0).install()
+        times = Times()
+        times.times = []
+        model.fit(data, epochs=1, steps_per_epoch=3, callbacks=[times], verbose=0)  # (traced)
+        models[name] = (model, max(times.times[1:]))
+    _ready()
+    out = {}
+    for name, (model, guess) in models.items():
+        keras.mixed_precision.set_global_policy(
+            VARIANTS[name].get("train.precision", "float32"))
+        times = Times()
+        times.times = []
+        n = 3 + int(min(200, max(5, seconds / max(guess, 1e-4))))  # (3 untimed: caches warm)
+        model.fit(data, epochs=1, steps_per_epoch=n, callbacks=[times], verbose=0)
+        timed = sorted(times.times[3:])
+        out[name] = timed[len(timed) // 2]
+    keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
 def _ready():
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
@@ -232,9 +355,12 @@ def main(argv):
     ap.add_argument("--batch", type=int, default=BATCH)
     ap.add_argument("--shape", default=json.dumps(SHAPE))
     ap.add_argument("--core", type=int, default=0)
+    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--names", default=",".join(VARIANTS))
     a = ap.parse_args(argv)
     out = (_peak_process(a.seconds) if a.peak else
-           _step_process(a.seconds, a.batch, json.loads(a.shape), a.core))
+           _variants_process(a.seconds, a.batch, json.loads(a.shape), a.names.split(","))
+           if a.variants else _step_process(a.seconds, a.batch, json.loads(a.shape), a.core))
     print(json.dumps(out), flush=True)
 
 

@@ -3,35 +3,34 @@ and whether its bfloat16 path works under a oneDNN cap.
 
 The recommendations are said, not applied: each changes the numbers a run computes (bfloat16
 rounds; XLA fuses in another order), so a run keeps the config it was given and a user opts in.
-A strategy's own recommended values (TPU's) are applied (`tfdist.train`). Each says where its
-figure was measured: `make bench-peer` on this project's machines (bench_results/peer.json: a
-2-core CPU with AMX-BF16), not on this host, unless it is the same kind.
+A strategy's own recommended values (TPU's) are applied (`tfdist.train`). Each figure is this
+host's: this model's step timed here in float32, with XLA and in bfloat16
+(`tfdist train --probe`, `tfdist.plan.probe.measure_steps`, cached per CPU model and model
+shape). Where it has not been timed here, the run says so and how to time it, instead of citing
+another machine.
 
     >>> from tfdist import config
     >>> from tfdist.runtime import cpu
     >>> c = config.default_config()
-    >>> c.model.n_embd = 128
-    >>> [key for key, _, _ in cpu.recommendations(c, flags={"avx512f", "amx_bf16"}, environ={})]
+    >>> probed = {"seconds": {"float32": 1.0, "xla": 0.8, "bfloat16": 0.5}, "path": "p.json",
+    ...           "when": 0}
+    >>> [key for key, _, _ in cpu.recommendations(c, probed, flags={"avx512_bf16"}, environ={})]
     ['train.precision', 'train.jit_compile']
-    >>> c.model.n_embd = 384
-    >>> cpu.recommendations(c, flags={"avx2"})
-    []
+    >>> cpu.recommendations(c, None) == [] and "not measured here" in cpu.not_measured(c)
+    True
     >>> cpu.bf16_blocked({"avx512f", "avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"})[:35]
     'ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN'
     >>> cpu.bf16_blocked({"avx2", "fma"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}) is None  # a real AVX2 CPU
     True
 """
 import os
+import time
 
 #: CPU flags (/proc/cpuinfo) of a native bfloat16 matmul: oneDNN then runs bf16 at about 4x the
 #: fp32 rate (1,051-1,156 against 280-318 GFLOP/s for a 2048^3 matmul on the AMX machine).
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-#: Where the recommendations' figures were measured (bench_results/peer.json, `make bench-peer`).
-MEASURED_ON = "a 2-core CPU with AMX-BF16 (bench_results/peer.json)"
-#: The widest model for which XLA (jit_compile) ran the fp32 step faster there: gpt_demo (width
-#: 128) 1.07x (1.26x before GELU was fused: tfdist.models.fused); gpt_mini (width 384) 0.95x; in
-#: bf16 XLA was slower (0.76x and 0.45x: its CPU matmuls do not use AMX).
-XLA_MAX_WIDTH = 128
+#: How much faster a setting's step must be to be recommended (the probe's own spread: a few %).
+FASTER = 1.05
 
 #: oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA), lowest first; oneDNN has a bfloat16
 #: matmul from AVX512_CORE up (AVX2_VNNI_2 with AVX-NE-CONVERT).
@@ -80,23 +79,40 @@ def bf16_blocked(flags=None, environ=None):
             f"bfloat16 would crash the process")
 
 
-def recommendations(c, flags=None, device="cpu", environ=None):
-    """[(config key, value, why)] for config `c` on this host's CPU, where `c` still differs.
-    `flags`, `environ`: the CPU's flags and the environment (default: this host's, this
-    process's: a oneDNN cap there may block bfloat16, `bf16_blocked`)."""
-    if device != "cpu":
+def recommendations(c, probed, flags=None, device="cpu", environ=None):
+    """[(config key, value, why)] for config `c` on this host's CPU, where `c` still differs and
+    this host's probe of the model's step (`probed`: `tfdist.plan.probe.cached_steps`'s dict, or
+    None: nothing is recommended) found the setting faster. `flags`, `environ`: the CPU's flags
+    and the environment (default: this host's, this process's: a oneDNN cap there may block
+    bfloat16, `bf16_blocked`)."""
+    if device != "cpu" or not probed:
         return []
     flags = cpu_flags() if flags is None else flags
-    t = c.train
+    t, seconds = c.train, probed["seconds"]
+    when = time.strftime("%Y-%m-%d", time.gmtime(probed.get("when", 0)))
+    where = f"this host, probed {when}: {probed.get('path')}"
     found = []
-    bf16 = sorted(set(BF16_FLAGS) & set(flags))
-    if bf16 and t.precision == "float32" and not bf16_blocked(flags, environ):
+    fp32 = seconds.get("float32")
+    bf16 = seconds.get("bfloat16")
+    if (t.precision == "float32" and fp32 and bf16 and fp32 / bf16 >= FASTER
+            and not bf16_blocked(flags, environ)):
         found.append(("train.precision", "mixed_bfloat16",
-                      f"this CPU has {' and '.join(bf16)}; in bfloat16 the step ran 1.3x "
-                      f"(gpt_demo) to 2.1x (gpt_mini) faster on {MEASURED_ON}, and `make demo` "
-                      f"ended within 0.2 % of float32's loss"))
-    if t.precision == "float32" and not t.jit_compile and c.model.n_embd <= XLA_MAX_WIDTH:
+                      f"this model's step ran {fp32 / bf16:.2f}x faster in bfloat16 than in "
+                      f"float32 ({where})"))
+    xla = seconds.get("xla")
+    if t.precision == "float32" and not t.jit_compile and fp32 and xla and fp32 / xla >= FASTER:
         found.append(("train.jit_compile", True,
-                      ("if you keep float32: " if bf16 else "") + f"a model {c.model.n_embd} "
-                      f"wide ran 1.07x faster in float32 with XLA on {MEASURED_ON}"))
+                      ("if you keep float32: " if found else "") + f"this model's step ran "
+                      f"{fp32 / xla:.2f}x faster in float32 with XLA ({where})"))
     return found
+
+
+def not_measured(c, device="cpu"):
+    """What `tfdist train` says when this model's step has not been probed on this host: that it
+    is not measured here, and how to measure it; None where there is nothing to choose (a
+    config already in bfloat16 with XLA, or a GPU)."""
+    if device != "cpu" or (c.train.precision != "float32" and c.train.jit_compile):
+        return None
+    return ("not measured here: whether bfloat16 or XLA runs this model's step faster on this "
+            "CPU; `tfdist train --probe ...` times it here in float32, with XLA and in bfloat16 "
+            "before the run (about 20 s, once: cached in ~/.cache/tfdist), and the run then says")
