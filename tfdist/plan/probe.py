@@ -139,10 +139,7 @@ def measure_steps(c, say=print, cache=None, seconds=2.0):
     d = {"cpu": cpu, "cores": cores, "shape": shape, "batch": batch,
          "seconds": {v: out.get(v) for v in VARIANTS}, "when": time.time()}
     path = steps_path(cpu, cores, shape, batch, cache)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(d, f, indent=1)
-    os.replace(path + ".tmp", path)
+    _save(path, d)
     return {**d, "path": path}
 
 
@@ -162,12 +159,14 @@ def measure(cpu, cores, say=print, cache=None, seconds=3.0, batch=BATCH, shape=N
         contention = sum(r["seconds"] for r in pair) / len(pair) / alone
     p = Probe(cpu, cores, peak, efficiency(peak, cores, alone, batch, shape), contention, alone,
               time.time())
-    path = cache_path(cpu, cores, cache)
-    os.makedirs(cache, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(dataclasses.asdict(p), f, indent=1)
-    os.replace(path + ".tmp", path)
+    _save(cache_path(cpu, cores, cache), dataclasses.asdict(p))
     return p
+
+
+def _save(path, d):
+    from tfdist.data.store import write_atomic
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, json.dumps(d, indent=1))
 
 
 def _run(arg_lists):
@@ -245,13 +244,11 @@ def _peak_process(seconds):
     return {"flops": 2 * n ** 3 / _timed(lambda: tf.linalg.matmul(a, a).numpy(), seconds)}
 
 
-def _step_process(seconds, batch, shape, core):
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[core]})
+def _gpt_step(shape, batch, jit=False):
+    """tfdist's GPT of `shape` with tfdist's training step on one device, compiled (under the
+    dtype policy set now), and a batch of `batch` random sequences (x, y)."""
     import keras
     import numpy as np
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
 
     from tfdist import config as config_lib
     from tfdist import strategies
@@ -267,11 +264,20 @@ def _step_process(seconds, batch, shape, core):
     with strategy.scope():
         model = GPT.from_model_config(c.model)
         model.build()
-        model.compile(optimizer=make_optimizer(c.train, 1000), loss=loss_fn())
-        TrainStep(model, strategy, Layout(batch=batch), clipnorm=1.0).install()
+        model.compile(optimizer=make_optimizer(c.train, 1000), loss=loss_fn(), jit_compile=jit)
+        TrainStep(model, strategy, Layout(batch=batch, jit_compile=jit), clipnorm=1.0).install()
     tokens = np.random.default_rng(0).integers(0, shape["vocab_size"],
                                                (batch, shape["block_size"] + 1))
-    x, y = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
+    return model, (tokens[:, :-1], tokens[:, 1:])
+
+
+def _step_process(seconds, batch, shape, core):
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[core]})
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    model, (x, y) = _gpt_step(shape, batch)
+    x, y = tf.constant(x), tf.constant(y)
     model.train_on_batch(x, y)  # trace
     model.train_on_batch(x, y)
     _ready()
@@ -284,22 +290,7 @@ def _variants_process(seconds, batch, shape, names):
     each model), by Keras `fit`'s own loop on an in-memory dataset: the median of a batch's time
     over about `seconds`."""
     import keras
-    import numpy as np
     import tensorflow as tf
-
-    from tfdist import config as config_lib
-    from tfdist import strategies
-    from tfdist.models.gpt import GPT, loss_fn
-    from tfdist.optimizers import make_optimizer
-    from tfdist.parallel.layout import Layout
-    from tfdist.step import TrainStep
-
-    c = config_lib.default_config()
-    c.model.update(dropout=0.0, **shape)
-    tokens = np.random.default_rng(0).integers(0, shape["vocab_size"],
-                                               (batch, shape["block_size"] + 1))
-    data = tf.data.Dataset.from_tensors((tokens[:, :-1], tokens[:, 1:])).repeat()
-    strategy = strategies.get("single")
 
     class Times(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -312,15 +303,8 @@ def _variants_process(seconds, batch, shape, names):
     for name in names:
         over = VARIANTS[name]
         keras.mixed_precision.set_global_policy(over.get("train.precision", "float32"))
-        jit = over.get("train.jit_compile", False)
-        keras.utils.set_random_seed(0)
-        with strategy.scope():
-            model = GPT.from_model_config(c.model)
-            model.build()
-            model.compile(optimizer=make_optimizer(c.train, 1000), loss=loss_fn(),
-                          jit_compile=jit)
-            TrainStep(model, strategy, Layout(batch=batch, jit_compile=jit),
-                      clipnorm=1.0).install()
+        model, batch_xy = _gpt_step(shape, batch, over.get("train.jit_compile", False))
+        data = tf.data.Dataset.from_tensors(batch_xy).repeat()
         times = Times()
         times.times = []
         model.fit(data, epochs=1, steps_per_epoch=3, callbacks=[times], verbose=0)  # (traced)
