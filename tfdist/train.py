@@ -448,8 +448,9 @@ def _say_what_runs(run):
     for key, value, why in cpu.recommendations(c, probed, device=device):
         say(f"tfdist: recommended here: --config.{key}={str(value).lower()}: {why} (not "
             f"applied: it changes the numbers)")
-    if probed is None and cpu.not_measured(c, device):
-        say(f"tfdist: {cpu.not_measured(c, device)}")
+    unmeasured = cpu.not_measured(c, device) if probed is None else None
+    if unmeasured:
+        say(f"tfdist: {unmeasured}")
     if run.start == c.train.steps:  # killed after the last backup, before model.keras
         say(f"tfdist: the backup in {run.backup_dir} is at the final step {run.start}; training "
             f"is done, finishing the run")

@@ -300,11 +300,9 @@ def _on_ray(rest, n, strategy, spec):
     Returns the exit status."""
     from tfdist.launch import ray_train
     if spec.ray is not None:
-        able = [s for s in strategies.names()
-                if getattr(strategies.get_class(s).launch, "ray", "") is None]
         raise UsageError(f"--engine=ray cannot run {strategy}: {spec.ray}. On Ray: "
-                         f"{', '.join(able)}; {strategy} runs with tfdist launch's own engine "
-                         f"(leave --engine out)")
+                         f"{', '.join(ray_train.on_ray())}; {strategy} runs with tfdist "
+                         f"launch's own engine (leave --engine out)")
     program = ray_train.program_of(rest)
     if _SPARES.value:
         raise UsageError("--spares is tfdist's own engine's: under --engine=ray Ray places and "

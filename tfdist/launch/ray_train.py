@@ -148,6 +148,13 @@ def _backend_config(backend, roles, loopback):
     return RolesConfig(roles=roles, loopback=loopback)
 
 
+def on_ray():
+    """The strategies whose processes run as Ray Train workers (their plugin's `Launch.ray`)."""
+    from tfdist import strategies
+    return [s for s in strategies.names()
+            if getattr(strategies.get_class(s).launch, "ray", "") is None]
+
+
 def trainer(strategy, train_loop_per_worker, loopback=False, **kwargs):
     """Ray Train's trainer for a user's own program under tfdist's `strategy` (a name), so that
     the program is the same under every strategy: its loop calls `tfdist.strategies.get(...)`,
@@ -169,9 +176,7 @@ def trainer(strategy, train_loop_per_worker, loopback=False, **kwargs):
         why = ("it runs in one process" if launch is None else launch.ray or
                f"its {', '.join(launch.servers)} tasks only serve: run the program with "
                f"`tfdist launch --engine=ray --strategy={strategy} -- python PROGRAM`")
-        able = [s for s in strategies.names() if getattr(strategies.get_class(s).launch, "ray",
-                                                         "") is None
-                and not strategies.get_class(s).launch.servers]
+        able = [s for s in on_ray() if not strategies.get_class(s).launch.servers]
         raise UsageError(f"a Ray Train trainer cannot run strategy {strategy}: {why}; it runs "
                          f"{', '.join(able)}")
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
