@@ -23,6 +23,7 @@ from tests.helpers import (
     losses,
     max_diff,
     reference_run,
+    run,
     run_group,
     steps_by_worker,
     tfdist,
@@ -181,3 +182,81 @@ def test_the_keepers_weights_are_the_runs_own(tmp_path):
         np.testing.assert_array_equal(a, b.numpy())
     snaps.close()
     server.shutdown()
+
+
+# A run stopped while a snapshot is in flight (a preemption raising `Preempted` out of `train`):
+# Python 3.11's finalisation ends a thread still inside TensorFlow with pthread_exit, which TF's
+# C++ code turns into SIGABRT (cpython#87135); `close` waits for the send first.
+_STOPPED_WHILE_SENDING = """
+import sys, time, keras
+from tfdist.callbacks import BackupAndRestore, memory
+from tfdist.runtime import keeper
+server = keeper.serve_in_thread("127.0.0.1")
+model = keras.Sequential([keras.Input((2048,)), keras.layers.Dense(2048), keras.layers.Dense(2048)])
+model.compile(optimizer="adam", loss="mse"); model.optimizer.build(model.trainable_variables)
+backup = BackupAndRestore(sys.argv[1]); backup.set_model(model)
+snaps = memory.MemorySnapshots(backup, {"local": server.address}, rank=0, size=1)
+backup.step.assign(3); snaps.take(3)
+time.sleep(0.2)  # (the send is inside TF's write then: 50 MB of state)
+snaps.close()
+sys.exit(75)
+"""
+
+
+def test_a_run_stopped_while_a_snapshot_is_sent_exits_with_its_own_status(tmp_path):
+    p = run([sys.executable, "-c", _STOPPED_WHILE_SENDING, str(tmp_path / "backup")],
+            timeout=120, check=False)
+    assert p.returncode == 75, p.stderr[-2000:]
+    assert "exception not rethrown" not in p.stderr
+
+
+class _SlowKeeper:
+    """A keeper client whose every call takes `seconds` (a stand-in: the send in flight)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def pending(self, rank, step):
+        import time
+        time.sleep(self.seconds)
+
+    def put(self, *args):
+        pass
+
+    def close(self):
+        pass
+
+
+def _sending(tmp_path, seconds=1.0):
+    """MemorySnapshots whose send of step 1 is in flight (its thread alive)."""
+    import keras
+
+    from tfdist.callbacks import BackupAndRestore, memory
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    backup = BackupAndRestore(str(tmp_path / "backup"))
+    backup.set_model(model)
+    snaps = memory.MemorySnapshots(backup, {"local": "127.0.0.1:9"}, rank=0, size=1)
+    snaps.local = _SlowKeeper(seconds)
+    backup.step.assign(1)
+    snaps.take(1)
+    assert snaps._thread.is_alive()
+    return snaps
+
+
+def test_close_returns_once_the_snapshot_in_flight_is_sent(tmp_path):
+    snaps = _sending(tmp_path)
+    snaps.close()
+    assert not snaps._thread.is_alive() and snaps._sent == 1
+
+
+def test_without_the_wait_the_snapshot_thread_outlives_close(tmp_path):
+    """The companion: closed as before (no wait), the thread is still sending, which is what a
+    finalising Python then ends inside TensorFlow."""
+    snaps = _sending(tmp_path)
+    with snaps._cv:  # the close of before: the flag only
+        snaps._closed = True
+        snaps._cv.notify_all()
+    assert snaps._thread.is_alive()
+    snaps._thread.join(10)

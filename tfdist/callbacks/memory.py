@@ -129,10 +129,17 @@ class MemorySnapshots(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.wait(timeout=30)
 
-    def close(self):
+    def close(self, timeout=10.0):
+        """Ends the background thread once the snapshot in flight is sent (within `timeout` s),
+        then the connections. A thread left inside TensorFlow when Python exits makes Python
+        3.11's finalisation end it there (pthread_exit, cpython#87135), which TF's C++ code
+        turns into SIGABRT ("FATAL: exception not rethrown"): a preempted run raising
+        `Preempted` out of `train` exited so."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
         self.local.close()
         if self.peer is not None:
             self.peer.close()

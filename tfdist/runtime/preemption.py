@@ -50,10 +50,11 @@ from tfdist.runtime import early
 _ACTIVE = []  # the Preemption of each run in progress in this process
 
 # Set by the command line (`tfdist.cli.run`, `exit_at_once`): there a stopped process ends as soon
-# as its backup is written, not after Keras and TF unwind. A peer that has exited 75 meanwhile can
-# make TF's teardown abort (seen once in the suite: SIGABRT, "terminate called after throwing an
-# instance of '' / FATAL: exception not rethrown", after "backup written"), which the launcher
-# takes for a failure. A library caller gets `Preempted` instead.
+# as its backup is written, not after Keras and TF unwind and Python finalises. A thread still in
+# TensorFlow when Python finalises is ended there by pthread_exit (cpython#87135), which aborts
+# the process (SIGABRT, "terminate called after throwing an instance of '' / FATAL: exception
+# not rethrown"; seen in the suite with a memory snapshot in flight, which `MemorySnapshots.close`
+# now waits for), and the launcher takes that for a failure. A library caller gets `Preempted`.
 _EXIT_AT_ONCE = [False]
 
 
