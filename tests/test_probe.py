@@ -6,7 +6,9 @@ import re
 
 import pytest
 
-from tests.helpers import tfdist
+from tests.helpers import load_config, tfdist
+from tfdist import config
+from tfdist.plan import probe
 from tfdist.runtime import cpu
 from tfdist.runtime.host import this_cpu
 
@@ -30,7 +32,7 @@ def test_recommendations_are_this_hosts_probe_or_say_not_measured(tmp_path, data
     """No probe: "not measured here" and how to measure, no recommendation. `--probe`: the step
     timed here, cached for this CPU and model. The lines print the cache file's values (set to
     known ones: bfloat16 2.00x, XLA 1.25x); a cache file written for another CPU model is not
-    used (the run says "not measured here" again)."""
+    used ("not measured here" again)."""
     out = train(tmp_path, data_dir, "none")
     assert "not measured here" in out and "--probe" in out and "recommended here" not in out
     out = train(tmp_path, data_dir, "probed", "--probe")
@@ -51,7 +53,12 @@ def test_recommendations_are_this_hosts_probe_or_say_not_measured(tmp_path, data
                                                                           "float32 with XLA"]
     assert len(lines) == len(want) and all(w in line for w, line in zip(want, lines)), lines
     assert all(str(path) in line for line in lines)
+    # another CPU's file: train's two calls (here in this process; the first run above showed
+    # what train says when they find nothing)
+    c = config.validate(load_config("configs/gpt_nano.py"))  # (train's: its defaults resolved)
+    assert probe.cached_steps(c, cache=str(path.parent))["path"] == str(path)  # (this CPU's)
     saved["cpu"] = "Another CPU"
     path.write_text(json.dumps(saved))
-    out = train(tmp_path, data_dir, "other")
-    assert "not measured here" in out and "recommended here" not in out
+    probed = probe.cached_steps(c, cache=str(path.parent))
+    assert probed is None and cpu.recommendations(c, probed, device="cpu") == []
+    assert "not measured here" in cpu.not_measured(c, "cpu")
