@@ -11,6 +11,7 @@ snapshots off, or no peer copy of the lost shard) trains steps twice, and the ch
 ran twice catches it."""
 import json
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -217,7 +218,6 @@ class _SlowKeeper:
         self.seconds = seconds
 
     def pending(self, rank, step):
-        import time
         time.sleep(self.seconds)
 
     def put(self, *args):

@@ -60,12 +60,17 @@ from tfdist.strategies.base import Launch, Strategy
 _LR_SCALING = ("none", "linear")
 
 
+def _missing(e):
+    """The one line for Horovod not installed here (`e`: the ImportError)."""
+    return UsageError(f"strategy horovod needs Horovod ({e}): `make horovod` installs the "
+                      f"horovod extra and builds Horovod 0.28.1 for this TensorFlow")
+
+
 def _import_horovod():
     try:
         import horovod.tensorflow as hvd
     except ImportError as e:
-        raise UsageError(f"strategy horovod needs Horovod ({e}): `make horovod` installs the "
-                         f"horovod extra and builds Horovod 0.28.1 for this TensorFlow") from None
+        raise _missing(e) from None
     return hvd
 
 
@@ -147,9 +152,7 @@ class Rendezvous:
         try:
             from horovod.runner.http.http_server import RendezvousServer
         except ImportError as e:
-            raise UsageError(f"strategy horovod needs Horovod ({e}): `make horovod` installs "
-                             f"the horovod extra and builds Horovod 0.28.1 for this "
-                             f"TensorFlow") from None
+            raise _missing(e) from None
         plan = slots(addresses)
         if self.server is None:
             self.server = RendezvousServer()
